@@ -1,0 +1,97 @@
+"""Group-relative advantages, DAPO's reward shaping and its dynamic-sampling filter: pure tensor functions.
+
+Shape legend: ``N`` completions = ``P`` prompts x ``G`` completions per prompt, rows of one group contiguous
+(row ``i`` belongs to group ``i // G``).
+
+GRPO (Shao et al. 2024):   A_i = (r_i - mean_g r) / (std_g r + eps)
+Dr. GRPO (Liu et al. 2025): A_i = r_i - mean_g r                      (no std: ``scale="none"``)
+"batch" scale:              A_i = (r_i - mean_g r) / (std_batch(r - mean_g r) + eps)
+
+Differences from the papers, on purpose: rewards that are NaN (the reward function raised or timed out) are left
+out of the group's mean and std and get advantage 0, rather than being scored 0, which would bias the baseline;
+a group with fewer than two valid rewards or zero variance gets advantage 0, never NaN (TRL #3857).
+"""
+from __future__ import annotations
+
+import torch
+
+from gspo.errors import UserError
+
+Tensor = torch.Tensor
+
+SCALES = ("group", "batch", "none")
+
+
+def _grouped(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise UserError(
+            f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
+            "the number of completions must be a multiple of the group size."
+        )
+    r = rewards.float().view(-1, group_size)  # (P, G)
+    valid = torch.isfinite(r)  # (P, G)
+    return r, valid
+
+
+def group_stats(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-group mean, unbiased std and count of the valid (finite) rewards.  Each (P,)."""
+    r, valid = _grouped(rewards, group_size)
+    n = valid.sum(-1)  # (P,)
+    r0 = torch.where(valid, r, torch.zeros_like(r))  # (P, G)
+    mean = r0.sum(-1) / n.clamp(min=1)  # (P,)
+    dev = torch.where(valid, r - mean[:, None], torch.zeros_like(r))  # (P, G)
+    std = (dev.pow(2).sum(-1) / (n - 1).clamp(min=1)).sqrt()  # (P,)
+    return mean, std, n
+
+
+def _safe_div(centred: Tensor, std: Tensor, eps: float) -> Tensor:
+    # A zero spread means every centred reward is 0: the advantage is 0, not 0/0.
+    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+
+
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages, one per completion.  (N,)
+
+    Args:
+        rewards: (N,) rewards; NaN marks a completion whose reward failed (it gets advantage 0 and is left out of
+            its group's baseline).
+        group_size: G, completions per prompt; rows of one group are contiguous.
+        scale: ``group`` divides by the group's std (GRPO, GSPO), ``batch`` by the std of the centred rewards over
+            the whole batch, ``none`` only subtracts the group mean (Dr. GRPO).
+    """
+    if scale not in SCALES:
+        raise UserError(f"Unknown advantage scale {scale!r}; use one of {', '.join(SCALES)}.")
+    r, valid = _grouped(rewards, group_size)
+    mean, std, n = group_stats(rewards, group_size)
+    centred = torch.where(valid, r - mean[:, None], torch.zeros_like(r))  # (P, G)
+    usable = valid & (n[:, None] >= 2)  # (P, G)
+    if scale == "group":
+        adv = _safe_div(centred, std[:, None].expand_as(centred), eps)
+    elif scale == "batch":
+        pool = centred[usable]
+        batch_std = pool.std() if pool.numel() >= 2 else torch.zeros(())
+        adv = _safe_div(centred, batch_std.expand_as(centred), eps)
+    else:
+        adv = centred
+    return torch.where(usable, adv, torch.zeros_like(adv)).view(-1)  # (N,)
+
+
+def zero_variance_groups(rewards: Tensor, group_size: int, *, tol: float = 1e-8) -> Tensor:
+    """True for each group whose valid rewards are all equal (or that has < 2 valid): it carries no signal.  (P,)"""
+    _, std, n = group_stats(rewards, group_size)
+    return (std <= tol) | (n < 2)
+
+
+def overlong_penalty(lengths: Tensor, max_length: int, cache: int) -> Tensor:
+    """DAPO's soft overlong punishment, added to the reward.  (N,)
+
+    R(y) = 0                                  if |y| <= L_max - L_cache
+         = ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
+         = -1                                 if |y| > L_max
+    """
+    if not 0 < cache <= max_length:
+        raise UserError(f"overlong cache {cache} must be in 1..max_new_tokens ({max_length}); lower dapo.overlong_cache.")
+    lengths = lengths.float()
+    start = max_length - cache
+    mid = (start - lengths) / cache
+    return torch.where(lengths <= start, torch.zeros_like(lengths), torch.where(lengths <= max_length, mid, -torch.ones_like(lengths)))

@@ -1,0 +1,241 @@
+"""Policy-gradient surrogate losses: importance ratio -> clip -> aggregate, each a pure function.
+
+Shape legend: ``B`` sequences (completions), ``T`` padded completion positions, ``mask[b, t]`` is True on
+completion tokens. All math runs in float32 or wider; nothing here touches a model, a file or a global.
+
+The three ratio levels, in the notation of the GSPO paper (Zheng et al. 2025, arXiv:2507.18071):
+
+- ``token`` (GRPO / PPO):       w_{i,t} = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+- ``sequence`` (GSPO):          s_i = (pi(y_i | x) / pi_old(y_i | x)) ** (1 / |y_i|)
+                                    = exp( (1/|y_i|) * sum_t log w_{i,t} )      (gradient flows through the mean)
+- ``sequence_token`` (GSPO-token): s_{i,t} = sg[s_i] * pi(y_t | .) / sg[pi(y_t | .)]
+                                    (equal to s_i in value; the gradient reaches each token on its own, so the
+                                    advantage may vary per token)
+
+Differences from the papers, on purpose: log-ratios are clamped to +-LOG_RATIO_CLAMP before ``exp`` so an
+outlier token cannot overflow (OpenRLHF PR #1293); padded positions are zeroed with ``torch.where`` before any
+arithmetic so that +-inf or NaN in padding can never reach the loss or its gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from gspo.errors import UserError
+
+Tensor = torch.Tensor
+
+LOG_RATIO_CLAMP = 20.0
+
+LEVELS = ("token", "sequence", "sequence_token")
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+
+
+def _check_choice(value: str, valid: tuple[str, ...], what: str) -> None:
+    if value not in valid:
+        raise UserError(f"Unknown {what} {value!r}; use one of {', '.join(valid)}.")
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over the True entries of ``mask`` (0 where nothing is selected)."""
+    x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    count = mask.sum() if dim is None else mask.sum(dim)
+    total = x.sum() if dim is None else x.sum(dim)
+    return total / count.clamp(min=1)
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+# --------------------------------------------------------------------------------------------- ratios
+
+
+def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log w_{i,t} = log pi - log pi_old, clamped, 0 on padding.  (B, T)"""
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    lr = torch.where(mask, logp, zero) - torch.where(mask, old_logp, zero)  # (B, T)
+    return lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def sequence_log_ratio(token_lr: Tensor, mask: Tensor) -> Tensor:
+    """log s_i = (1/|y_i|) sum_t log w_{i,t}: the log of the geometric mean of the token ratios.  (B,)"""
+    return masked_mean(token_lr, mask, dim=-1)  # (B,)
+
+
+def importance_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """The importance ratio of each token position at the given level, broadcast to (B, T).
+
+    For ``sequence`` every position of row i holds s_i (differentiable through the mean); for
+    ``sequence_token`` it holds sg[s_i] * exp(log pi - sg[log pi]), equal in value with a per-token gradient.
+    """
+    _check_choice(level, LEVELS, "ratio level")
+    token_lr = token_log_ratio(logp, old_logp, mask)  # (B, T)
+    if level == "token":
+        return torch.exp(token_lr)
+    seq_lr = sequence_log_ratio(token_lr, mask)  # (B,)
+    if level == "sequence":
+        return torch.exp(seq_lr).unsqueeze(-1).expand_as(logp)  # (B, T)
+    safe_logp = torch.where(mask, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    per_token = torch.exp(safe_logp - safe_logp.detach())  # (B, T), value exactly 1
+    return torch.exp(seq_lr).detach().unsqueeze(-1) * per_token  # (B, T)
+
+
+# --------------------------------------------------------------------------------------------- clip
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-position PPO loss  -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)  and where the clip is active.
+
+    The clip is active (the position gets no gradient) when r < 1 - eps_low with A < 0, or r > 1 + eps_high with
+    A > 0. Returns ``(loss (B, T), clipped_low (B, T) bool, clipped_high (B, T) bool)``.
+    """
+    unclipped = ratio * advantages  # (B, T)
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages  # (B, T)
+    loss = -torch.minimum(unclipped, clipped)  # (B, T)
+    with torch.no_grad():
+        clipped_low = (ratio < 1.0 - eps_low) & (advantages < 0)
+        clipped_high = (ratio > 1.0 + eps_high) & (advantages > 0)
+    return loss, clipped_low, clipped_high
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref):  exp(ref - logp) - (ref - logp) - 1, 0 on padding.  (B, T)"""
+    d = token_log_ratio(ref_logp, logp, mask)  # (B, T) = ref - logp
+    return torch.where(mask, torch.exp(d) - d - 1.0, torch.zeros((), dtype=d.dtype, device=d.device))
+
+
+# --------------------------------------------------------------------------------------------- aggregation
+
+
+def aggregate(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    max_length: int | None = None,
+    num_seqs: float | None = None,
+    num_tokens: float | None = None,
+) -> Tensor:
+    """Reduce a per-position loss (B, T) to a scalar.
+
+    - ``seq-mean-token-mean``:     (1/B) sum_i (1/|y_i|) sum_t l_{i,t}          (GRPO and GSPO papers)
+    - ``token-mean``:              sum_{i,t} l_{i,t} / sum_i |y_i|              (DAPO)
+    - ``seq-mean-token-sum-norm``: sum_{i,t} l_{i,t} / (B * max_length)         (Dr. GRPO)
+
+    ``num_seqs`` / ``num_tokens`` replace B / sum |y_i| so that micro-batches of one optimizer step can be summed
+    into exactly the full-batch value; ``max_length`` defaults to T.
+    """
+    _check_choice(mode, AGGREGATIONS, "loss aggregation")
+    zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
+    loss_mat = torch.where(mask, loss_mat, zero)  # (B, T)
+    B, T = loss_mat.shape
+    n_seq = float(B) if num_seqs is None else float(num_seqs)
+    if mode == "seq-mean-token-mean":
+        per_seq = loss_mat.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        return per_seq.sum() / max(n_seq, 1.0)
+    if mode == "token-mean":
+        n_tok = float(mask.sum()) if num_tokens is None else float(num_tokens)
+        return loss_mat.sum() / max(n_tok, 1.0)
+    return loss_mat.sum() / (max(n_seq, 1.0) * float(max_length if max_length is not None else T))
+
+
+# --------------------------------------------------------------------------------------------- the loss
+
+
+@torch.no_grad()
+def ratio_metrics(logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """Token- and sequence-level ratio statistics and an approximate KL(old || new), whatever the level trained.
+
+    ``kl/old_new`` is the k3 estimator  E_old[(w - 1) - log w]  averaged over tokens.
+    """
+    token_lr = token_log_ratio(_at_least_fp32(logp), _at_least_fp32(old_logp), mask)  # (B, T)
+    seq_lr = sequence_log_ratio(token_lr, mask)  # (B,)
+    w = torch.exp(token_lr)[mask]
+    s = torch.exp(seq_lr)[mask.any(-1)]
+    out: dict[str, float] = {}
+    for name, v in (("ratio/token", w), ("ratio/seq", s)):
+        if v.numel() == 0:
+            continue
+        out[f"{name}_mean"] = v.mean().item()
+        out[f"{name}_std"] = v.std(unbiased=False).item()
+        out[f"{name}_min"] = v.min().item()
+        out[f"{name}_max"] = v.max().item()
+    # Unclipped product of token ratios per sequence: token-level clipping does not bound it (the seeds' point).
+    prod_lr = torch.where(mask, token_lr, torch.zeros_like(token_lr)).sum(-1)[mask.any(-1)]
+    if prod_lr.numel():
+        out["ratio/seq_product_log_min"] = prod_lr.min().item()
+        out["ratio/seq_product_log_max"] = prod_lr.max().item()
+    kl = torch.exp(token_lr) - 1.0 - token_lr
+    out["kl/old_new"] = masked_mean(kl, mask).item()
+    return out
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    level: str,
+    eps_low: float,
+    eps_high: float,
+    aggregation: str,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    max_length: int | None = None,
+    num_seqs: float | None = None,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The clipped GSPO / GSPO-token / GRPO objective (to minimise) and its diagnostics.
+
+    J(theta) = E[ agg_{i,t} min(r_{i,t} A_{i,t}, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t}) ] - beta KL
+
+    Args:
+        logp: (B, T) log pi_theta of the sampled tokens (differentiable).
+        old_logp: (B, T) log pi_theta_old of the same tokens (treated as constants).
+        advantages: (B,) one per sequence, or (B, T) one per token (``sequence`` level needs a per-sequence one).
+        mask: (B, T) True on completion tokens.
+        level: ``token`` | ``sequence`` | ``sequence_token``.
+        aggregation: see :func:`aggregate`.
+        ref_logp, beta: optional k3 KL penalty to a frozen reference policy, added per token.
+        max_length, num_seqs, num_tokens: see :func:`aggregate`.
+
+    Returns ``(loss, metrics)``; metrics are detached floats: clip fractions low/high/total counted per token
+    (``clip/token_*``: clipped tokens / tokens) and per sequence (``clip/seq_*``: mean over sequences of the
+    fraction of the sequence's tokens clipped, which for ``sequence`` level is the fraction of sequences clipped),
+    ratio statistics at both levels and ``kl/old_new``.
+    """
+    _check_choice(level, LEVELS, "ratio level")
+    mask = mask.bool()
+    logp = _at_least_fp32(logp)
+    old_logp = old_logp.detach().to(logp.dtype)
+    adv = advantages.detach().to(logp.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # (B, 1), broadcasts over T
+    elif level == "sequence":
+        seq_mean = masked_mean(adv, mask, dim=-1)  # (B,)
+        if not torch.allclose(torch.where(mask, adv, seq_mean[:, None]), seq_mean[:, None].expand_as(adv)):
+            raise UserError(
+                "level='sequence' takes one advantage per sequence but the (B, T) advantages vary within a "
+                "sequence; use level='sequence_token' (GSPO-token) for per-token advantages."
+            )
+    adv = torch.where(mask, adv.expand_as(logp), torch.zeros((), device=logp.device))  # (B, T)
+
+    ratio = importance_ratio(logp, old_logp, mask, level)  # (B, T)
+    per_token, clipped_low, clipped_high = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (B, T)
+    kl_term = None
+    if ref_logp is not None and beta != 0.0:
+        kl_term = k3_kl(logp, ref_logp.detach().to(logp.dtype), mask)  # (B, T)
+        per_token = per_token + beta * kl_term
+    agg = dict(max_length=max_length, num_seqs=num_seqs, num_tokens=num_tokens)
+    loss = aggregate(per_token, mask, aggregation, **agg)
+
+    with torch.no_grad():
+        metrics = ratio_metrics(logp, old_logp, mask)
+        for name, hit in (("low", clipped_low & mask), ("high", clipped_high & mask), ("total", (clipped_low | clipped_high) & mask)):
+            metrics[f"clip/token_{name}"] = (hit.sum() / mask.sum().clamp(min=1)).item()
+            metrics[f"clip/seq_{name}"] = masked_mean(hit.float(), mask, dim=-1)[mask.any(-1)].mean().nan_to_num(0.0).item()
+        if kl_term is not None:
+            metrics["kl/ref"] = masked_mean(kl_term, mask).item()
+    return loss, metrics
+

@@ -1,0 +1,95 @@
+"""Built-in generated tasks: infinite, deterministic streams of examples with a known answer.
+
+Example ``i`` of a task depends only on ``(seed, i)``, so any position of the stream can be regenerated after a
+resume without storing the examples.
+"""
+from __future__ import annotations
+
+import operator
+import random
+from collections.abc import Sequence
+
+from gspo.errors import UserError
+from gspo.types import Example
+
+STREAM_LEN = 2**31 - 1
+"""``len()`` of a generated task: the stream is infinite, but ``Sequence`` consumers need a finite length."""
+
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+"""The operators ``ArithmeticTask`` can draw, by the symbol shown in the prompt."""
+
+DEFAULT_TEMPLATE = "What is {a} {op} {b}? Put the final answer after 'Answer:'."
+
+
+def _check_range(name: str, value: Sequence[int]) -> tuple[int, int]:
+    """``value`` as an inclusive ``(lo, hi)`` pair of ints, or a UserError naming ``name``."""
+    try:
+        lo, hi = value
+        if int(lo) != lo or int(hi) != hi:
+            raise ValueError
+        lo, hi = int(lo), int(hi)
+    except (TypeError, ValueError):
+        raise UserError(f"{name}={value!r} is not a pair of integers; pass it as [lo, hi], e.g. [1, 20].") from None
+    if lo > hi:
+        raise UserError(f"{name}={value!r} has lo > hi; pass it as [lo, hi] with lo <= hi.")
+    return lo, hi
+
+
+class ArithmeticTask(Sequence[Example]):
+    """``a op b`` questions with ``a``, ``b`` drawn uniformly from inclusive ranges and ``op`` from ``ops``.
+
+    The answer is the integer result as a string; ``meta`` holds ``{"a", "b", "op"}``.
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        ops: Sequence[str] = ("+",),
+        a_range: Sequence[int] = (1, 20),
+        b_range: Sequence[int] = (1, 20),
+        template: str = DEFAULT_TEMPLATE,
+    ):
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise UserError(f"seed={seed!r} is not an integer; pass an int such as 0.")
+        # A string such as "+-*" is a convenient way to list single-character operators.
+        ops = tuple(ops)
+        if not ops:
+            raise UserError(f"ops is empty; pass one or more of {sorted(OPS)}.")
+        bad = [op for op in ops if op not in OPS]
+        if bad:
+            raise UserError(f"ops {bad} are not supported; use only {sorted(OPS)}.")
+        try:
+            template.format(a=1, b=2, op="+")
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise UserError(
+                f"template {template!r} cannot be formatted ({type(e).__name__}: {e}); "
+                "use only the fields {a}, {op} and {b} and double any literal braces."
+            ) from None
+        self.seed = seed
+        self.ops = ops
+        self.a_range = _check_range("a_range", a_range)
+        self.b_range = _check_range("b_range", b_range)
+        self.template = template
+
+    def __len__(self) -> int:
+        return STREAM_LEN
+
+    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
+        """Example ``i`` of the stream; the same ``(seed, i)`` always gives the same example."""
+        if isinstance(i, slice):
+            raise TypeError("ArithmeticTask is an infinite stream and cannot be sliced; index it one position at a time.")
+        if not 0 <= i < STREAM_LEN:
+            raise IndexError(f"index {i} is outside the stream [0, {STREAM_LEN})")
+        # (seed, i) -> one integer without collisions for i < 2**32; random.Random(int) is stable across runs.
+        rng = random.Random(self.seed * 2**32 + i)
+        a = rng.randint(*self.a_range)
+        b = rng.randint(*self.b_range)
+        op = rng.choice(self.ops)
+        return Example(
+            prompt=self.template.format(a=a, b=b, op=op),
+            answer=str(OPS[op](a, b)),
+            meta={"a": a, "b": b, "op": op},
+        )
+
+    def __repr__(self) -> str:
+        return f"ArithmeticTask(seed={self.seed}, ops={self.ops}, a_range={self.a_range}, b_range={self.b_range})"

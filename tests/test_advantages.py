@@ -1,0 +1,68 @@
+"""Group-relative advantages, the zero-variance filter and DAPO's overlong punishment against hand-worked numbers."""
+import math
+
+import pytest
+import torch
+
+from gspo import group_advantages, overlong_penalty
+from gspo.algorithms.advantages import zero_variance_groups
+from gspo.errors import UserError
+
+NAN = float("nan")
+
+
+def test_group_scale_hand_worked():
+    """Group (1, 0, 1, 0): mean 0.5, unbiased std sqrt(1/3) = 0.577350, so A = +-0.866025."""
+    a = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4, eps=0.0)
+    torch.testing.assert_close(a, torch.tensor([1, -1, 1, -1]) * 0.5 / math.sqrt(1 / 3))
+
+
+def test_zero_variance_group_gives_zero_never_nan():
+    """A group whose rewards are all equal gets advantage 0 at every scale, even with eps = 0."""
+    for scale in ("group", "batch", "none"):
+        a = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5]), 3, scale=scale, eps=0.0)
+        assert torch.isfinite(a).all()
+        assert (a[:3] == 0).all()
+
+
+def test_all_groups_zero_variance_batch_scale():
+    """When every group is constant the batch scale has no spread to divide by and still returns zeros."""
+    a = group_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), 2, scale="batch", eps=0.0)
+    assert (a == 0).all()
+
+
+def test_failed_rewards_are_left_out_of_the_baseline():
+    """A NaN reward gets advantage 0 and the group's mean and std use only the valid rewards: (1, NaN, 0) -> +-0.707107."""
+    a = group_advantages(torch.tensor([1.0, NAN, 0.0]), 3, eps=0.0)
+    torch.testing.assert_close(a, torch.tensor([1 / math.sqrt(2), 0.0, -1 / math.sqrt(2)]))
+
+
+def test_group_with_one_valid_reward_gets_zero():
+    """A group with a single valid reward has no baseline: advantage 0, not NaN."""
+    a = group_advantages(torch.tensor([NAN, 1.0, NAN, 0.0, 1.0, 1.0]), 3)
+    assert (a[:3] == 0).all() and torch.isfinite(a).all()
+    assert zero_variance_groups(torch.tensor([NAN, 1.0, NAN, 0.0, 1.0, 1.0]), 3).tolist() == [True, False]
+
+
+def test_mean_only_and_batch_scales_hand_worked():
+    """Dr. GRPO's mean-only scale: (2, 0 | 1, 1) -> (1, -1, 0, 0); batch scale divides by the std of the centred
+    rewards of usable groups (1, -1, 0, 0): sqrt(2/3) = 0.816497."""
+    r = torch.tensor([2.0, 0.0, 1.0, 1.0])
+    assert group_advantages(r, 2, scale="none").tolist() == [1.0, -1.0, 0.0, 0.0]
+    torch.testing.assert_close(group_advantages(r, 2, scale="batch", eps=0.0), torch.tensor([1.0, -1.0, 0, 0]) / math.sqrt(2 / 3))
+
+
+def test_bad_group_size_and_scale_are_user_errors():
+    """Rewards that do not divide into groups, and an unknown scale, raise a UserError that names the fix."""
+    with pytest.raises(UserError, match="multiple of the group size"):
+        group_advantages(torch.zeros(5), 2)
+    with pytest.raises(UserError, match="group, batch, none"):
+        group_advantages(torch.zeros(4), 2, scale="std")
+
+
+def test_overlong_penalty_hand_worked():
+    """L_max 20, L_cache 8: lengths 10, 12, 16, 20, 21 -> 0, 0, -0.5, -1, -1."""
+    p = overlong_penalty(torch.tensor([10, 12, 16, 20, 21]), 20, 8)
+    torch.testing.assert_close(p, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
+    with pytest.raises(UserError, match="overlong"):
+        overlong_penalty(torch.tensor([1]), 20, 0)
