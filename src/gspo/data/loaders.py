@@ -197,7 +197,7 @@ def load_hf_dataset(
     answer_format: str = "raw",
     template: str = "{question}",
 ) -> list[Example]:
-    """The rows of Hugging Face dataset ``name`` (``split``, optional ``config``) as examples, mapped as JSONL rows are."""
+    """The rows of Hugging Face dataset ``name`` (``split``, optional ``config``), mapped as JSONL rows are."""
     _check_format(answer_format)
     try:
         import datasets

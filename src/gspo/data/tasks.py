@@ -77,7 +77,7 @@ class ArithmeticTask(Sequence[Example]):
     def __getitem__(self, i: int) -> Example:  # type: ignore[override]
         """Example ``i`` of the stream; the same ``(seed, i)`` always gives the same example."""
         if isinstance(i, slice):
-            raise TypeError("ArithmeticTask is an infinite stream and cannot be sliced; index it one position at a time.")
+            raise TypeError("ArithmeticTask is an infinite stream and cannot be sliced; index one position at a time.")
         if not 0 <= i < STREAM_LEN:
             raise IndexError(f"index {i} is outside the stream [0, {STREAM_LEN})")
         # (seed, i) -> one integer without collisions for i < 2**32; random.Random(int) is stable across runs.

@@ -1,0 +1,97 @@
+"""Checkpoints of a run: model (as a loadable HF directory), optimizer, scheduler, every RNG and the data position.
+
+A checkpoint is written into ``step-NNNNNN.tmp``, fsynced, renamed to ``step-NNNNNN`` and marked complete by a
+``COMPLETE`` file written last, so a crash mid-write never leaves something that looks like a checkpoint; old
+checkpoints are deleted only after the new one is complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+MARKER = "COMPLETE"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int) -> Path:
+    """Write checkpoint ``step`` atomically, then prune all but the ``keep`` newest complete ones."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step-{step:06d}"
+    tmp = ckpt_root / f"step-{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save(state, tmp / "trainer_state.pt")
+    (tmp / "state.json").write_text(json.dumps({k: state[k] for k in ("step", "rollout_batch") if k in state}))
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    with open(final / MARKER, "w") as f:
+        f.write("ok\n")
+        f.flush()
+        os.fsync(f.fileno())
+    for old in complete_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    return sorted(p for p in ckpt_root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / MARKER).exists())
+
+
+def load_model_weights(model, ckpt: Path) -> None:
+    """Load the weights of a checkpoint written by :func:`save_checkpoint` into ``model`` in place."""
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        sd.update(load_file(f))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()

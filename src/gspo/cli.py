@@ -1,0 +1,134 @@
+"""``gspo train | eval | config``: the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from gspo.errors import UserError
+
+EPILOG = """examples:
+  gspo train configs/quickstart.toml
+  gspo train configs/quickstart.toml algorithm=grpo train.steps=80 log.run_dir=runs/grpo
+  gspo train configs/quickstart.toml --resume            # continue log.run_dir from its last checkpoint
+  gspo eval configs/quickstart.toml --model runs/gspo-seed1/checkpoints/step-000160
+  gspo config                                           # every config key with its default and meaning
+"""
+
+
+def _config(path: str | None, overrides: list[str]):
+    """Build the config twice: first to learn model.device, then with that device's ``[overrides.<type>]`` table."""
+    from gspo.config import build_config, load_toml
+    from gspo.trainer import resolve_device
+
+    data = load_toml(path) if path else {}
+    device = resolve_device(build_config(data, overrides).model.device).type
+    return build_config(data, overrides, device=device)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from gspo.trainer import Trainer
+
+    cfg = _config(args.config, args.overrides)
+    run_dir = args.run_dir or cfg.log.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
+    trainer = Trainer(cfg, run_dir, resume=args.resume)
+    out = trainer.train()
+    print(f"done: {trainer.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from gspo.evaluate import evaluate
+
+    cfg = _config(args.config, args.overrides)
+    result = evaluate(cfg, model_name=args.model, n=args.n, samples=args.samples, batch_size=args.batch_size)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from gspo.config import PRESETS, field_docs
+
+    if args.markdown:
+        print("| key | default | meaning |\n|---|---|---|")
+        for key, default, doc in field_docs():
+            print(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")
+    else:
+        for key, default, doc in field_docs():
+            print(f"{key} = {default}\n    {doc}")
+        print("\npresets:", ", ".join(PRESETS))
+    return 0
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from gspo.metrics import summarize
+
+    for run in args.run_dirs:
+        s = summarize(run)
+        if not s["steps"]:
+            raise UserError(f"{run!r} has no metrics.jsonl lines yet; pass a run directory that has trained.")
+        print(json.dumps(s, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gspo", description="RL fine-tuning of language models with GSPO, GSPO-token, GRPO, DAPO.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a policy from a TOML config", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("config", help="TOML config file (see configs/ and `gspo config`)")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.eps_high=5e-4 rollout.group_size=16")
+    t.add_argument("--resume", action="store_true", help="continue the run directory from its newest complete checkpoint")
+    t.add_argument("--run-dir", help="run directory (default: log.run_dir of the config)")
+    t.set_defaults(func=cmd_train)
+    e = sub.add_parser("eval", help="greedy accuracy and pass@1 over k samples on the config's data")
+    e.add_argument("config", nargs="?", help="TOML config whose model / data / rollout / rewards sections are used")
+    e.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    e.add_argument("--model", help="model to evaluate (a checkpoint directory, HF id, GGUF or alias); default model.name")
+    e.add_argument("--n", type=int, default=200, help="number of examples (default 200)")
+    e.add_argument("--samples", type=int, default=4, help="samples per example for pass@1 (0 = greedy only; default 4)")
+    e.add_argument("--batch-size", type=int, default=64, help="prompts per generation batch")
+    e.add_argument("--out", help="also write the result JSON here")
+    e.set_defaults(func=cmd_eval)
+    s = sub.add_parser("summary", help="headline numbers of finished runs (reward first/last, clipping, entropy)")
+    s.add_argument("run_dirs", nargs="+", help="run directories")
+    s.set_defaults(func=cmd_summary)
+    c = sub.add_parser("config", help="print every config key with its default and meaning")
+    c.add_argument("--markdown", action="store_true", help="as a Markdown table")
+    c.set_defaults(func=cmd_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # key=value overrides may come after options (argparse stops collecting positionals at the first option).
+    args, rest = parser.parse_known_args(argv)
+    extra = [r for r in rest if "=" in r and not r.startswith("-")]
+    if len(extra) != len(rest) or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    logging.basicConfig(level=logging.INFO, format="[gspo] %(message)s", stream=sys.stderr)
+    for noisy in ("transformers", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return args.func(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"gspo: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gspo: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""Run configuration: dataclasses with a docstring per field, algorithm presets, TOML + dotted overrides, guards.
+
+A config is built in three layers: the dataclass defaults, the TOML file, then ``key=value`` overrides from the
+command line (``loss.eps_high=5e-4``). Fields left at ``None`` are filled by the algorithm preset, so choosing
+``algorithm = "grpo"`` changes every knob GRPO needs while anything the user set explicitly wins. A TOML table
+``[overrides.cpu]`` (or ``[overrides.cuda]``) of dotted keys applies only on that device, which is how the
+quickstart runs a small CPU version and the full reference settings on a GPU with one file.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import logging
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gspo.algorithms.advantages import SCALES
+from gspo.algorithms.losses import AGGREGATIONS, LEVELS
+from gspo.errors import UserError
+
+log = logging.getLogger("gspo")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"
+    """HF hub id, local HF directory, path to a .gguf file, or the embedded alias ``smollm2-135m-instruct``."""
+    tokenizer: str | None = None
+    """Tokenizer directory or id when it differs from the model's (e.g. for a bare GGUF)."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    precision: str = "auto"
+    """``auto``: fp32 master weights with bf16 autocast on CUDA, plain fp32 on CPU; ``fp32``; ``bf16-autocast``."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, ~30% more time per update."""
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"
+    """``arithmetic`` (generated), ``gsm8k`` (JSONL with ``#### answer``), ``math`` (JSONL with ``\\boxed{}``),
+    ``jsonl`` (any JSONL with ``prompt_field`` / ``answer_field``) or ``hf`` (a HF dataset, needs ``datasets``)."""
+    path: str | None = None
+    """Data file (or HF dataset name for ``task = "hf"``)."""
+    split: str = "train"
+    """Split for ``task = "hf"``."""
+    ops: list[str] = field(default_factory=lambda: ["+"])
+    """Arithmetic operations to draw from: any of ``+``, ``-``, ``*``."""
+    a_range: list[int] = field(default_factory=lambda: [1, 20])
+    """Inclusive range of the first arithmetic operand."""
+    b_range: list[int] = field(default_factory=lambda: [1, 20])
+    """Inclusive range of the second arithmetic operand."""
+    prompt_field: str | None = None
+    """JSONL field holding the question (task default when unset)."""
+    answer_field: str | None = None
+    """JSONL field holding the reference answer (task default when unset)."""
+    answer_format: str | None = None
+    """How to read the answer field: ``raw``, ``gsm8k`` (after ``####``) or ``boxed`` (last ``\\boxed{}``)."""
+    template: str | None = None
+    """Prompt template with ``{question}``; task default when unset."""
+    system_prompt: str | None = None
+    """Optional system message; ``None`` keeps the chat template's own default."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this (after the chat template) are skipped and counted in ``data/skipped_prompts``."""
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_batch: int = 32
+    """P: prompts per rollout batch."""
+    group_size: int = 8
+    """G: completions sampled per prompt (the group of the group-relative advantage)."""
+    max_new_tokens: int = 128
+    """Completion length limit; completions that hit it end with finish reason ``length``."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probabilities are those of softmax(logits / temperature) on both sides."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 disables it)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables it)."""
+
+
+@dataclass
+class LossConfig:
+    level: str | None = None
+    """Importance-ratio level: ``token`` (GRPO), ``sequence`` (GSPO) or ``sequence_token`` (GSPO-token)."""
+    eps_low: float | None = None
+    """Lower clip range: ratios below 1 - eps_low with negative advantage get no gradient."""
+    eps_high: float | None = None
+    """Upper clip range: ratios above 1 + eps_high with positive advantage get no gradient."""
+    aggregation: str | None = None
+    """``seq-mean-token-mean`` (GSPO/GRPO papers), ``token-mean`` (DAPO), ``seq-mean-token-sum-norm`` (Dr. GRPO)."""
+    advantage_scale: str | None = None
+    """Advantage normalisation: ``group`` std, ``batch`` std, or ``none`` (mean only, Dr. GRPO)."""
+    beta: float = 0.0
+    """Weight of the k3 KL penalty to a frozen copy of the initial model (0 loads no reference model)."""
+    mask_truncated: bool | None = None
+    """Leave completions that hit ``max_new_tokens`` out of the loss (DAPO overlong filtering)."""
+    allow_length_weighted_sequence: bool = False
+    """Allow a sequence-level ratio with a token-summing aggregation, which weights each sequence by its length."""
+
+
+@dataclass
+class DapoConfig:
+    dynamic_sampling: bool | None = None
+    """Drop groups whose rewards are all equal and sample more prompts until the batch is full (DAPO)."""
+    max_resample_rounds: int = 4
+    """Extra rounds of sampling dynamic sampling may spend to refill a batch before training on what it has."""
+    overlong_penalty: bool | None = None
+    """Add DAPO's soft overlong punishment to the reward."""
+    overlong_cache: int = 32
+    """L_cache: the punishment ramps from 0 to -1 over the last this-many tokens before ``max_new_tokens``."""
+
+
+@dataclass
+class RewardConfig:
+    path: str = ""
+    """``module:function`` taking ``(completion: str, example: gspo.types.Example) -> float``."""
+    weight: float = 1.0
+    """Weight of this reward in the total."""
+    name: str | None = None
+    """Name in the metrics (``reward/<name>``); defaults to the function's name."""
+
+
+@dataclass
+class RewardsConfig:
+    functions: list[RewardConfig] = field(default_factory=list)
+    """Reward functions and weights; empty means the task's default verifier."""
+    workers: int = 2
+    """Worker processes that run reward functions (0 runs them in-process, without a hard time limit)."""
+    timeout_s: float = 10.0
+    """Per-call time limit; a call past it is killed and its completion left out of the group baseline."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 160
+    """Optimizer steps in the run (rollout batches = steps / minibatches)."""
+    minibatches: int = 4
+    """Optimizer steps per rollout batch; only the first is on-policy (the paper uses 4)."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward inside a minibatch (gradient accumulation); 0 = the whole minibatch."""
+    lr: float = 5e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 over this many optimizer steps."""
+    schedule: str = "constant"
+    """After warm-up: ``constant``, ``linear`` (to 0) or ``cosine`` (to 0)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 disables it)."""
+    old_logprobs: str = "recompute"
+    """``recompute`` old-policy log-probs with the trainer, or reuse the ``rollout`` engine's."""
+    logprob_chunk: int = 1024
+    """Positions per chunk of the log-prob pass (bounds the fp32 logits held at once)."""
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs/{algorithm}-seed{seed}"
+    """Run directory; ``{algorithm}`` and ``{seed}`` are filled in."""
+    samples_per_batch: int = 4
+    """Completions per rollout batch written to samples.jsonl."""
+    checkpoint_every: int = 10
+    """Write a checkpoint every this many rollout batches (and always at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    progress: bool = True
+    """Show the console progress bar."""
+
+
+@dataclass
+class Config:
+    algorithm: str = "gspo"
+    """Preset: ``gspo``, ``gspo_token``, ``grpo``, ``dapo`` or ``dr_grpo``; explicit fields override it."""
+    seed: int = 1
+    """One seed for data order, sampling, and initialisation of anything random."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    dapo: DapoConfig = field(default_factory=DapoConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def rollout_batches(self) -> int:
+        return self.train.steps // self.train.minibatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------- presets
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # GSPO paper: sequence ratio, tiny clip range (3e-4, 4e-4), no KL, per-sequence length normalisation.
+    "gspo": {"loss.level": "sequence", "loss.eps_low": 3e-4, "loss.eps_high": 4e-4,
+             "loss.aggregation": "seq-mean-token-mean", "loss.advantage_scale": "group"},
+    "gspo_token": {"loss.level": "sequence_token", "loss.eps_low": 3e-4, "loss.eps_high": 4e-4,
+                   "loss.aggregation": "seq-mean-token-mean", "loss.advantage_scale": "group"},
+    "grpo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.2,
+             "loss.aggregation": "seq-mean-token-mean", "loss.advantage_scale": "group"},
+    # DAPO: clip-higher, token-level loss, dynamic sampling, overlong filtering and soft punishment.
+    "dapo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.28, "loss.aggregation": "token-mean",
+             "loss.advantage_scale": "group", "loss.mask_truncated": True, "dapo.dynamic_sampling": True,
+             "dapo.overlong_penalty": True},
+    # Dr. GRPO: no std normalisation, no per-sequence length normalisation.
+    "dr_grpo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.2,
+                "loss.aggregation": "seq-mean-token-sum-norm", "loss.advantage_scale": "none"},
+}
+_PRESET_FALLBACK = {"loss.mask_truncated": False, "dapo.dynamic_sampling": False, "dapo.overlong_penalty": False}
+
+
+# --------------------------------------------------------------------------------------------- building
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _unknown_key(key: str, valid: list[str], where: str) -> UserError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}."
+    return UserError(f"Unknown config key {where}{key!r}; {hint}")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` (ints are accepted for floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except UserError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise UserError(f"Config key {key!r} must be a list, got {value!r}; write it as [a, b].")
+        if dataclasses.is_dataclass(item_tp):
+            return [_build(item_tp, v, f"{key}[{i}].") for i, v in enumerate(value)]
+        return [_coerce(v, item_tp, key) for v in value]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
+        raise UserError(f"Config key {key!r} must be {tp.__name__}, got {value!r} ({type(value).__name__}); fix its value.")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    if not isinstance(data, dict):
+        raise UserError(f"Config section {prefix.rstrip('.')!r} must be a table, got {data!r}.")
+    hints = _hints(cls)
+    names = _fields(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown_key(key, names, prefix)
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, tp, prefix + key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise UserError(f"Override {dotted!r} goes through {p!r}, which is not a table.")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value`` with the value read as TOML (numbers, booleans, lists, quoted strings), else a bare string."""
+    if "=" not in text:
+        raise UserError(f"Override {text!r} is not key=value; write it as e.g. loss.eps_high=5e-4.")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"Config file {str(p)!r} does not exist; pass the path of a TOML file (see configs/).")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"Config file {str(p)!r} is not valid TOML ({e}); fix that line.") from None
+
+
+def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None, *, device: str | None = None) -> Config:
+    """A validated :class:`Config` from a TOML-shaped dict, ``key=value`` overrides and the resolved device type."""
+    tree = copy.deepcopy(data or {})
+    device_overrides = tree.pop("overrides", {}) or {}
+    if device is not None and device in device_overrides:
+        for k, v in _flatten(device_overrides[device]).items():
+            _set_dotted(tree, k, v)
+    for text in overrides or []:
+        k, v = parse_override(text)
+        _set_dotted(tree, k, v)
+    cfg = _build(Config, tree)
+    apply_preset(cfg)
+    validate(cfg)
+    return cfg
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def apply_preset(cfg: Config) -> None:
+    """Fill every ``None`` field from the algorithm's preset."""
+    if cfg.algorithm not in PRESETS:
+        raise _unknown_key(cfg.algorithm, list(PRESETS), "algorithm value ")
+    for dotted, value in {**_PRESET_FALLBACK, **PRESETS[cfg.algorithm]}.items():
+        section, name = dotted.split(".")
+        obj = getattr(cfg, section)
+        if getattr(obj, name) is None:
+            setattr(obj, name, value)
+
+
+def validate(cfg: Config) -> None:
+    """Refuse invalid combinations with a message that names the fix; warn about legal but surprising ones."""
+    lc, r, t = cfg.loss, cfg.rollout, cfg.train
+    for value, valid, key in ((lc.level, LEVELS, "loss.level"), (lc.aggregation, AGGREGATIONS, "loss.aggregation"),
+                              (lc.advantage_scale, SCALES, "loss.advantage_scale"),
+                              (t.old_logprobs, ("recompute", "rollout"), "train.old_logprobs"),
+                              (t.schedule, ("constant", "linear", "cosine"), "train.schedule"),
+                              (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision")):
+        if value not in valid:
+            raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
+    if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:
+        raise UserError(
+            f"loss.level = {lc.level!r} with loss.aggregation = {lc.aggregation!r} weights every sequence by its "
+            "length (TRL #3823); use aggregation 'seq-mean-token-mean', or set loss.allow_length_weighted_sequence = true."
+        )
+    if not (0 <= lc.eps_low < 1) or lc.eps_high < 0:
+        raise UserError(f"Clip ranges must satisfy 0 <= loss.eps_low < 1 and loss.eps_high >= 0 (got {lc.eps_low}, {lc.eps_high}).")
+    if lc.level != "token" and max(lc.eps_low, lc.eps_high) >= 0.05:
+        log.warning("loss.eps_* = (%g, %g) on a sequence-level ratio clips almost nothing (TRL #3834); the GSPO "
+                    "paper uses (3e-4, 4e-4).", lc.eps_low, lc.eps_high)
+    if r.group_size < 2:
+        raise UserError(f"rollout.group_size = {r.group_size} leaves no group to compare against; use 2 or more (the paper uses 8+).")
+    if r.prompts_per_batch < 1 or r.max_new_tokens < 1:
+        raise UserError("rollout.prompts_per_batch and rollout.max_new_tokens must be at least 1.")
+    if r.temperature <= 0:
+        raise UserError(f"rollout.temperature = {r.temperature} must be > 0 for sampling; use e.g. 1.0.")
+    if not 0 < r.top_p <= 1 or r.top_k < 0:
+        raise UserError("rollout.top_p must be in (0, 1] and rollout.top_k >= 0 (0 disables it).")
+    n = r.prompts_per_batch * r.group_size
+    if t.minibatches < 1 or n % t.minibatches:
+        raise UserError(
+            f"train.minibatches = {t.minibatches} does not divide the {n} completions of a rollout batch "
+            f"(prompts_per_batch {r.prompts_per_batch} x group_size {r.group_size}); pick a divisor of {n}."
+        )
+    if t.steps < t.minibatches or t.steps % t.minibatches:
+        raise UserError(f"train.steps = {t.steps} must be a positive multiple of train.minibatches = {t.minibatches}.")
+    if t.micro_batch_size < 0 or (t.micro_batch_size and (n // t.minibatches) % t.micro_batch_size):
+        raise UserError(f"train.micro_batch_size = {t.micro_batch_size} must divide the minibatch of {n // t.minibatches} sequences (or be 0).")
+    if cfg.dapo.overlong_penalty and not 0 < cfg.dapo.overlong_cache <= r.max_new_tokens:
+        raise UserError(f"dapo.overlong_cache = {cfg.dapo.overlong_cache} must be in 1..rollout.max_new_tokens ({r.max_new_tokens}).")
+    if lc.beta < 0:
+        raise UserError(f"loss.beta = {lc.beta} must be >= 0.")
+    if t.minibatches == 1:
+        log.warning("train.minibatches = 1: every update is on-policy, so the importance ratio is always 1 and GSPO, "
+                    "GRPO and REINFORCE with a group baseline coincide; use 2+ minibatches to exercise the ratio.")
+    for rw in cfg.rewards.functions:
+        if ":" not in rw.path:
+            raise UserError(f"Reward path {rw.path!r} must be 'module:function', e.g. 'gspo.rewards.builtin:last_number'.")
+
+
+def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every field, read from the source: the reference in the README."""
+    import ast
+    import inspect
+
+    src = ast.parse(inspect.getsource(cls))
+    docs: dict[str, str] = {}
+    body = src.body[0].body
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = " ".join(str(b.value.value).split())
+    rows = []
+    hints = _hints(cls)
+    inst = cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(field_docs(tp, f"{prefix}{f.name}."))
+        else:
+            rows.append((prefix + f.name, repr(getattr(inst, f.name)), docs.get(f.name, "")))
+    return rows

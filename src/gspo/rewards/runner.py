@@ -1,0 +1,393 @@
+"""Score completions with user reward functions in worker processes, each call under a hard time limit.
+
+Why processes: a verifier can hang (sympy on a pathological expression) and no thread can be stopped from outside,
+while math-verify's own ``signal.alarm`` limit works only in a main thread. So every call runs in the main thread
+of a long-lived worker process, and a worker that overruns ``timeout_s`` on one call is SIGKILLed and replaced.
+
+Protocol: the parent sends a chunk of up to ``CHUNK`` calls in one message (cheap IPC); the worker answers each
+call as soon as it finishes. The parent therefore always knows which call is running and since when: on a timeout
+exactly that call is failed, and the unanswered rest of its chunk goes back to the queue. Workers come from a
+``forkserver`` (never a plain ``fork``: the parent holds torch's thread pools, which a fork copies in a broken
+state); the server imports this module once, so a worker replacing a killed one starts in milliseconds.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from gspo.errors import UserError
+from gspo.types import Example
+
+RewardFn = Callable[[str, Example], float]
+Call = tuple[int, int, str, Example]  # (call id, function index, completion, example)
+
+CHUNK = 16  # calls per message: large enough to amortise IPC, small enough to balance load across workers
+MAX_ERRORS = 8  # error messages kept per score() for logging
+STARTUP_TIMEOUT_S = 120.0  # a worker imports torch and the reward modules before its first call
+
+
+@dataclass
+class RewardSpec:
+    """One term of the weighted reward sum: ``path`` is ``"module:function"``; ``name`` defaults to the function's."""
+
+    path: str
+    weight: float = 1.0
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            self.name = self.path.rpartition(":")[2].rpartition(".")[2] or self.path
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight):
+            raise UserError(f"reward {self.name!r} has weight {self.weight!r}; give a finite number such as 1.0.")
+
+
+@dataclass
+class RewardResult:
+    """Scores of ``N`` completions. A failed call (raised, timed out, worker died) is NaN, never a silent 0."""
+
+    total: torch.Tensor  # (N,) float32, sum_f weight_f * reward_f; NaN where any function failed
+    per_function: dict[str, torch.Tensor]  # name -> (N,) float32, NaN on failure
+    failures: dict[str, int]  # name -> number of failed calls
+    errors: list[str]  # the first MAX_ERRORS failure messages, for logging
+
+
+def resolve(path: str) -> RewardFn:
+    """The callable named by ``"module:function"`` (``function`` may be dotted, e.g. ``"mod:Class.method"``)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(f"reward {path!r} is not 'module:function'; write it like 'gspo.rewards.builtin:last_number'.")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # a user's module can fail to import in any way (syntax error, missing dependency)
+        raise UserError(
+            f"reward {path!r}: importing {module_name!r} failed ({type(e).__name__}: {e}); fix the module name, "
+            "or put its folder on PYTHONPATH (or run from that folder)."
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UserError(f"reward {path!r}: {module_name!r} has no attribute {attr!r}; check the function name.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UserError(f"reward {path!r} is a {type(obj).__name__}, not a function; point it at a function.")
+    return obj
+
+
+def _call(fn: RewardFn, completion: str, example: Example) -> tuple[str, Any]:
+    """One reward call as ``("ok", float)``, ``("err", message)`` if it raised, or ``("bad", message)`` for a value
+    that is not a finite number (bools and numpy/torch scalars are fine)."""
+    try:
+        value = fn(completion, example)
+    except Exception as e:
+        return "err", f"{type(e).__name__}: {e}"[:300]
+    if value is None or isinstance(value, (str, bytes)):
+        return "bad", f"returned {value!r:.80}"
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return "bad", f"returned a {type(value).__name__}"
+    return ("ok", x) if math.isfinite(x) else ("bad", f"returned {x}")
+
+
+def _watch_parent() -> None:
+    """Exit this worker once its parent is gone, even while a reward call hangs in the main thread.
+
+    The parent is the fork server, which itself exits with the training process; either way we get re-parented.
+    """
+    parent_pid = os.getppid()
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str) -> None:
+    """Worker process: resolve the reward functions, then answer chunks of calls one result per call."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts the workers down
+    os.chdir(cwd)  # reward functions may open files relative to where the user started training
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    if cwd not in sys.path:
+        sys.path.append(cwd)
+    threading.Thread(target=_watch_parent, daemon=True).start()
+    try:
+        fns = [resolve(p) for p in paths]
+        for fn in fns:
+            if callable(getattr(fn, "warm_up", None)):
+                fn.warm_up()  # one-off set-up cost stays out of the first call's time limit
+    except Exception as e:
+        conn.send(("init_error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            chunk = conn.recv()
+        except (EOFError, OSError):
+            return
+        if chunk is None:
+            return
+        for call_id, fn_idx, completion, example in chunk:
+            conn.send((call_id, *_call(fns[fn_idx], completion, example)))
+
+
+class _Worker:
+    """The parent's handle on one worker: its process, pipe, and the calls it still owes."""
+
+    def __init__(self, proc: Any, conn: Connection):
+        self.proc = proc
+        self.conn = conn
+        self.ready = False
+        self.chunk: deque[Call] | None = None  # sent but unanswered calls; the first one is running
+        self.started = 0.0  # monotonic time the running call started (as seen by the parent)
+
+    def kill(self) -> None:
+        """SIGKILL the process: the only way to stop a call stuck in C code."""
+        self.proc.kill()
+        self.proc.join(timeout=5.0)
+        self.conn.close()
+
+
+def _shutdown(workers: list[_Worker], owner_pid: int) -> None:
+    """Stop every worker: ask politely, then kill whatever is still alive."""
+    if os.getpid() != owner_pid:  # a forked copy of the parent must not stop the real parent's workers
+        return
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 1.0
+    for w in workers:
+        w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join(timeout=5.0)
+        w.conn.close()
+    workers.clear()
+
+
+def _context() -> Any:
+    """A fork server that imports this module (and torch) once, so a new worker starts in milliseconds, not the
+    ~1.5 s of a fresh interpreter (a fork server started earlier without this preload still works, just slower)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+def _as_spec(spec: RewardSpec | str | dict) -> RewardSpec:
+    """A ``RewardSpec`` from a spec, a bare ``"module:function"`` path, or a dict of RewardSpec's fields."""
+    if isinstance(spec, RewardSpec):
+        return spec
+    if isinstance(spec, str):
+        return RewardSpec(spec)
+    if isinstance(spec, dict) and set(spec) <= {"path", "weight", "name"} and "path" in spec:
+        return RewardSpec(**spec)
+    raise UserError(
+        f"reward spec {spec!r} is not understood; give a 'module:function' path or a table with "
+        "path (required), weight and name."
+    )
+
+
+class RewardRunner:
+    """Weighted sum of reward functions over completions, each call in a worker process under a hard time limit.
+
+    ``workers=0`` runs every call in this process: no time limit is enforced (a hung function hangs the caller),
+    which is meant for tests and debugging. Not thread-safe: call ``score`` from one thread at a time.
+    """
+
+    def __init__(self, specs: Sequence[RewardSpec | str | dict], workers: int = 2, timeout_s: float = 10.0):
+        specs = [_as_spec(s) for s in ([specs] if isinstance(specs, (str, RewardSpec, dict)) else specs)]
+        if not specs:
+            raise UserError(
+                "no reward functions were given; name at least one, e.g. 'gspo.rewards.builtin:last_number'."
+            )
+        names = [s.name for s in specs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise UserError(f"reward names {dupes} are used twice; give each reward spec a distinct name.")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise UserError(f"reward workers={workers!r} is invalid; use an integer >= 0 (0 runs in-process).")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise UserError(f"reward timeout_s={timeout_s!r} is invalid; use a positive number of seconds.")
+        self.specs = specs
+        self.timeout_s = float(timeout_s)
+        self.fns = [resolve(s.path) for s in specs]  # fail in the parent, with a clear message, before any worker
+        self._ctx = _context()
+        self._workers: list[_Worker] = []
+        self._closed = False
+        # Runs on close(), on garbage collection, or at interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, os.getpid())
+        for _ in range(workers):
+            self._workers.append(self._start())
+
+    @property
+    def workers(self) -> int:
+        """Number of worker processes (0: in-process)."""
+        return len(self._workers)
+
+    def _start(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        args = (child_conn, [s.path for s in self.specs], list(sys.path), os.getcwd())
+        proc = self._ctx.Process(target=_worker_main, args=args, daemon=True, name="gspo-reward-worker")
+        proc.start()
+        child_conn.close()  # so the parent sees EOF when the worker dies
+        return _Worker(proc, parent_conn)
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self._workers[self._workers.index(w)] = self._start()
+
+    def score(self, completions: Sequence[str], examples: Sequence[Example]) -> RewardResult:
+        """Every reward function on every ``(completion, example)`` pair, and their weighted sum.
+
+        A call that raises, times out or loses its worker is NaN and counted in ``failures``; a function that
+        returns a non-number, NaN or inf raises UserError, since that is a bug in the function, not bad luck.
+        """
+        if self._closed:
+            raise RuntimeError("RewardRunner.score() was called after close(); create a new RewardRunner.")
+        if len(completions) != len(examples):
+            raise ValueError(
+                f"{len(completions)} completions but {len(examples)} examples; pass one example per completion."
+            )
+        n = len(completions)
+        values = [[math.nan] * n for _ in self.specs]
+        failures = {s.name: 0 for s in self.specs}
+        errors: list[str] = []
+        bad: list[str] = []
+
+        def record(call_id: int, status: str, value: Any) -> None:
+            fn_idx, i = divmod(call_id, n)
+            spec = self.specs[fn_idx]
+            if status == "ok":
+                values[fn_idx][i] = value
+            elif status == "bad":
+                bad.append(f"reward function {spec.name!r} ({spec.path}) {value} for completion {i}")
+            else:
+                failures[spec.name] += 1
+                if len(errors) < MAX_ERRORS:
+                    errors.append(f"{spec.name} on completion {i}: {value}")
+
+        calls = [(f * n + i, f, completions[i], examples[i]) for f in range(len(self.specs)) for i in range(n)]
+        if self._workers:
+            self._run_pool(calls, record)
+        else:
+            for call_id, fn_idx, completion, example in calls:
+                record(call_id, *_call(self.fns[fn_idx], completion, example))
+        if bad:
+            raise UserError(f"{bad[0]}; a reward must return a finite number, so fix that function.")
+        per_function = {s.name: torch.tensor(v, dtype=torch.float32) for s, v in zip(self.specs, values)}  # (N,) each
+        total = torch.zeros(n, dtype=torch.float32)  # (N,)
+        for s in self.specs:
+            total += s.weight * per_function[s.name]
+        return RewardResult(total=total, per_function=per_function, failures=failures, errors=errors)
+
+    def _run_pool(self, calls: list[Call], record: Callable[[int, str, Any], None]) -> None:
+        """Feed ``calls`` to the workers in chunks until each is answered, failed or timed out."""
+        size = max(1, min(CHUNK, math.ceil(len(calls) / len(self._workers))))
+        pending = deque(deque(calls[j : j + size]) for j in range(0, len(calls), size))
+        remaining = len(calls)
+        startup_deadline = time.monotonic() + STARTUP_TIMEOUT_S
+
+        def fail_running(w: _Worker, reason: str) -> None:
+            """Fail the call ``w`` was running, requeue the rest of its chunk, and replace the worker."""
+            nonlocal remaining
+            if w.chunk:
+                record(w.chunk.popleft()[0], "err", reason)
+                remaining -= 1
+                if w.chunk:
+                    pending.appendleft(w.chunk)
+            w.chunk = None
+            self._replace(w)
+
+        try:
+            while remaining:
+                for w in list(self._workers):
+                    if w.ready and w.chunk is None and pending:
+                        w.chunk = pending.popleft()
+                        w.started = time.monotonic()
+                        try:
+                            w.conn.send(list(w.chunk))
+                        except OSError:  # died while idle: nothing of this chunk ran, so requeue all of it
+                            pending.appendleft(w.chunk)
+                            w.chunk = None
+                            self._replace(w)
+                now = time.monotonic()
+                busy = [w for w in self._workers if w.chunk is not None]
+                deadline = min((w.started + self.timeout_s for w in busy), default=startup_deadline)
+                by_conn = {w.conn: w for w in self._workers}
+                for conn in wait(list(by_conn), timeout=max(0.0, deadline - now)):
+                    w = by_conn[conn]
+                    answered, alive = self._read(w, record)
+                    remaining -= answered
+                    if not alive:
+                        w.proc.join(timeout=1.0)
+                        if not w.ready:  # would fail the same way again: stop rather than respawn forever
+                            raise RuntimeError(
+                                f"a reward worker exited while starting (exit code {w.proc.exitcode}); its traceback "
+                                "is above. Run with reward workers=0 to debug the reward module in-process."
+                            )
+                        fail_running(w, f"the worker process died (exit code {w.proc.exitcode}) during this call")
+                now = time.monotonic()
+                for w in list(self._workers):
+                    if w.chunk is not None and now - w.started > self.timeout_s:
+                        fail_running(w, f"timed out after {self.timeout_s:g} s; the worker was killed")
+                if remaining and not pending and all(w.chunk is None for w in self._workers):
+                    raise RuntimeError(f"internal error: {remaining} reward calls were lost; please report this.")
+                if not any(w.ready for w in self._workers) and now > startup_deadline:
+                    raise RuntimeError(
+                        f"no reward worker started within {STARTUP_TIMEOUT_S:g} s; "
+                        "check that the reward modules import quickly."
+                    )
+        except BaseException:
+            # Busy workers would answer these calls during the next score(): replace them so no stale answer leaks.
+            for w in list(self._workers):
+                if w.chunk is not None:
+                    w.chunk = None
+                    self._replace(w)
+            raise
+
+    def _read(self, w: _Worker, record: Callable[[int, str, Any], None]) -> tuple[int, bool]:
+        """Handle every message ``w`` has sent: how many calls it answered, and whether it is still alive."""
+        answered = 0
+        while True:
+            try:
+                if not w.conn.poll():
+                    return answered, True
+                msg = w.conn.recv()
+            except (EOFError, OSError):
+                return answered, False
+            if msg[0] == "ready":
+                w.ready = True
+            elif msg[0] == "init_error":
+                self.close()
+                raise UserError(f"a reward worker could not load the reward functions: {msg[1]}")
+            else:
+                call = w.chunk.popleft()
+                assert call[0] == msg[0], "reward worker answered out of order"
+                record(*msg)
+                answered += 1
+                w.started = time.monotonic()  # the worker moved on to the next call of its chunk
+                if not w.chunk:
+                    w.chunk = None
+
+    def close(self) -> None:
+        """Stop the worker processes; the runner cannot score afterwards."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "RewardRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,226 @@
+"""The embedded rollout engine: sampling with the trainer's own Hugging Face model, no weight copies.
+
+Shapes: ``B`` unique prompts, ``n`` samples per prompt, ``N = B * n`` rows, ``P`` padded prompt length,
+``T`` generated positions, ``V`` vocabulary.
+
+One generate call:
+
+1. prefill the ``B`` unique prompts once (left-padded; ``position_ids = cumsum(mask) - 1`` so padding does not
+   shift positions) and repeat their KV cache ``n`` times along the batch, so the ``n`` samples share a prefill;
+2. decode one token per step for all ``N`` rows, sampling in float32 from ``softmax(logits / temperature)``
+   (optionally truncated by top-k then top-p); the recorded log-probability is that of the untruncated tempered
+   distribution, the quantity the trainer recomputes (greedy decoding records temperature-1 log-probabilities);
+3. a row ends on a stop token (kept, finish reason ``stop``) or after ``max_new_tokens`` (``length``); ended rows
+   emit padding and the loop exits once every row has ended.
+
+The model object is shared with the trainer, so an optimizer step is visible to the next call. Prefill and decode
+step are separate methods so that a static-cache / CUDA-graph variant can replace them one at a time.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from gspo.errors import UserError
+from gspo.models import stop_token_ids
+from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
+
+
+def pad_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists into ``(input_ids, attention_mask)``, both ``(B, P)`` int64."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (B, P)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, P)
+    for row, ids in enumerate(prompts):
+        if ids:
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+    return input_ids, attention_mask
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only attended tokens, so a left-padded row starts at position 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens ``(N,)`` and their log-probabilities ``(N,)`` under the untruncated tempered distribution."""
+    logits = logits.float()  # (N, V)
+    if params.greedy:
+        tokens = logits.argmax(-1)  # (N,)
+        logp = F.log_softmax(logits, -1)  # (N, V)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / params.temperature  # (N, V)
+    logp = F.log_softmax(scaled, -1)  # (N, V)
+    filtered = scaled
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]  # (N, 1)
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = filtered.sort(-1, descending=True)  # (N, V)
+        probs = sorted_logits.softmax(-1)  # (N, V)
+        # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass before it already does.
+        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p  # (N, V)
+        drop_sorted[:, 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # (N, V) back in vocabulary order
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    tokens = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)  # (N,)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFEngine:
+    """Samples completions from a Hugging Face causal LM, sharing the model object (and its weights) in place."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        stop_ids: list[int] | None = None,
+        device: str | torch.device | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_ids = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
+        if not self.stop_ids:
+            raise UserError("The tokenizer has no EOS or end-of-turn token: pass stop_ids=[...] to HFEngine.")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.autocast_dtype = autocast_dtype
+        forward_args = inspect.signature(model.forward).parameters
+        self._keeps_last_logits = "logits_to_keep" in forward_args
+        # transformers 5.24 renamed the forward argument `past_key_values` to `cache` (5.17 only knows the old name).
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
+        """``n`` completions of each prompt (token ids, chat template applied); row ``i`` is for prompt ``i // n``."""
+        self._check(prompts, n, params)
+        if generator is not None and generator.device.type != self.device.type:
+            raise UserError(f"generate() got a torch.Generator on {generator.device} for a model on {self.device}: "
+                            f"create it with torch.Generator(device={str(self.device)!r}).")
+        # Per-module modes, not one flag: a trainer may keep some submodules (a frozen part, say) in eval mode.
+        modes = [(module, module.training) for module in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                tokens, mask, logprobs, stopped = self._generate(prompts, n, params, generator)
+        finally:
+            for module, training in modes:
+                module.training = training
+        tokens, mask, logprobs = tokens.cpu(), mask.cpu(), logprobs.cpu()
+        return Rollout(
+            prompt_ids=[list(p) for p in prompts for _ in range(n)],
+            completion_ids=tokens,
+            completion_mask=mask,
+            logprobs=logprobs,
+            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped.tolist()],
+            texts=self.tokenizer.batch_decode(
+                [row[m].tolist() for row, m in zip(tokens, mask)], skip_special_tokens=True
+            ),
+            pad_id=self.pad_id,
+        )
+
+    # --- steps --------------------------------------------------------------------------------------------------
+
+    def _generate(self, prompts, n, params, generator):
+        logits, cache, attention_mask, positions = self._prefill(prompts, n)
+        rows = logits.shape[0]
+        stop_ids = torch.tensor(self.stop_ids, device=self.device)
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)  # (N,)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)  # (N,)
+        out_tokens, out_mask, out_logp = [], [], []
+        for step in range(params.max_new_tokens):
+            tokens, logp = sample_next(logits, params, generator)  # (N,), (N,)
+            alive = ~done  # (N,)
+            tokens = torch.where(alive, tokens, self.pad_id)  # (N,)
+            out_tokens.append(tokens)
+            out_mask.append(alive)
+            out_logp.append(torch.where(alive, logp, 0.0))
+            hit = alive & torch.isin(tokens, stop_ids)  # (N,)
+            stopped |= hit
+            done |= hit
+            if step + 1 == params.max_new_tokens or bool(done.all()):
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], -1)  # (N, P + t)
+            positions = positions + 1  # (N, 1)
+            logits = self._decode_step(tokens, cache, attention_mask, positions)
+        # The loop stops at the first step after which all rows ended, so T is already the longest completion.
+        return (
+            torch.stack(out_tokens, 1),  # (N, T)
+            torch.stack(out_mask, 1),  # (N, T)
+            torch.stack(out_logp, 1).float(),  # (N, T)
+            stopped,
+        )
+
+    def _prefill(self, prompts, n):
+        """Run the unique prompts once and repeat their cache ``n`` times; returns the logits of the first token."""
+        input_ids, attention_mask = pad_prompts(prompts, self.pad_id)  # (B, P)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        positions = positions_from_mask(attention_mask)  # (B, P)
+        cache = DynamicCache(config=self.model.config)
+        extra = {"logits_to_keep": 1} if self._keeps_last_logits else {}
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_arg: cache},
+            **extra,
+        )
+        if n > 1:
+            cache.batch_repeat_interleave(n)  # the n samples of a prompt share its prefill
+        logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # (N, V)
+        attention_mask = attention_mask.repeat_interleave(n, 0)  # (N, P)
+        next_positions = positions[:, -1:].repeat_interleave(n, 0)  # (N, 1)
+        return logits, cache, attention_mask, next_positions
+
+    def _decode_step(self, tokens, cache, attention_mask, positions):
+        """Feed one token per row; returns the logits ``(N, V)`` of the next one."""
+        out = self.model(
+            input_ids=tokens[:, None],  # (N, 1)
+            attention_mask=attention_mask,  # (N, P + t)
+            position_ids=positions,  # (N, 1)
+            use_cache=True,
+            **{self._cache_arg: cache},
+        )
+        return out.logits[:, -1].float()  # (N, V)
+
+    def _autocast(self):
+        if self.autocast_dtype is not None and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=self.autocast_dtype)
+        return contextlib.nullcontext()
+
+    def _check(self, prompts, n, params) -> None:
+        if not prompts:
+            raise UserError("generate() got no prompts: pass at least one list of token ids.")
+        if any(len(p) == 0 for p in prompts):
+            raise UserError("generate() got an empty prompt: every prompt needs at least one token (apply the chat "
+                            "template first).")
+        if n < 1:
+            raise UserError(f"generate() got n={n} samples per prompt: use n >= 1.")
+        if params.max_new_tokens < 1:
+            raise UserError(f"SamplingParams.max_new_tokens={params.max_new_tokens}: use a value >= 1.")
+        if not params.greedy and not params.temperature > 0:
+            raise UserError(f"SamplingParams.temperature={params.temperature}: use a value > 0, or greedy=True.")
+        if not 0 < params.top_p <= 1:
+            raise UserError(f"SamplingParams.top_p={params.top_p}: use a value in (0, 1].")
+        if params.top_k < 0:
+            raise UserError(f"SamplingParams.top_k={params.top_k}: use 0 (off) or a positive number.")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in prompts)
+        if limit is not None and longest + params.max_new_tokens > limit:
+            raise UserError(f"A prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the "
+                            f"model's context of {limit} positions: shorten the prompts or lower max_new_tokens.")

@@ -1,0 +1,436 @@
+"""The training loop, and nothing else: it sequences the stages that live in their own modules.
+
+One rollout batch per iteration:
+  1. P prompts x G completions from the embedded engine (the trainer's own model, new weights every time)
+  2. rewards in isolated workers (failures -> NaN -> left out of the group baseline)
+  3. [DAPO] soft overlong punishment; dynamic sampling drops zero-variance groups and refills
+  4. group-relative advantages
+  5. old-policy log-probs: recomputed by the trainer (default) or the engine's own (``old_logprobs = "rollout"``)
+  6. ``minibatches`` optimizer steps over a seeded shuffle of the batch; only the first is on-policy
+  7. metrics line per optimizer step, samples, checkpoints
+Differences from the GSPO paper's setup: none in the objective; rewards that fail are excluded rather than scored 0.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.algorithms import group_advantages, overlong_penalty, policy_loss, zero_variance_groups
+from gspo.checkpoint import complete_checkpoints, load_model_weights, rng_state, save_checkpoint, seed_everything, set_rng_state
+from gspo.config import Config
+from gspo.data import DataStream, build_dataset, default_reward
+from gspo.errors import UserError
+from gspo.logprobs import sequence_logprobs
+from gspo.metrics import Console, JsonlWriter
+from gspo.models import load_model, stop_token_ids
+from gspo.prompts import encode_prompts
+from gspo.rewards.runner import RewardRunner, RewardSpec
+from gspo.rollout.hf import HFEngine
+from gspo.types import FINISH_LENGTH, Example, Rollout, SamplingParams
+
+log = logging.getLogger("gspo")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"model.device = {name!r} but no CUDA device is visible; use model.device = 'cpu' or 'auto'.")
+    return torch.device(name)
+
+
+def dataset_args(cfg: Config, seed: int) -> dict[str, Any]:
+    """The ``data`` section as :func:`gspo.data.build_dataset` takes it (prompt-side fields stay with the trainer)."""
+    skip = {"system_prompt", "max_prompt_tokens"}
+    return {**{k: v for k, v in vars(cfg.data).items() if v is not None and k not in skip}, "seed": seed}
+
+
+@dataclass
+class Batch:
+    """One rollout batch ready for the update.  N = P x G rows, groups contiguous."""
+
+    rollout: Rollout
+    examples: list[Example]  # N, the example of each row
+    rewards: torch.Tensor  # (N,) total reward, NaN where a reward function failed
+    advantages: torch.Tensor  # (N,)
+    loss_mask: torch.Tensor  # (N, T) bool: completion tokens that enter the loss
+    metrics: dict[str, float]
+
+
+class Trainer:
+    """Runs one configured training job in ``run_dir``; ``train()`` does the work."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self._prepare_run_dir(resume)
+        seed_everything(cfg.seed)
+        self.device = resolve_device(cfg.model.device)
+        precision = cfg.model.precision
+        if precision == "auto":
+            precision = "bf16-autocast" if self.device.type == "cuda" else "fp32"
+        self.autocast = torch.bfloat16 if precision == "bf16-autocast" else None
+
+        self.model, self.tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(self.device))
+        self.model.to(self.device)
+        if cfg.model.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.ref_model = None
+        if cfg.loss.beta > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model)
+        self.engine = HFEngine(self.model, self.tokenizer, stop_ids=self.stop_ids, device=self.device, autocast_dtype=self.autocast)
+        self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                       top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
+
+        self.stream = DataStream(build_dataset(dataset_args(cfg, cfg.seed)), seed=cfg.seed)
+        specs = [RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions] or [RewardSpec(default_reward(cfg.data.task))]
+        self.rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s)
+
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.step = 0
+        self.rollout_batch = 0
+        self.skipped_prompts = 0
+        self.nonfinite_steps = 0
+        if resume:
+            self._resume()
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def _prepare_run_dir(self, resume: bool) -> None:
+        exists = self.run_dir.exists() and any(self.run_dir.iterdir())
+        if exists and not resume:
+            raise UserError(f"Run directory {str(self.run_dir)!r} already exists; pass --resume to continue it, "
+                            "or choose another log.run_dir.")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        import json
+
+        (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+
+    def _lr_factor(self, step: int) -> float:
+        t = self.cfg.train
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.schedule == "constant":
+            return 1.0
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        return 1.0 - progress if t.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def _resume(self) -> None:
+        ckpts = complete_checkpoints(self.run_dir / "checkpoints")
+        if not ckpts:
+            raise UserError(f"--resume found no complete checkpoint in {str(self.run_dir / 'checkpoints')!r}; "
+                            "start a new run without --resume.")
+        ckpt = ckpts[-1]
+        load_model_weights(self.model, ckpt)
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.generator.set_state(state["generator"])
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        self.stream.load_state_dict(state["data"])
+        self.step, self.rollout_batch = state["step"], state["rollout_batch"]
+        self.skipped_prompts = state.get("skipped_prompts", 0)
+        log.info("resumed from %s at optimizer step %d", ckpt, self.step)
+
+    def checkpoint(self) -> Path:
+        state = {"step": self.step, "rollout_batch": self.rollout_batch, "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "generator": self.generator.get_state(),
+                 "shuffle_gen": self.shuffle_gen.get_state(), "data": self.stream.state_dict(),
+                 "skipped_prompts": self.skipped_prompts}
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.tokenizer, state, self.cfg.log.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------------------ rollout
+
+    def _prompts(self, k: int) -> tuple[list[Example], list[list[int]]]:
+        """The next ``k`` examples whose encoded prompt fits ``data.max_prompt_tokens``."""
+        examples, ids = [], []
+        while len(examples) < k:
+            batch = self.stream.next_batch(k - len(examples))
+            for ex, p in zip(batch, encode_prompts(self.tokenizer, batch, self.cfg.data.system_prompt)):
+                if len(p) > self.cfg.data.max_prompt_tokens:
+                    self.skipped_prompts += 1
+                    continue
+                examples.append(ex)
+                ids.append(p)
+            if self.skipped_prompts > 1000 and not examples:
+                raise UserError(f"Every prompt is longer than data.max_prompt_tokens = {self.cfg.data.max_prompt_tokens}; raise it.")
+        return examples, ids
+
+    def _sample_groups(self, k: int, timing: dict[str, float]) -> tuple[Rollout, list[Example], torch.Tensor, dict[str, Any]]:
+        G = self.cfg.rollout.group_size
+        examples, prompt_ids = self._prompts(k)
+        t0 = time.perf_counter()
+        rollout = self.engine.generate(prompt_ids, G, self.sampling, generator=self.generator)
+        timing["rollout"] += time.perf_counter() - t0
+        timing["gen_tokens"] += float(rollout.completion_mask.sum())
+        row_examples = [ex for ex in examples for _ in range(G)]
+        t0 = time.perf_counter()
+        result = self.rewards.score(rollout.texts, row_examples)
+        timing["reward"] += time.perf_counter() - t0
+        timing["failures"] += float(sum(result.failures.values()))
+        return rollout, row_examples, result.total.float(), {"per_function": result.per_function}
+
+    def collect(self) -> Batch:
+        """Sample, score and (DAPO) filter one rollout batch, and compute its advantages."""
+        cfg = self.cfg
+        P, G = cfg.rollout.prompts_per_batch, cfg.rollout.group_size
+        timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
+        parts: list[tuple[Rollout, list[Example], torch.Tensor, dict[str, Any]]] = []
+        reserve: list[tuple[Rollout, list[Example], torch.Tensor, dict[str, Any]]] = []  # zero-variance groups
+        kept, dropped, rounds, padded = 0, 0, 0, 0
+        all_rewards, all_zero = [], []
+        while kept < P:
+            part = self._sample_groups(P - kept, timing)
+            rounds += 1
+            zero_var = zero_variance_groups(self._shape(part[2], part[0]), G)  # (groups,)
+            all_rewards.append(part[2])
+            all_zero.append(zero_var)
+            if not cfg.dapo.dynamic_sampling:
+                parts.append(part)
+                break
+            good = [g for g in range(len(zero_var)) if not zero_var[g]]
+            dropped += len(zero_var) - len(good)
+            if good:
+                parts.append(_select_groups(part, good, G))
+                kept += len(good)
+            if kept < P and rounds > cfg.dapo.max_resample_rounds:
+                # Out of retries: fill with dropped groups (advantage 0) so the minibatch schedule keeps its shape.
+                bad = [g for g in range(len(zero_var)) if zero_var[g]][: P - kept]
+                parts.append(_select_groups(part, bad, G))
+                padded, kept = len(bad), kept + len(bad)
+                log.warning("dynamic sampling: only %d of %d groups had reward variance after %d rounds; %d padded with "
+                            "zero-advantage groups (raise dapo.max_resample_rounds)", P - padded, P, rounds, padded)
+        rollout = _concat_rollouts([p[0] for p in parts], self.tokenizer.pad_token_id)
+        examples = [ex for p in parts for ex in p[1]]
+        rewards = torch.cat([p[2] for p in parts])  # (N,)
+        shaped = self._shape(rewards, rollout)
+        adv = group_advantages(shaped, G, scale=cfg.loss.advantage_scale)  # (N,)
+        loss_mask = rollout.completion_mask.clone()  # (N, T)
+        truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
+        if cfg.loss.mask_truncated:
+            loss_mask &= ~truncated[:, None]
+
+        m: dict[str, float] = {}
+        valid = torch.isfinite(rewards)
+        raw = torch.cat(all_rewards)
+        m["reward/mean"] = _nanmean(raw)
+        m["reward/std"] = _nanstd(raw)
+        m["reward/trained_mean"] = _nanmean(rewards)
+        for name in parts[0][3]["per_function"]:
+            vals = torch.cat([p[3]["per_function"][name] for p in parts])
+            m[f"reward/{name}/mean"] = _nanmean(vals)
+            m[f"reward/{name}/std"] = _nanstd(vals)
+        first = next(iter(parts[0][3]["per_function"]))
+        prim = torch.cat([p[3]["per_function"][first] for p in parts])
+        m["accuracy"] = float((prim[torch.isfinite(prim)] >= 1.0).float().mean()) if torch.isfinite(prim).any() else float("nan")
+        m["reward/failures"] = timing["failures"]
+        m["reward/failed_frac"] = float((~valid).float().mean())
+        if cfg.dapo.overlong_penalty:
+            m["reward/overlong_penalty_mean"] = float(self._overlong(rollout).mean())
+        zero = torch.cat(all_zero).float()
+        m["zero_variance_frac"] = float(zero.mean())
+        lengths = rollout.lengths.float()
+        m["completion/len_mean"] = float(lengths.mean())
+        m["completion/len_max"] = float(lengths.max())
+        m["completion/truncated_frac"] = float(truncated.float().mean())
+        m["dynamic/dropped_groups"] = float(dropped)
+        m["dynamic/padded_groups"] = float(padded)
+        m["dynamic/rounds"] = float(rounds)
+        m["data/skipped_prompts"] = float(self.skipped_prompts)
+        m["data/position"] = float(self.stream.position)
+        m["time/rollout"] = timing["rollout"]
+        m["time/reward"] = timing["reward"]
+        m["throughput/rollout_tok_s"] = timing["gen_tokens"] / max(timing["rollout"], 1e-9)
+        return Batch(rollout, examples, rewards, adv, loss_mask, m)
+
+    def _overlong(self, rollout: Rollout) -> torch.Tensor:
+        return overlong_penalty(rollout.lengths, self.cfg.rollout.max_new_tokens, self.cfg.dapo.overlong_cache)
+
+    def _shape(self, rewards: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+        return rewards + self._overlong(rollout) if self.cfg.dapo.overlong_penalty else rewards
+
+    # ------------------------------------------------------------------------------------------ update
+
+    def _logprobs(self, model, rollout: Rollout, rows: torch.Tensor | None = None, *, with_entropy: bool = False):
+        r = rollout if rows is None else rollout.select(rows.tolist())
+        return sequence_logprobs(model, r.prompt_ids, r.completion_ids.to(self.device), r.completion_mask.to(self.device),
+                                 temperature=self.cfg.rollout.temperature, pad_id=r.pad_id, chunk_size=self.cfg.train.logprob_chunk,
+                                 with_entropy=with_entropy, autocast_dtype=self.autocast)
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        n = rollout.completion_ids.shape[0]
+        mb = max(1, self.cfg.train.micro_batch_size or n // self.cfg.train.minibatches)
+        out = [self._logprobs(model, rollout, torch.arange(i, min(i + mb, n)))[0] for i in range(0, n, mb)]
+        model.train(was_training)
+        return torch.cat(out)  # (N, T)
+
+    def update(self, batch: Batch, writer: JsonlWriter, console: Console) -> None:
+        """``minibatches`` optimizer steps over a seeded shuffle of ``batch``; one metrics line per step."""
+        cfg, t = self.cfg, self.cfg.train
+        rollout = batch.rollout
+        N = rollout.completion_ids.shape[0]
+        dev = self.device
+        t0 = time.perf_counter()
+        engine_logp = rollout.logprobs.to(dev)  # (N, T)
+        mask = batch.loss_mask.to(dev)  # (N, T)
+        if t.old_logprobs == "recompute":
+            old_logp = self._frozen_logprobs(self.model, rollout)  # (N, T)
+        else:
+            old_logp = engine_logp
+        ref_logp = self._frozen_logprobs(self.ref_model, rollout) if self.ref_model is not None else None
+        t_logprobs = time.perf_counter() - t0
+        extra = dict(batch.metrics)
+        extra["time/logprobs"] = t_logprobs
+        if t.old_logprobs == "recompute":
+            cm = rollout.completion_mask.to(dev)
+            diff = (engine_logp - old_logp).abs()
+            extra["logprob/engine_diff_mean"] = float(diff[cm].mean()) if cm.any() else 0.0
+            extra["logprob/engine_diff_max"] = float(diff[cm].max()) if cm.any() else 0.0
+            seq = torch.where(cm, engine_logp - old_logp, 0).sum(-1) / cm.sum(-1).clamp(min=1)
+            extra["logprob/engine_seq_diff_mean"] = float(seq.abs().mean())
+            extra["logprob/engine_seq_diff_max"] = float(seq.abs().max())
+
+        order = torch.randperm(N, generator=self.shuffle_gen)
+        mb_size = N // t.minibatches
+        micro = t.micro_batch_size or mb_size
+        adv = batch.advantages.to(dev)
+        self.model.train()
+        for k in range(t.minibatches):
+            t_step = time.perf_counter()
+            rows = order[k * mb_size:(k + 1) * mb_size]
+            num_tokens = float(mask[rows].sum())
+            metric_sums: dict[str, float] = {}
+            ent_sum, ent_count, loss_total, trained_tokens = 0.0, 0.0, 0.0, 0.0
+            self.optimizer.zero_grad(set_to_none=True)
+            for j in range(0, mb_size, micro):
+                sub = rows[j:j + micro]
+                logp, ent = self._logprobs(self.model, rollout, sub, with_entropy=True)  # (n, T)
+                sub_mask = mask[sub]
+                loss, lm = policy_loss(logp, old_logp[sub], adv[sub], sub_mask, level=cfg.loss.level,
+                                       eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high, aggregation=cfg.loss.aggregation,
+                                       ref_logp=None if ref_logp is None else ref_logp[sub], beta=cfg.loss.beta,
+                                       max_length=cfg.rollout.max_new_tokens, num_seqs=mb_size, num_tokens=num_tokens)
+                loss.backward()
+                loss_total += float(loss.detach())
+                _merge_metrics(metric_sums, lm, len(sub) / mb_size)
+                cm = rollout.completion_mask[sub.cpu()].to(dev)
+                ent_sum += float(ent[cm].sum())
+                ent_count += float(cm.sum())
+                trained_tokens += float(cm.sum())
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
+            finite = math.isfinite(loss_total) and bool(torch.isfinite(grad_norm))
+            if finite:
+                self.optimizer.step()
+            else:
+                self.nonfinite_steps += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                log.warning("non-finite loss or gradient at step %d: optimizer step skipped", self.step + 1)
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            self.step += 1
+            dt = time.perf_counter() - t_step
+            row = {"step": self.step, "rollout_batch": self.rollout_batch, "minibatch": k, **extra,
+                   "loss": loss_total, **metric_sums, "entropy": ent_sum / max(ent_count, 1.0),
+                   "grad_norm": float(grad_norm), "lr": lr, "nonfinite_steps": float(self.nonfinite_steps),
+                   "time/update": dt, "throughput/train_tok_s": trained_tokens / max(dt, 1e-9),
+                   "time/elapsed": time.time() - self.t_start}
+            writer.write(row)
+            console.update(self.step, row, end_of_batch=(k == t.minibatches - 1))
+        self.model.eval()
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    def _write_samples(self, writer: JsonlWriter, batch: Batch) -> None:
+        G = self.cfg.rollout.group_size
+        for i in list(range(0, len(batch.examples), G))[: self.cfg.log.samples_per_batch]:  # one completion per prompt
+            ex = batch.examples[i]
+            writer.write({"step": self.step, "rollout_batch": self.rollout_batch, "prompt": ex.prompt, "answer": ex.answer,
+                          "completion": batch.rollout.texts[i], "reward": float(batch.rewards[i]),
+                          "advantage": float(batch.advantages[i]), "finish_reason": batch.rollout.finish_reasons[i],
+                          "length": int(batch.rollout.lengths[i])})
+
+    def train(self) -> Path:
+        """Run until ``train.steps`` optimizer steps; returns the run directory."""
+        cfg = self.cfg
+        self.t_start = time.time()
+        metrics = JsonlWriter(self.run_dir / "metrics.jsonl", truncate_after_step=self.step)
+        samples = JsonlWriter(self.run_dir / "samples.jsonl", truncate_after_step=self.step)
+        console = Console(cfg.train.steps, self.step, enabled=cfg.log.progress)
+        self.model.eval()
+        try:
+            while self.step < cfg.train.steps:
+                batch = self.collect()
+                self._write_samples(samples, batch)
+                self.update(batch, metrics, console)
+                self.rollout_batch += 1
+                every = cfg.log.checkpoint_every
+                if every and self.rollout_batch % every == 0 and self.step < cfg.train.steps:
+                    self.checkpoint()
+            self.checkpoint()
+        finally:
+            console.close()
+            metrics.close()
+            samples.close()
+            self.rewards.close()
+        return self.run_dir
+
+
+def _select_groups(part, groups: list[int], G: int):
+    rollout, examples, rewards, extra = part
+    rows = [g * G + j for g in groups for j in range(G)]
+    return rollout.select(rows), [examples[i] for i in rows], rewards[rows], {
+        "per_function": {k: v[rows] for k, v in extra["per_function"].items()}}
+
+
+def _merge_metrics(acc: dict[str, float], new: dict[str, float], weight: float) -> None:
+    """Combine micro-batch metrics: extremes by min/max, everything else as a weighted mean."""
+    for key, v in new.items():
+        if key.endswith("_min"):
+            acc[key] = min(acc.get(key, v), v)
+        elif key.endswith("_max"):
+            acc[key] = max(acc.get(key, v), v)
+        else:
+            acc[key] = acc.get(key, 0.0) + weight * v
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    x = x[torch.isfinite(x)]
+    return float(x.mean()) if x.numel() else float("nan")
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    x = x[torch.isfinite(x)]
+    return float(x.std(unbiased=False)) if x.numel() else float("nan")
+
+
+def _concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    if len(parts) == 1:
+        return parts[0]
+    T = max(p.completion_ids.shape[1] for p in parts)
+
+    def pad(x: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+    return Rollout(prompt_ids=[ids for p in parts for ids in p.prompt_ids],
+                   completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
+                   completion_mask=torch.cat([pad(p.completion_mask, False) for p in parts]),
+                   logprobs=torch.cat([pad(p.logprobs, 0.0) for p in parts]),
+                   finish_reasons=[f for p in parts for f in p.finish_reasons],
+                   texts=[s for p in parts for s in p.texts], pad_id=pad_id)

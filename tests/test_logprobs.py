@@ -1,0 +1,137 @@
+"""Chunked per-token log-probs: equal to the full-logits computation, in value and gradient, and to the engine's."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gspo.errors import UserError
+from gspo.logprobs import final_logits, sequence_logprobs
+from gspo.rollout import HFEngine
+from gspo.types import SamplingParams
+
+PAD = 0
+PROMPTS = [[5, 17, 33, 90], [7], [400, 401, 402, 403, 404, 405]]
+COMPLETIONS = [[11, 12, 13, PAD], [21, PAD, PAD, PAD], [31, 32, 33, 34]]
+MASK = [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def naive_logprobs(model, prompts, completions, mask, temperature=1.0):
+    """Each row alone, unpadded, through the full forward: log_softmax(logits / T) gathered at the completion."""
+    rows = []
+    for prompt, ids, m in zip(prompts, completions.tolist(), mask.tolist()):
+        length = sum(m)
+        seq = torch.tensor([prompt + ids[:length]])  # (1, L)
+        logits = model(seq).logits[0, len(prompt) - 1: len(prompt) - 1 + length].float()  # (length, V)
+        logp = F.log_softmax(logits / temperature, -1).gather(-1, seq[0, len(prompt):, None]).squeeze(-1)
+        rows.append(torch.cat([logp, logp.new_zeros(len(ids) - length)]))
+    return torch.stack(rows)  # (N, T)
+
+
+@pytest.fixture
+def batch():
+    return PROMPTS, torch.tensor(COMPLETIONS), torch.tensor(MASK, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_matches_full_logits(make_tiny_model, batch, chunk_size, temperature):
+    """Chunked log-probs equal the naive full-vocabulary computation to 1e-5, with 0 on padding."""
+    model = make_tiny_model(vocab_size=512)
+    prompts, ids, mask = batch
+    with torch.no_grad():
+        got, _ = sequence_logprobs(model, prompts, ids, mask, temperature=temperature, pad_id=PAD,
+                                   chunk_size=chunk_size)
+        expected = naive_logprobs(model, prompts, ids, mask, temperature)
+    assert got.dtype == torch.float32 and got.shape == ids.shape
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert (got[~mask] == 0).all()
+
+
+def test_gradients_match_full_logits(make_tiny_model, batch):
+    """The parameter gradients of sum(logp) through checkpointed chunks equal those of the naive computation."""
+    prompts, ids, mask = batch
+    model = make_tiny_model(vocab_size=512)
+    sequence_logprobs(model, prompts, ids, mask, temperature=0.8, pad_id=PAD, chunk_size=2)[0].sum().backward()
+    chunked = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    naive_logprobs(model, prompts, ids, mask, temperature=0.8).sum().backward()
+    for name, p in model.named_parameters():
+        # float32 sums in another order: agreement to 1e-5 of each gradient's scale
+        assert (chunked[name] - p.grad).abs().max() <= 1e-5 * p.grad.abs().max(), name
+
+
+def test_no_vocabulary_sized_tensor_saved_for_backward(make_tiny_model, batch):
+    """Under grad, the chunked logits are recomputed in backward, never kept: no saved tensor has a V-sized axis."""
+    prompts, ids, mask = batch
+    vocab = 512
+    model = make_tiny_model(vocab_size=vocab)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = sequence_logprobs(model, prompts, ids, mask, pad_id=PAD, chunk_size=2)
+    assert shapes and not [s for s in shapes if s and s[-1] == vocab]
+    logp.sum().backward()
+    assert model.model.norm.weight.grad is not None
+
+
+def test_left_padding_changes_nothing(make_tiny_model, batch):
+    """A row's log-probs are the same alone as inside a left-padded batch with longer prompts."""
+    prompts, ids, mask = batch
+    model = make_tiny_model(vocab_size=512)
+    with torch.no_grad():
+        together, _ = sequence_logprobs(model, prompts, ids, mask, pad_id=PAD)
+        alone, _ = sequence_logprobs(model, prompts[1:2], ids[1:2, :1], mask[1:2, :1], pad_id=PAD)
+    torch.testing.assert_close(together[1, :1], alone[0], atol=1e-5, rtol=0)
+
+
+def test_entropy_of_tempered_distribution(make_tiny_model, batch):
+    """The entropy equals -sum p log p of softmax(logits / T) at each completion position, 0 on padding."""
+    prompts, ids, mask = batch
+    model = make_tiny_model(vocab_size=512)
+    _, entropy = sequence_logprobs(model, prompts, ids, mask, temperature=0.7, pad_id=PAD, chunk_size=2,
+                                   with_entropy=True)
+    with torch.no_grad():
+        seq = torch.tensor([PROMPTS[0] + COMPLETIONS[0][:3]])
+        logp = F.log_softmax(model(seq).logits[0, 3:6] / 0.7, -1)  # (3, V)
+        expected = -(logp.exp() * logp).sum(-1)
+    assert not entropy.requires_grad
+    torch.testing.assert_close(entropy[0, :3], expected, atol=1e-5, rtol=0)
+    assert (entropy[~mask] == 0).all()
+    assert sequence_logprobs(model, prompts, ids, mask, pad_id=PAD)[1] is None
+
+
+def test_engine_logprobs_match_recomputation(tiny_model, tokenizer):
+    """The log-probs the engine records while sampling equal the trainer-side recomputation (mean |diff| < 1e-4)."""
+    prompts = [tokenizer.encode(t) for t in ["Count: one, two,", "Hi", "Name three colours of the rainbow:"]]
+    engine = HFEngine(tiny_model, tokenizer)
+    for params in [SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9),
+                   SamplingParams(max_new_tokens=12, temperature=1.3, top_k=20)]:
+        rollout = engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logp, _ = sequence_logprobs(tiny_model, rollout.prompt_ids, rollout.completion_ids,
+                                        rollout.completion_mask, temperature=params.temperature,
+                                        pad_id=rollout.pad_id, chunk_size=5)
+        diff = (logp - rollout.logprobs).abs()[rollout.completion_mask]
+        assert diff.mean() < 1e-4 and diff.max() < 1e-3
+
+
+def test_final_logits_softcap():
+    """Gemma-style soft-capping maps logits x to cap * tanh(x / cap), which the chunked path must reproduce."""
+    config = type("Config", (), {"final_logit_softcapping": 10.0})()
+    x = torch.tensor([0.0, 10.0, -30.0])
+    torch.testing.assert_close(final_logits(config, x), 10.0 * torch.tanh(x / 10.0))
+
+
+def test_prompt_count_must_match_rows(make_tiny_model, batch):
+    """One prompt per completion row is required; a missing or empty prompt raises UserError."""
+    prompts, ids, mask = batch
+    model = make_tiny_model(vocab_size=512)
+    with pytest.raises(UserError):
+        sequence_logprobs(model, prompts[:2], ids, mask, pad_id=PAD)
+    with pytest.raises(UserError):
+        sequence_logprobs(model, [[], *prompts[1:]], ids, mask, pad_id=PAD)
