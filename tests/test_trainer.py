@@ -59,6 +59,8 @@ def test_two_steps_change_parameters_and_log_every_key(tiny_dir, tmp_path):
         missing = [k for k in DOCUMENTED_KEYS if k not in r]
         assert not missing, missing
     assert rows[0]["minibatch"] == 0 and rows[1]["minibatch"] == 1
+    # The first minibatch is on-policy: recomputed old log-probs equal the update's own, so every ratio is 1.
+    assert rows[0]["ratio/token_min"] == rows[0]["ratio/token_max"] == 1.0 and rows[0]["clip/token_total"] == 0.0
     samples = read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert samples and {"prompt", "completion", "reward", "advantage", "finish_reason"} <= set(samples[0])
     assert json.loads((tmp_path / "run" / "config.json").read_text())["algorithm"] == "gspo"

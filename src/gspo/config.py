@@ -35,7 +35,8 @@ class ModelConfig:
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     precision: str = "auto"
-    """``auto``: fp32 master weights with bf16 autocast on CUDA, plain fp32 on CPU; ``fp32``; ``bf16-autocast``."""
+    """``auto``: fp32 master weights with bf16 autocast on CUDA, plain fp32 on CPU; ``fp32``; ``bf16-autocast``
+    (fp32 master weights, bf16 matmuls; also on CPUs with AVX512-BF16, where it is ~2x faster than fp32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, ~30% more time per update."""
 

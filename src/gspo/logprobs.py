@@ -14,13 +14,13 @@ never exist at once, neither in the forward nor as saved activations (the backwa
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gspo.errors import UserError
+from gspo.models import autocast_context
 from gspo.rollout.hf import pad_prompts, positions_from_mask
 
 
@@ -51,7 +51,7 @@ def sequence_logprobs(
     input_ids = torch.cat([prompt.to(device), completion_ids.masked_fill(~completion_mask, pad_id)], 1)  # (N, P+T)
     attention_mask = torch.cat([prompt_mask.to(device), completion_mask.long()], 1)  # (N, P+T)
 
-    with _autocast(device, autocast_dtype):
+    with autocast_context(device, autocast_dtype):
         hidden = model.get_decoder()(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -88,7 +88,7 @@ def sequence_logprobs(
 
 def _chunk(hidden, targets, head, config, temperature, with_entropy, device, autocast_dtype):
     """Log-prob of each target (C,) and, without grad, the entropy (C,) for one chunk of C positions."""
-    with _autocast(device, autocast_dtype):
+    with autocast_context(device, autocast_dtype):
         logits = head(hidden)  # (C, V)
     logits = final_logits(config, logits.float()) / temperature  # (C, V) float32
     logp_all = F.log_softmax(logits, -1)  # (C, V)
@@ -113,8 +113,3 @@ def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
         logits = torch.tanh(logits / cap) * cap
     return logits
 
-
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is not None and device.type == "cuda":
-        return torch.autocast("cuda", dtype=dtype)
-    return contextlib.nullcontext()

@@ -14,6 +14,8 @@ A GGUF is dequantised once and cached as a normal HF directory under ``$GSPO_CAC
 """
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import importlib.resources
 import importlib.util
@@ -254,3 +256,10 @@ def _load_error(name: str, what: str, err: Exception) -> UserError:
     return UserError(f"Could not load the {what} {name!r} from the Hugging Face hub or its local cache "
                      f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): check the id, or pass a "
                      f"local directory, or download it once online so the hub cache has it (HF_HOME).")
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None):
+    """Mixed-precision context for forward passes: bf16 autocast on CUDA, and on CPUs (oneDNN, ~2x on AVX512-BF16)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)

@@ -272,14 +272,19 @@ class Trainer:
                                  with_entropy=with_entropy, autocast_dtype=self.autocast)
 
     @torch.no_grad()
-    def _frozen_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+    def _frozen_logprobs(self, model, rollout: Rollout, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """Log-probs of a frozen policy over the same micro-batches (rows, padding) the update will use.
+
+        Same rows and shapes give bit-identical numbers to the first update's forward pass, so the on-policy
+        ratio is exactly 1 even in bf16, where a different batch composition would change the rounding.
+        """
         was_training = model.training
         model.eval()
-        n = rollout.completion_ids.shape[0]
-        mb = max(1, self.cfg.train.micro_batch_size or n // self.cfg.train.minibatches)
-        out = [self._logprobs(model, rollout, torch.arange(i, min(i + mb, n)))[0] for i in range(0, n, mb)]
+        out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=self.device)  # (N, T)
+        for rows in micro_batches:
+            out[rows.to(self.device)] = self._logprobs(model, rollout, rows)[0]
         model.train(was_training)
-        return torch.cat(out)  # (N, T)
+        return out
 
     def update(self, batch: Batch, writer: JsonlWriter, console: Console) -> None:
         """``minibatches`` optimizer steps over a seeded shuffle of ``batch``; one metrics line per step."""
@@ -290,11 +295,15 @@ class Trainer:
         t0 = time.perf_counter()
         engine_logp = rollout.logprobs.to(dev)  # (N, T)
         mask = batch.loss_mask.to(dev)  # (N, T)
+        order = torch.randperm(N, generator=self.shuffle_gen)
+        mb_size = N // t.minibatches
+        micro = t.micro_batch_size or mb_size
+        micro_batches = [order[i:i + micro] for i in range(0, N, micro)]  # minibatch k = micro-batches of rows k*mb_size..
         if t.old_logprobs == "recompute":
-            old_logp = self._frozen_logprobs(self.model, rollout)  # (N, T)
+            old_logp = self._frozen_logprobs(self.model, rollout, micro_batches)  # (N, T)
         else:
             old_logp = engine_logp
-        ref_logp = self._frozen_logprobs(self.ref_model, rollout) if self.ref_model is not None else None
+        ref_logp = self._frozen_logprobs(self.ref_model, rollout, micro_batches) if self.ref_model is not None else None
         t_logprobs = time.perf_counter() - t0
         extra = dict(batch.metrics)
         extra["time/logprobs"] = t_logprobs
@@ -307,9 +316,6 @@ class Trainer:
             extra["logprob/engine_seq_diff_mean"] = float(seq.abs().mean())
             extra["logprob/engine_seq_diff_max"] = float(seq.abs().max())
 
-        order = torch.randperm(N, generator=self.shuffle_gen)
-        mb_size = N // t.minibatches
-        micro = t.micro_batch_size or mb_size
         adv = batch.advantages.to(dev)
         self.model.train()
         for k in range(t.minibatches):

@@ -18,7 +18,6 @@ step are separate methods so that a static-cache / CUDA-graph variant can replac
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from gspo.errors import UserError
-from gspo.models import stop_token_ids
+from gspo.models import autocast_context, stop_token_ids
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
 
@@ -199,9 +198,7 @@ class HFEngine:
         return out.logits[:, -1].float()  # (N, V)
 
     def _autocast(self):
-        if self.autocast_dtype is not None and self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=self.autocast_dtype)
-        return contextlib.nullcontext()
+        return autocast_context(self.device, self.autocast_dtype)
 
     def _check(self, prompts, n, params) -> None:
         if not prompts:
