@@ -116,3 +116,43 @@ def test_cli_train_and_user_errors(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "did you mean 'eps_high'" in err and "Traceback" not in err
     assert main(["summary", str(tmp_path / "r")]) == 0
+
+
+def test_failed_rewards_are_counted_and_get_zero_advantage(tiny_dir, tmp_path):
+    """Completions whose reward raises are NaN, counted in reward/failures, and get advantage 0."""
+    trainer = Trainer(tiny_config(tiny_dir, "rewards.functions=[{path='trainer_rewards:flaky'}]", "rewards.workers=1"), tmp_path / "run")
+    try:
+        batch = trainer.collect()
+    finally:
+        trainer.rewards.close()
+    failed = ~torch.isfinite(batch.rewards)
+    expected = torch.tensor([len(t) % 3 == 0 for t in batch.rollout.texts])
+    assert torch.equal(failed, expected)
+    assert batch.metrics["reward/failures"] == float(expected.sum())
+    assert (batch.advantages[failed] == 0).all() and torch.isfinite(batch.advantages).all()
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_and_refills(tiny_dir, tmp_path):
+    """With dynamic sampling, groups whose rewards are all equal are dropped, counted, and replaced by new prompts."""
+    trainer = Trainer(tiny_config(tiny_dir, "algorithm='dapo'", "rewards.functions=[{path='trainer_rewards:even_a_constant'}]",
+                                  "rollout.prompts_per_batch=4", "dapo.max_resample_rounds=20", "dapo.overlong_cache=4",
+                                  "loss.mask_truncated=false"), tmp_path / "run")
+    try:
+        batch = trainer.collect()
+    finally:
+        trainer.rewards.close()
+    G = 4
+    assert len(batch.examples) == 4 * G
+    assert all(ex.meta["a"] % 2 == 1 for ex in batch.examples)  # only groups with reward variance were kept
+    assert batch.metrics["dynamic/dropped_groups"] >= 1 and batch.metrics["dynamic/rounds"] >= 2
+    assert batch.metrics["dynamic/padded_groups"] == 0
+    assert batch.metrics["zero_variance_frac"] > 0
+
+
+def test_eval_reports_greedy_accuracy_and_pass_at_1(tiny_dir):
+    """`evaluate` scores greedy and sampled completions and reports both as fractions."""
+    from gspo.evaluate import evaluate
+
+    cfg = tiny_config(tiny_dir)
+    out = evaluate(cfg, n=6, samples=2, batch_size=4)
+    assert out["n"] == 6 and 0.0 <= out["greedy_accuracy"] <= 1.0 and 0.0 <= out["pass@1"] <= 1.0
