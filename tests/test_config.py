@@ -117,3 +117,13 @@ def test_shipped_configs_build(tmp_path):
     for path in pathlib.Path(__file__).parent.parent.joinpath("configs").glob("*.toml"):
         for device in ("cpu", "cuda"):
             build_config(load_toml(path), device=device)
+
+
+def test_clip_range_follows_an_explicit_level():
+    """Choosing a ratio level without a clip range takes that level's range, not the algorithm's."""
+    cfg = build_config({"algorithm": "gspo"}, ["loss.level='token'"])
+    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (0.2, 0.2)
+    cfg = build_config({"algorithm": "grpo"}, ["loss.level='sequence'"])
+    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (3e-4, 4e-4)
+    cfg = build_config({"algorithm": "grpo"}, ["loss.level='sequence'", "loss.eps_high=1e-3"])
+    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (3e-4, 1e-3)

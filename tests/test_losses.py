@@ -199,3 +199,17 @@ def test_metrics_are_detached_floats():
     for key in ("clip/token_low", "clip/token_high", "clip/token_total", "clip/seq_low", "clip/seq_high",
                 "clip/seq_total", "ratio/token_mean", "ratio/seq_mean", "ratio/token_max", "ratio/seq_min", "kl/old_new"):
         assert key in m
+
+
+def test_rows_without_loss_tokens_do_not_count_as_sequences():
+    """A fully masked row (overlong-filtered) is left out of the sequence mean: the other rows' gradient is unchanged."""
+    logp = torch.tensor([[-1.0, -0.5], [-0.3, -1.2]], dtype=torch.float64)
+    grads = []
+    for mask in ([[1, 1], [0, 0]], [[1, 1]]):
+        m = torch.tensor(mask).bool()
+        lp = logp[: len(mask)].clone().requires_grad_(True)
+        loss, _ = policy_loss(lp, lp.detach(), torch.ones(len(mask), dtype=torch.float64), m, level="sequence",
+                              eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-mean")
+        loss.backward()
+        grads.append(lp.grad[0])
+    torch.testing.assert_close(grads[0], grads[1])

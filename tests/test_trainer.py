@@ -156,3 +156,45 @@ def test_eval_reports_greedy_accuracy_and_pass_at_1(tiny_dir):
     cfg = tiny_config(tiny_dir)
     out = evaluate(cfg, n=6, samples=2, batch_size=4)
     assert out["n"] == 6 and 0.0 <= out["greedy_accuracy"] <= 1.0 and 0.0 <= out["pass@1"] <= 1.0
+
+
+def test_gradient_checkpointing_gives_the_same_update(tiny_dir, tmp_path):
+    """Gradient checkpointing recomputes activations but changes neither the loss nor the trained weights."""
+    runs = []
+    for i, gc in enumerate(("false", "true")):
+        trainer = Trainer(tiny_config(tiny_dir, f"model.gradient_checkpointing={gc}"), tmp_path / f"run{i}")
+        trainer.train()
+        runs.append((read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl"), _params(trainer.model)))
+    assert [r["loss"] for r in runs[0][0]] == pytest.approx([r["loss"] for r in runs[1][0]], abs=1e-6)
+    for k, v in runs[0][1].items():
+        torch.testing.assert_close(v, runs[1][1][k], atol=1e-6, rtol=1e-5)
+
+
+def test_dropout_is_disabled_so_the_on_policy_ratio_is_one(tmp_path, tokenizer):
+    """A model configured with dropout trains with it off: the first minibatch's ratios are exactly 1."""
+    d = tmp_path / "dropout"
+    model = tiny_llama(vocab_size=len(tokenizer), seed=0)
+    model.config.attention_dropout = 0.5
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    trainer = Trainer(tiny_config(d), tmp_path / "run")
+    assert trainer.model.config.attention_dropout == 0.0
+    trainer.train()
+    first = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert first["ratio/token_min"] == first["ratio/token_max"] == 1.0
+
+
+def test_resume_after_a_crash_replays_without_duplicate_lines(tiny_dir, tmp_path):
+    """Lines written after the last checkpoint by a run that died are dropped on resume, not duplicated."""
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_dir, "train.steps=4", "log.checkpoint_every=1"), run).train()
+    # Simulate a crash after step 2's checkpoint: keep only that checkpoint, leave the later lines in place.
+    import shutil
+
+    for ckpt in (run / "checkpoints").iterdir():
+        if ckpt.name != "step-000002":
+            shutil.rmtree(ckpt)
+    Trainer(tiny_config(tiny_dir, "train.steps=4"), run, resume=True).train()
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    batches = [r["rollout_batch"] for r in read_jsonl(run / "samples.jsonl")]
+    assert batches == sorted(batches) and len(batches) == 2 * 2  # 2 rollout batches x 2 prompts

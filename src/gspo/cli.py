@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-tensor loading bars would bury gspo's own progress line
     try:
         return args.func(args)
     except UserError as e:

@@ -162,6 +162,8 @@ class TrainConfig:
     """``recompute`` old-policy log-probs with the trainer, or reuse the ``rollout`` engine's."""
     logprob_chunk: int = 1024
     """Positions per chunk of the log-prob pass (bounds the fp32 logits held at once)."""
+    max_nonfinite_steps: int = 8
+    """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient (each is skipped)."""
 
 
 @dataclass
@@ -344,10 +346,20 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Clip ranges belong to the ratio's level, not the algorithm: a sequence ratio lives within ~1e-3 of 1, where a
+# token-level 0.2 clips nothing (TRL #3834), and a token ratio under 3e-4 would be clipped almost everywhere.
+LEVEL_EPS = {"token": (0.2, 0.2), "sequence": (3e-4, 4e-4), "sequence_token": (3e-4, 4e-4)}
+
+
 def apply_preset(cfg: Config) -> None:
-    """Fill every ``None`` field from the algorithm's preset."""
+    """Fill every ``None`` field from the algorithm's preset; clip ranges follow an explicitly chosen level."""
     if cfg.algorithm not in PRESETS:
         raise _unknown_key(cfg.algorithm, list(PRESETS), "algorithm value ")
+    lc = cfg.loss
+    if lc.level is not None and lc.level != PRESETS[cfg.algorithm]["loss.level"] and lc.level in LEVEL_EPS:
+        low, high = LEVEL_EPS[lc.level]
+        lc.eps_low = low if lc.eps_low is None else lc.eps_low
+        lc.eps_high = high if lc.eps_high is None else lc.eps_high
     for dotted, value in {**_PRESET_FALLBACK, **PRESETS[cfg.algorithm]}.items():
         section, name = dotted.split(".")
         obj = getattr(cfg, section)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gspo.errors import UserError
-from gspo.models import autocast_context
+from gspo.models import attention_context, autocast_context
 from gspo.rollout.hf import pad_prompts, positions_from_mask
 
 
@@ -51,7 +51,7 @@ def sequence_logprobs(
     input_ids = torch.cat([prompt.to(device), completion_ids.masked_fill(~completion_mask, pad_id)], 1)  # (N, P+T)
     attention_mask = torch.cat([prompt_mask.to(device), completion_mask.long()], 1)  # (N, P+T)
 
-    with autocast_context(device, autocast_dtype):
+    with autocast_context(device, autocast_dtype), attention_context():
         hidden = model.get_decoder()(
             input_ids=input_ids,
             attention_mask=attention_mask,

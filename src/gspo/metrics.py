@@ -9,7 +9,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def _clean(v: Any) -> Any:
@@ -21,12 +21,11 @@ def _clean(v: Any) -> Any:
 class JsonlWriter:
     """Append-only JSONL file flushed after every line, so a killed run loses at most the line being written."""
 
-    def __init__(self, path: Path, *, truncate_after_step: int | None = None):
+    def __init__(self, path: Path, *, keep: Callable[[dict[str, Any]], bool] | None = None):
         self.path = path
-        if truncate_after_step is not None and path.exists():
-            # On resume, lines past the checkpoint's step were written by the run that died: they are replayed.
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= truncate_after_step]
-            path.write_text("".join(ln + "\n" for ln in keep))
+        if keep is not None and path.exists():
+            lines = [ln for ln in path.read_text().splitlines() if ln.strip() and keep(json.loads(ln))]
+            path.write_text("".join(ln + "\n" for ln in lines))
         self._f = open(path, "a")
 
     def write(self, row: dict[str, Any]) -> None:

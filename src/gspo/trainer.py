@@ -29,7 +29,7 @@ from gspo.data import DataStream, build_dataset, default_reward
 from gspo.errors import UserError
 from gspo.logprobs import sequence_logprobs
 from gspo.metrics import Console, JsonlWriter
-from gspo.models import load_model, stop_token_ids
+from gspo.models import attention_context, disable_dropout, load_model, stop_token_ids
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout.hf import HFEngine
@@ -80,8 +80,17 @@ class Trainer:
 
         self.model, self.tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(self.device))
         self.model.to(self.device)
+        if disable_dropout(self.model):
+            log.info("dropout disabled: the update must see the same policy as the old log-prob pass")
+        if cfg.train.old_logprobs == "rollout" and self.autocast is not None:
+            log.warning("train.old_logprobs = 'rollout' under bf16 autocast: the engine's log-probs differ from the "
+                        "trainer's by ~0.02 per token, more than GSPO's clip range; use 'recompute' or model.precision = 'fp32'.")
         if cfg.model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5.2x renamed the method; 5.17 (the GPU image) only has the old name.
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model = None
         if cfg.loss.beta > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -103,6 +112,8 @@ class Trainer:
         self.rollout_batch = 0
         self.skipped_prompts = 0
         self.nonfinite_steps = 0
+        self.nonfinite_in_row = 0
+        self.elapsed_before = 0.0  # wall-clock of earlier sessions of a resumed run
         if resume:
             self._resume()
 
@@ -144,13 +155,16 @@ class Trainer:
         self.stream.load_state_dict(state["data"])
         self.step, self.rollout_batch = state["step"], state["rollout_batch"]
         self.skipped_prompts = state.get("skipped_prompts", 0)
+        self.nonfinite_steps = state.get("nonfinite_steps", 0)
+        self.elapsed_before = state.get("elapsed", 0.0)
         log.info("resumed from %s at optimizer step %d", ckpt, self.step)
 
     def checkpoint(self) -> Path:
         state = {"step": self.step, "rollout_batch": self.rollout_batch, "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "generator": self.generator.get_state(),
                  "shuffle_gen": self.shuffle_gen.get_state(), "data": self.stream.state_dict(),
-                 "skipped_prompts": self.skipped_prompts}
+                 "skipped_prompts": self.skipped_prompts, "nonfinite_steps": self.nonfinite_steps,
+                 "elapsed": time.time() - self.t_start}
         return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.tokenizer, state, self.cfg.log.keep_checkpoints)
 
     # ------------------------------------------------------------------------------------------ rollout
@@ -190,14 +204,15 @@ class Trainer:
         P, G = cfg.rollout.prompts_per_batch, cfg.rollout.group_size
         timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
         parts: list[tuple[Rollout, list[Example], torch.Tensor, dict[str, Any]]] = []
-        reserve: list[tuple[Rollout, list[Example], torch.Tensor, dict[str, Any]]] = []  # zero-variance groups
         kept, dropped, rounds, padded = 0, 0, 0, 0
-        all_rewards, all_zero = [], []
+        sampled: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []  # rewards of every round, for the metrics
+        all_zero = []
         while kept < P:
             part = self._sample_groups(P - kept, timing)
             rounds += 1
-            zero_var = zero_variance_groups(self._shape(part[2], part[0]), G)  # (groups,)
-            all_rewards.append(part[2])
+            # DAPO filters on the task reward (all right or all wrong), not on the length-shaped one.
+            zero_var = zero_variance_groups(part[2], G)  # (groups,)
+            sampled.append((part[2], part[3]["per_function"]))
             all_zero.append(zero_var)
             if not cfg.dapo.dynamic_sampling:
                 parts.append(part)
@@ -211,7 +226,7 @@ class Trainer:
                 # Out of retries: fill with dropped groups (advantage 0) so the minibatch schedule keeps its shape.
                 bad = [g for g in range(len(zero_var)) if zero_var[g]][: P - kept]
                 parts.append(_select_groups(part, bad, G))
-                padded, kept = len(bad), kept + len(bad)
+                padded, kept, dropped = len(bad), kept + len(bad), dropped - len(bad)
                 log.warning("dynamic sampling: only %d of %d groups had reward variance after %d rounds; %d padded with "
                             "zero-advantage groups (raise dapo.max_resample_rounds)", P - padded, P, rounds, padded)
         rollout = _concat_rollouts([p[0] for p in parts], self.tokenizer.pad_token_id)
@@ -226,17 +241,17 @@ class Trainer:
 
         m: dict[str, float] = {}
         valid = torch.isfinite(rewards)
-        raw = torch.cat(all_rewards)
+        raw = torch.cat([r for r, _ in sampled])
         m["reward/mean"] = _nanmean(raw)
         m["reward/std"] = _nanstd(raw)
         m["reward/trained_mean"] = _nanmean(rewards)
-        for name in parts[0][3]["per_function"]:
-            vals = torch.cat([p[3]["per_function"][name] for p in parts])
+        names = list(sampled[0][1])
+        for name in names:
+            vals = torch.cat([per_fn[name] for _, per_fn in sampled])
             m[f"reward/{name}/mean"] = _nanmean(vals)
             m[f"reward/{name}/std"] = _nanstd(vals)
-        first = next(iter(parts[0][3]["per_function"]))
-        prim = torch.cat([p[3]["per_function"][first] for p in parts])
-        m["accuracy"] = float((prim[torch.isfinite(prim)] >= 1.0).float().mean()) if torch.isfinite(prim).any() else float("nan")
+        prim = torch.cat([per_fn[names[0]] for _, per_fn in sampled])
+        m["accuracy"] = _nanmean((prim >= 1.0).float().masked_fill(~torch.isfinite(prim), float("nan")))
         m["reward/failures"] = timing["failures"]
         m["reward/failed_frac"] = float((~valid).float().mean())
         if cfg.dapo.overlong_penalty:
@@ -321,39 +336,49 @@ class Trainer:
         for k in range(t.minibatches):
             t_step = time.perf_counter()
             rows = order[k * mb_size:(k + 1) * mb_size]
+            # Denominators of the whole minibatch, so micro-batches sum to its exact loss; rows left entirely out
+            # of the loss (DAPO overlong filtering) do not count as sequences (the sequence-level TRL #6369).
             num_tokens = float(mask[rows].sum())
-            metric_sums: dict[str, float] = {}
-            ent_sum, ent_count, loss_total, trained_tokens = 0.0, 0.0, 0.0, 0.0
+            num_seqs = float(mask[rows].any(-1).sum())
+            loss_kw = dict(level=cfg.loss.level, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
+                           aggregation=cfg.loss.aggregation, beta=cfg.loss.beta, max_length=cfg.rollout.max_new_tokens)
+            mb_logp, mb_ent = torch.zeros_like(old_logp[rows]), torch.zeros_like(old_logp[rows])  # (mb, T) detached
+            loss_total = 0.0
             self.optimizer.zero_grad(set_to_none=True)
             for j in range(0, mb_size, micro):
                 sub = rows[j:j + micro]
                 logp, ent = self._logprobs(self.model, rollout, sub, with_entropy=True)  # (n, T)
-                sub_mask = mask[sub]
-                loss, lm = policy_loss(logp, old_logp[sub], adv[sub], sub_mask, level=cfg.loss.level,
-                                       eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high, aggregation=cfg.loss.aggregation,
-                                       ref_logp=None if ref_logp is None else ref_logp[sub], beta=cfg.loss.beta,
-                                       max_length=cfg.rollout.max_new_tokens, num_seqs=mb_size, num_tokens=num_tokens)
-                loss.backward()
+                loss, _ = policy_loss(logp, old_logp[sub], adv[sub], mask[sub], ref_logp=None if ref_logp is None else ref_logp[sub],
+                                      num_seqs=num_seqs, num_tokens=num_tokens, **loss_kw)
+                with attention_context():
+                    loss.backward()
                 loss_total += float(loss.detach())
-                _merge_metrics(metric_sums, lm, len(sub) / mb_size)
-                cm = rollout.completion_mask[sub.cpu()].to(dev)
-                ent_sum += float(ent[cm].sum())
-                ent_count += float(cm.sum())
-                trained_tokens += float(cm.sum())
+                mb_logp[j:j + micro], mb_ent[j:j + micro] = logp.detach(), ent
+            with torch.no_grad():  # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
+                _, metric_sums = policy_loss(mb_logp, old_logp[rows], adv[rows], mask[rows],
+                                             ref_logp=None if ref_logp is None else ref_logp[rows], **loss_kw)
+            cm = rollout.completion_mask[rows.cpu()].to(dev)
+            trained_tokens = float(cm.sum())
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
             finite = math.isfinite(loss_total) and bool(torch.isfinite(grad_norm))
             if finite:
                 self.optimizer.step()
+                self.nonfinite_in_row = 0
             else:
                 self.nonfinite_steps += 1
+                self.nonfinite_in_row += 1
                 self.optimizer.zero_grad(set_to_none=True)
                 log.warning("non-finite loss or gradient at step %d: optimizer step skipped", self.step + 1)
+                if self.nonfinite_in_row >= t.max_nonfinite_steps:
+                    raise UserError(f"{self.nonfinite_in_row} optimizer steps in a row had a non-finite loss or gradient "
+                                    f"(last at step {self.step + 1}); lower train.lr or try model.precision = 'fp32'. "
+                                    "The last checkpoint is intact.")
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.step += 1
             dt = time.perf_counter() - t_step
             row = {"step": self.step, "rollout_batch": self.rollout_batch, "minibatch": k, **extra,
-                   "loss": loss_total, **metric_sums, "entropy": ent_sum / max(ent_count, 1.0),
+                   "loss": loss_total, **metric_sums, "entropy": float(mb_ent[cm].mean()) if cm.any() else 0.0,
                    "grad_norm": float(grad_norm), "lr": lr, "nonfinite_steps": float(self.nonfinite_steps),
                    "time/update": dt, "throughput/train_tok_s": trained_tokens / max(dt, 1e-9),
                    "time/elapsed": time.time() - self.t_start}
@@ -375,9 +400,11 @@ class Trainer:
     def train(self) -> Path:
         """Run until ``train.steps`` optimizer steps; returns the run directory."""
         cfg = self.cfg
-        self.t_start = time.time()
-        metrics = JsonlWriter(self.run_dir / "metrics.jsonl", truncate_after_step=self.step)
-        samples = JsonlWriter(self.run_dir / "samples.jsonl", truncate_after_step=self.step)
+        self.t_start = time.time() - self.elapsed_before
+        # On resume, lines written after the checkpoint by the run that died are dropped: they are replayed.
+        step, batch_no = self.step, self.rollout_batch
+        metrics = JsonlWriter(self.run_dir / "metrics.jsonl", keep=lambda row: row["step"] <= step)
+        samples = JsonlWriter(self.run_dir / "samples.jsonl", keep=lambda row: row["rollout_batch"] < batch_no)
         console = Console(cfg.train.steps, self.step, enabled=cfg.log.progress)
         self.model.eval()
         try:
@@ -403,17 +430,6 @@ def _select_groups(part, groups: list[int], G: int):
     rows = [g * G + j for g in groups for j in range(G)]
     return rollout.select(rows), [examples[i] for i in rows], rewards[rows], {
         "per_function": {k: v[rows] for k, v in extra["per_function"].items()}}
-
-
-def _merge_metrics(acc: dict[str, float], new: dict[str, float], weight: float) -> None:
-    """Combine micro-batch metrics: extremes by min/max, everything else as a weighted mean."""
-    for key, v in new.items():
-        if key.endswith("_min"):
-            acc[key] = min(acc.get(key, v), v)
-        elif key.endswith("_max"):
-            acc[key] = max(acc.get(key, v), v)
-        else:
-            acc[key] = acc.get(key, 0.0) + weight * v
 
 
 def _nanmean(x: torch.Tensor) -> float:

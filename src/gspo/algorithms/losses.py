@@ -123,13 +123,15 @@ def aggregate(
     - ``seq-mean-token-sum-norm``: sum_{i,t} l_{i,t} / (B * max_length)         (Dr. GRPO)
 
     ``num_seqs`` / ``num_tokens`` replace B / sum |y_i| so that micro-batches of one optimizer step can be summed
-    into exactly the full-batch value; ``max_length`` defaults to T.
+    into exactly the full-batch value (by default B counts only rows with at least one loss token); ``max_length``
+    defaults to T.
     """
     _check_choice(mode, AGGREGATIONS, "loss aggregation")
     zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
     loss_mat = torch.where(mask, loss_mat, zero)  # (B, T)
-    B, T = loss_mat.shape
-    n_seq = float(B) if num_seqs is None else float(num_seqs)
+    T = loss_mat.shape[1]
+    # A row with no loss token (e.g. a truncated completion under overlong filtering) is not a sequence of the mean.
+    n_seq = float(mask.any(-1).sum()) if num_seqs is None else float(num_seqs)
     if mode == "seq-mean-token-mean":
         per_seq = loss_mat.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
         return per_seq.sum() / max(n_seq, 1.0)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from gspo.errors import UserError
-from gspo.models import autocast_context, stop_token_ids
+from gspo.models import attention_context, autocast_context, stop_token_ids
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
 
@@ -114,7 +114,7 @@ class HFEngine:
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
         try:
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), self._autocast(), attention_context():
                 tokens, mask, logprobs, stopped = self._generate(prompts, n, params, generator)
         finally:
             for module, training in modes:

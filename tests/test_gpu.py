@@ -1,0 +1,27 @@
+"""GPU checks (skipped without CUDA): bf16 training runs end to end and the on-policy ratio is exactly 1."""
+import pytest
+import torch
+
+from gspo.config import build_config
+from gspo.metrics import read_jsonl
+from gspo.trainer import Trainer
+
+from conftest import tiny_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_bf16_training_on_cuda(tmp_path, tokenizer):
+    """Two bf16-autocast steps on CUDA train with finite losses and an exactly-1 on-policy ratio."""
+    d = tmp_path / "tiny"
+    tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    cfg = build_config({}, [f"model.name='{d}'", "model.device='cuda'", "rollout.prompts_per_batch=4", "rollout.group_size=4",
+                            "rollout.max_new_tokens=8", "train.steps=2", "train.minibatches=2", "rewards.workers=0",
+                            "rewards.functions=[{path='trainer_rewards:text_length'}]", "log.progress=false"], device="cuda")
+    trainer = Trainer(cfg, tmp_path / "run")
+    assert trainer.autocast == torch.bfloat16
+    trainer.train()
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert all(r["loss"] is not None for r in rows)
+    assert rows[0]["ratio/token_min"] == rows[0]["ratio/token_max"] == 1.0
