@@ -97,17 +97,18 @@ def cmd_table(a: argparse.Namespace) -> None:
         if name.startswith("trl_"):
             s = _trl_summary(res / f"{name}.json")
             clip = f"{100 * s['clip_frac_offpolicy']:.2f}% ({'seq' if 'sequence' in name else 'tok'})" if s["clip_frac_offpolicy"] is not None else "-"
-            rows.append({"run": f"TRL {name[4:]}", **meta, **s, "clip": clip})
+            rows.append({"run": f"TRL {name[4:]}", **s, **meta, "train_loop_s": s["wall_s_trainer"], "clip": clip})
         else:
             s = summarize(res / name)
-            rows.append({"run": f"gspo {name}", **meta, **s,
+            rows.append({"run": f"gspo {name}", **s, **meta, "train_loop_s": s["wall_s"],
                          "clip": f"{100 * s['clip_token_frac_offpolicy']:.2f}% tok / {100 * s['clip_seq_frac_offpolicy']:.1f}% seq"})
-    head = "| run | card | wall-clock | reward first batch | reward last-10 mean | clipped (off-policy steps) | entropy start -> end |"
+    head = ("| run | card | wall-clock (process) | training loop | reward first batch | reward last-10 mean | "
+            "clipped (off-policy steps) | entropy start -> end |")
     print(head)
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ent = f"{r['entropy_first']:.2f} -> {r['entropy_last']:.2f}" if r.get("entropy_first") is not None else "-"
-        print(f"| {r['run']} | {r['card']} | {r['wall_s']:.0f} s | {r['reward_first']:.3f} | {r['reward_last10']:.3f} | {r['clip']} | {ent} |")
+        print(f"| {r['run']} | {r['card']} | {r['wall_s']:.0f} s | {r['train_loop_s']:.0f} s | {r['reward_first']:.3f} | {r['reward_last10']:.3f} | {r['clip']} | {ent} |")
     (res / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
 
 
