@@ -1,4 +1,5 @@
-"""The embedded HF rollout engine: exactness against model.generate, stopping, sampling and seeding."""
+"""Both rollout engines (simple HF and CUDA-graph, eager on CPU): exactness against model.generate, stopping,
+sampling and seeding."""
 from __future__ import annotations
 
 import pytest
@@ -6,9 +7,16 @@ import torch
 
 from gspo.errors import UserError
 from gspo.rollout import HFEngine, pad_prompts, sample_next
+from gspo.rollout.graph import GraphEngine
 from gspo.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 STOP = 2  # <|im_end|> in the SmolLM2 tokenizer
+
+
+@pytest.fixture(params=[HFEngine, GraphEngine], ids=["hf", "graph"])
+def Engine(request):
+    """Each engine class in turn."""
+    return request.param
 
 
 @pytest.fixture
@@ -32,9 +40,9 @@ def test_pad_prompts_left_pads():
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
-def test_greedy_matches_model_generate(tiny_model, tokenizer, prompts):
+def test_greedy_matches_model_generate(Engine, tiny_model, tokenizer, prompts):
     """Greedy rollouts of a batch of prompts of different lengths equal model.generate run on each prompt alone."""
-    engine = HFEngine(tiny_model, tokenizer, stop_ids=[STOP])
+    engine = Engine(tiny_model, tokenizer, stop_ids=[STOP])
     rollout = engine.generate(prompts, 1, SamplingParams(max_new_tokens=24, greedy=True))
     for row, prompt in enumerate(prompts):
         expected = tiny_model.generate(
@@ -45,13 +53,13 @@ def test_greedy_matches_model_generate(tiny_model, tokenizer, prompts):
         assert got.tolist() == expected.tolist()
 
 
-def test_greedy_matches_model_generate_when_rows_stop_early(tiny_model, tokenizer, prompts):
+def test_greedy_matches_model_generate_when_rows_stop_early(Engine, tiny_model, tokenizer, prompts):
     """When rows stop at different steps, greedy rollouts still equal model.generate, stop token included."""
     params = SamplingParams(max_new_tokens=16, greedy=True)
-    free = HFEngine(tiny_model, tokenizer, stop_ids=[STOP]).generate(prompts, 1, params).completion_ids
+    free = Engine(tiny_model, tokenizer, stop_ids=[STOP]).generate(prompts, 1, params).completion_ids
     # Tokens greedy decoding reaches at steps 3 and 7 of two rows become stop tokens.
     stop_ids = [int(free[0, 3]), int(free[2, 7])]
-    rollout = HFEngine(tiny_model, tokenizer, stop_ids=stop_ids).generate(prompts, 1, params)
+    rollout = Engine(tiny_model, tokenizer, stop_ids=stop_ids).generate(prompts, 1, params)
     assert FINISH_STOP in rollout.finish_reasons and len(set(rollout.lengths.tolist())) > 1
     for row, prompt in enumerate(prompts):
         expected = tiny_model.generate(
@@ -62,23 +70,23 @@ def test_greedy_matches_model_generate_when_rows_stop_early(tiny_model, tokenize
         assert got.tolist() == expected.tolist()
 
 
-def test_certain_stop_token_gives_stop(tiny_model, tokenizer, prompts):
+def test_certain_stop_token_gives_stop(Engine, tiny_model, tokenizer, prompts):
     """A model that always emits the stop token yields one-token completions that finish with "stop"."""
     force_token(tiny_model, STOP, 100.0)
-    rollout = HFEngine(tiny_model, tokenizer, stop_ids=[STOP]).generate(prompts, 2, SamplingParams(max_new_tokens=8))
+    rollout = Engine(tiny_model, tokenizer, stop_ids=[STOP]).generate(prompts, 2, SamplingParams(max_new_tokens=8))
     assert rollout.completion_ids.tolist() == [[STOP]] * 6
     assert rollout.completion_mask.all()
     assert rollout.finish_reasons == [FINISH_STOP] * 6
     assert rollout.texts == [""] * 6  # the stop token is special and is not decoded
 
 
-def test_stop_token_kept_and_followed_by_padding(tiny_model, tokenizer, prompts):
+def test_stop_token_kept_and_followed_by_padding(Engine, tiny_model, tokenizer, prompts):
     """A row that stops keeps its stop token in the mask, then holds padding with mask False and log-prob 0."""
     params = SamplingParams(max_new_tokens=12, greedy=True)
-    free = HFEngine(tiny_model, tokenizer, stop_ids=[STOP]).generate(prompts[:1], 1, params).completion_ids[0]
+    free = Engine(tiny_model, tokenizer, stop_ids=[STOP]).generate(prompts[:1], 1, params).completion_ids[0]
     # The first greedy token of prompt 0 not seen before it, declared a stop token, ends that row right there.
     k = next(j for j in range(1, len(free)) if free[j] not in free[:j])
-    engine = HFEngine(tiny_model, tokenizer, stop_ids=[int(free[k])])
+    engine = Engine(tiny_model, tokenizer, stop_ids=[int(free[k])])
     rollout = engine.generate(prompts, 1, params)
     assert rollout.finish_reasons[0] == FINISH_STOP
     assert rollout.completion_mask[0].tolist() == [True] * (k + 1) + [False] * (rollout.completion_ids.shape[1] - k - 1)
@@ -88,27 +96,27 @@ def test_stop_token_kept_and_followed_by_padding(tiny_model, tokenizer, prompts)
     assert (rollout.logprobs[0, k + 1:] == 0).all() and (rollout.logprobs[0, : k + 1] < 0).all()
 
 
-def test_max_new_tokens_gives_length(tiny_model, tokenizer, prompts):
+def test_max_new_tokens_gives_length(Engine, tiny_model, tokenizer, prompts):
     """Rows that never sample a stop token run exactly max_new_tokens and finish with "length"."""
     force_token(tiny_model, STOP, -100.0)
-    rollout = HFEngine(tiny_model, tokenizer, stop_ids=[STOP]).generate(prompts, 2, SamplingParams(max_new_tokens=5))
+    rollout = Engine(tiny_model, tokenizer, stop_ids=[STOP]).generate(prompts, 2, SamplingParams(max_new_tokens=5))
     assert rollout.completion_ids.shape == (6, 5)
     assert rollout.completion_mask.all()
     assert rollout.finish_reasons == [FINISH_LENGTH] * 6
 
 
-def test_top_k_one_equals_greedy(tiny_model, tokenizer, prompts):
+def test_top_k_one_equals_greedy(Engine, tiny_model, tokenizer, prompts):
     """Sampling with top_k=1 picks the same tokens as greedy decoding."""
-    engine = HFEngine(tiny_model, tokenizer)
+    engine = Engine(tiny_model, tokenizer)
     greedy = engine.generate(prompts, 1, SamplingParams(max_new_tokens=10, greedy=True))
     top1 = engine.generate(prompts, 1, SamplingParams(max_new_tokens=10, top_k=1, temperature=0.8),
                            generator=torch.Generator().manual_seed(0))
     assert torch.equal(top1.completion_ids, greedy.completion_ids)
 
 
-def test_seeded_generator_reproduces_rollout(tiny_model, tokenizer, prompts):
+def test_seeded_generator_reproduces_rollout(Engine, tiny_model, tokenizer, prompts):
     """Two rollouts with generators seeded alike are identical; another seed gives other completions."""
-    engine = HFEngine(tiny_model, tokenizer)
+    engine = Engine(tiny_model, tokenizer)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9)
     a = engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(7))
     b = engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(7))
@@ -118,10 +126,10 @@ def test_seeded_generator_reproduces_rollout(tiny_model, tokenizer, prompts):
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
 
-def test_rows_grouped_by_prompt(tiny_model, tokenizer, prompts):
+def test_rows_grouped_by_prompt(Engine, tiny_model, tokenizer, prompts):
     """Row i belongs to prompt i // n, and the n samples of a prompt differ when sampled."""
     n = 4
-    rollout = HFEngine(tiny_model, tokenizer).generate(
+    rollout = Engine(tiny_model, tokenizer).generate(
         prompts, n, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(0)
     )
     assert len(rollout.prompt_ids) == len(prompts) * n
@@ -131,9 +139,9 @@ def test_rows_grouped_by_prompt(tiny_model, tokenizer, prompts):
     assert len({tuple(row.tolist()) for row in group}) > 1
 
 
-def test_shared_prefill_matches_repeated_prompts(tiny_model, tokenizer, prompts):
+def test_shared_prefill_matches_repeated_prompts(Engine, tiny_model, tokenizer, prompts):
     """Sampling n per prompt from a shared prefill gives the same rollout as listing each prompt n times."""
-    engine = HFEngine(tiny_model, tokenizer)
+    engine = Engine(tiny_model, tokenizer)
     params = SamplingParams(max_new_tokens=8)
     shared = engine.generate(prompts, 2, params, generator=torch.Generator().manual_seed(1))
     repeated = engine.generate([p for p in prompts for _ in range(2)], 1, params,
@@ -160,9 +168,9 @@ def test_top_p_keeps_smallest_sufficient_set():
     assert set(token.tolist()) == {0, 1}
 
 
-def test_model_mode_restored_and_weights_shared(tiny_model, tokenizer, prompts):
+def test_model_mode_restored_and_weights_shared(Engine, tiny_model, tokenizer, prompts):
     """Generation restores every module's train/eval mode and sees in-place weight updates at once."""
-    engine = HFEngine(tiny_model, tokenizer, stop_ids=[STOP])
+    engine = Engine(tiny_model, tokenizer, stop_ids=[STOP])
     tiny_model.train()
     tiny_model.model.layers[0].eval()  # a mixed state must come back as it was
     engine.generate(prompts, 1, SamplingParams(max_new_tokens=3, greedy=True))
@@ -179,7 +187,7 @@ def test_model_mode_restored_and_weights_shared(tiny_model, tokenizer, prompts):
      ([[5]], 1, SamplingParams(temperature=0.0)), ([[5]], 1, SamplingParams(top_p=0.0)),
      ([[5]], 1, SamplingParams(max_new_tokens=10_000))],
 )
-def test_bad_requests_raise_user_error(tiny_model, tokenizer, prompts_, n, params):
+def test_bad_requests_raise_user_error(Engine, tiny_model, tokenizer, prompts_, n, params):
     """Empty prompts, n < 1, non-positive temperature or top_p, and too long requests raise UserError."""
     with pytest.raises(UserError):
-        HFEngine(tiny_model, tokenizer).generate(prompts_, n, params)
+        Engine(tiny_model, tokenizer).generate(prompts_, n, params)

@@ -198,3 +198,11 @@ def test_resume_after_a_crash_replays_without_duplicate_lines(tiny_dir, tmp_path
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
     batches = [r["rollout_batch"] for r in read_jsonl(run / "samples.jsonl")]
     assert batches == sorted(batches) and len(batches) == 2 * 2  # 2 rollout batches x 2 prompts
+
+
+def test_graph_engine_trains_on_cpu(tiny_dir, tmp_path):
+    """rollout.engine = 'graph' (eager on a CPU) drives a training run like the simple engine."""
+    trainer = Trainer(tiny_config(tiny_dir, "rollout.engine='graph'"), tmp_path / "run")
+    assert type(trainer.engine).__name__ == "GraphEngine"
+    trainer.train()
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2

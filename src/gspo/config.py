@@ -84,6 +84,8 @@ class RolloutConfig:
     """Nucleus sampling threshold (1 disables it)."""
     top_k: int = 0
     """Top-k sampling (0 disables it)."""
+    engine: str = "auto"
+    """``graph`` (static KV cache + CUDA graphs), ``hf`` (simple, any model) or ``auto`` (graph on CUDA if supported)."""
 
 
 @dataclass
@@ -374,7 +376,8 @@ def validate(cfg: Config) -> None:
                               (lc.advantage_scale, SCALES, "loss.advantage_scale"),
                               (t.old_logprobs, ("recompute", "rollout"), "train.old_logprobs"),
                               (t.schedule, ("constant", "linear", "cosine"), "train.schedule"),
-                              (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision")):
+                              (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),
+                              (r.engine, ("auto", "graph", "hf"), "rollout.engine")):
         if value not in valid:
             raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:

@@ -11,7 +11,7 @@ from gspo.data import build_dataset, default_reward
 from gspo.models import load_model, stop_token_ids
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner, RewardSpec
-from gspo.rollout.hf import HFEngine
+from gspo.rollout import make_engine
 from gspo.trainer import dataset_args, resolve_device
 from gspo.types import SamplingParams
 
@@ -25,7 +25,7 @@ def evaluate(cfg: Config, *, model_name: str | None = None, n: int = 200, sample
     autocast = torch.bfloat16 if device.type == "cuda" and cfg.model.precision != "fp32" else None
     model, tok = load_model(model_name or cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(device))
     model.to(device).eval()
-    engine = HFEngine(model, tok, stop_ids=stop_token_ids(tok, model), device=device, autocast_dtype=autocast)
+    engine = make_engine(cfg.rollout.engine, model, tok, stop_ids=stop_token_ids(tok, model), device=device, autocast_dtype=autocast)
     dataset = build_dataset(dataset_args(cfg, cfg.seed + 10_000))  # generated tasks: other items than training saw
     examples = [dataset[i] for i in range(min(n, len(dataset)))]
     spec = [RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions[:1]] or [RewardSpec(default_reward(cfg.data.task))]

@@ -32,7 +32,7 @@ from gspo.metrics import Console, JsonlWriter
 from gspo.models import attention_context, disable_dropout, load_model, stop_token_ids
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner, RewardSpec
-from gspo.rollout.hf import HFEngine
+from gspo.rollout import make_engine
 from gspo.types import FINISH_LENGTH, Example, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
@@ -95,7 +95,8 @@ class Trainer:
         if cfg.loss.beta > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
-        self.engine = HFEngine(self.model, self.tokenizer, stop_ids=self.stop_ids, device=self.device, autocast_dtype=self.autocast)
+        self.engine = make_engine(cfg.rollout.engine, self.model, self.tokenizer, stop_ids=self.stop_ids, device=self.device,
+                                  autocast_dtype=self.autocast)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)

@@ -21,4 +21,16 @@ class RolloutEngine(Protocol):
     ) -> Rollout: ...
 
 
-__all__ = ["HFEngine", "RolloutEngine", "pad_prompts", "positions_from_mask", "sample_next"]
+def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: torch.device,
+                autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
+    """The engine ``rollout.engine`` names: ``graph``, ``hf``, or ``auto`` (graph on CUDA when the model is supported)."""
+    from gspo.rollout import graph
+
+    if kind == "auto":
+        kind = "graph" if device.type == "cuda" and graph.supports(model) else "hf"
+    if kind == "graph":
+        return graph.GraphEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype)
+    return HFEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype)
+
+
+__all__ = ["HFEngine", "RolloutEngine", "make_engine", "pad_prompts", "positions_from_mask", "sample_next"]

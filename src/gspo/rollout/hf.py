@@ -46,17 +46,8 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
-def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens ``(N,)`` and their log-probabilities ``(N,)`` under the untruncated tempered distribution."""
-    logits = logits.float()  # (N, V)
-    if params.greedy:
-        tokens = logits.argmax(-1)  # (N,)
-        logp = F.log_softmax(logits, -1)  # (N, V)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits / params.temperature  # (N, V)
-    logp = F.log_softmax(scaled, -1)  # (N, V)
+def filter_logits(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Tempered logits with top-k, then top-p (nucleus), applied: removed tokens get -inf.  (N, V)"""
     filtered = scaled
     if 0 < params.top_k < scaled.shape[-1]:
         kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]  # (N, 1)
@@ -69,8 +60,47 @@ def sample_next(
         drop_sorted[:, 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)  # (N, V) back in vocabulary order
         filtered = filtered.masked_fill(drop, float("-inf"))
+    return filtered
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens ``(N,)`` and their log-probabilities ``(N,)`` under the untruncated tempered distribution."""
+    logits = logits.float()  # (N, V)
+    if params.greedy:
+        tokens = logits.argmax(-1)  # (N,)
+        logp = F.log_softmax(logits, -1)  # (N, V)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / params.temperature  # (N, V)
+    logp = F.log_softmax(scaled, -1)  # (N, V)
+    filtered = filter_logits(scaled, params)
     tokens = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)  # (N,)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def check_request(model, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+    """Refuse a generate() request an engine cannot serve, with a message naming the fix."""
+    if not prompts:
+        raise UserError("generate() got no prompts: pass at least one list of token ids.")
+    if any(len(p) == 0 for p in prompts):
+        raise UserError("generate() got an empty prompt: every prompt needs at least one token (apply the chat "
+                        "template first).")
+    if n < 1:
+        raise UserError(f"generate() got n={n} samples per prompt: use n >= 1.")
+    if params.max_new_tokens < 1:
+        raise UserError(f"SamplingParams.max_new_tokens={params.max_new_tokens}: use a value >= 1.")
+    if not params.greedy and not params.temperature > 0:
+        raise UserError(f"SamplingParams.temperature={params.temperature}: use a value > 0, or greedy=True.")
+    if not 0 < params.top_p <= 1:
+        raise UserError(f"SamplingParams.top_p={params.top_p}: use a value in (0, 1].")
+    if params.top_k < 0:
+        raise UserError(f"SamplingParams.top_k={params.top_k}: use 0 (off) or a positive number.")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompts)
+    if limit is not None and longest + params.max_new_tokens > limit:
+        raise UserError(f"A prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the "
+                        f"model's context of {limit} positions: shorten the prompts or lower max_new_tokens.")
 
 
 class HFEngine:
@@ -106,7 +136,7 @@ class HFEngine:
         generator: torch.Generator | None = None,
     ) -> Rollout:
         """``n`` completions of each prompt (token ids, chat template applied); row ``i`` is for prompt ``i // n``."""
-        self._check(prompts, n, params)
+        check_request(self.model, prompts, n, params)
         if generator is not None and generator.device.type != self.device.type:
             raise UserError(f"generate() got a torch.Generator on {generator.device} for a model on {self.device}: "
                             f"create it with torch.Generator(device={str(self.device)!r}).")
@@ -200,24 +230,3 @@ class HFEngine:
     def _autocast(self):
         return autocast_context(self.device, self.autocast_dtype)
 
-    def _check(self, prompts, n, params) -> None:
-        if not prompts:
-            raise UserError("generate() got no prompts: pass at least one list of token ids.")
-        if any(len(p) == 0 for p in prompts):
-            raise UserError("generate() got an empty prompt: every prompt needs at least one token (apply the chat "
-                            "template first).")
-        if n < 1:
-            raise UserError(f"generate() got n={n} samples per prompt: use n >= 1.")
-        if params.max_new_tokens < 1:
-            raise UserError(f"SamplingParams.max_new_tokens={params.max_new_tokens}: use a value >= 1.")
-        if not params.greedy and not params.temperature > 0:
-            raise UserError(f"SamplingParams.temperature={params.temperature}: use a value > 0, or greedy=True.")
-        if not 0 < params.top_p <= 1:
-            raise UserError(f"SamplingParams.top_p={params.top_p}: use a value in (0, 1].")
-        if params.top_k < 0:
-            raise UserError(f"SamplingParams.top_k={params.top_k}: use 0 (off) or a positive number.")
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        longest = max(len(p) for p in prompts)
-        if limit is not None and longest + params.max_new_tokens > limit:
-            raise UserError(f"A prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the "
-                            f"model's context of {limit} positions: shorten the prompts or lower max_new_tokens.")

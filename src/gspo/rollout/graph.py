@@ -1,0 +1,312 @@
+"""The fast rollout engine: its own decode loop around the HF model's modules, a static KV cache, CUDA graphs.
+
+Shapes: ``B`` rows of the batch bucket (N = prompts x n, rounded up), ``L`` cache slots, ``P`` prompt slots
+(prompts are left-padded to ``P = L - max_new_tokens``), ``H`` hidden size, ``V`` vocabulary.
+
+How one ``generate`` runs:
+
+1. the unique prompts are prefilled once (eager) into a static cache, and their K/V copied to their ``n`` rows;
+2. the first completion token is sampled from the prefill logits;
+3. each later token is one replay of a CUDA graph that embeds the last token, runs every decoder layer of the HF
+   model (its own modules: attention, MLP, norms, rotary embedding) against the static cache with a boolean mask of
+   the valid slots, applies the LM head, samples (temperature, top-k, top-p via Gumbel-max) and records the token's
+   log-probability under softmax(logits / temperature), then advances every position counter on the device;
+4. the host checks for "every row ended" only every ``sync_every`` steps, so there is no host synchronisation per
+   token.
+
+The graph reads the trainer's parameters in place (the optimizer updates them in place), so an optimizer step is
+visible to the next rollout without any copy. Caches and graphs are kept per shape bucket and reused across calls.
+On a CPU the same step runs eagerly: the CPU tests check this engine token for token against ``model.generate``.
+
+Differences from the simple engine (``hf.py``): sampling uses Gumbel-max instead of ``torch.multinomial`` (the same
+distribution, a different random stream); rows that have ended still run through the graph until every row ends
+or the next host check (their output is masked); attention reads all ``L`` slots with a mask.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gspo.errors import UserError
+from gspo.logprobs import final_logits
+from gspo.models import attention_context, autocast_context, stop_token_ids
+from gspo.rollout.hf import check_request, filter_logits, pad_prompts
+from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
+
+log = logging.getLogger("gspo")
+
+# Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
+# whose inner model has embed_tokens / layers / norm / rotary_emb with nothing else between them.
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def supports(model) -> bool:
+    """Whether the graph engine can run this model (else use :class:`gspo.rollout.hf.HFEngine`)."""
+    inner = getattr(model, "model", None)
+    return (getattr(model.config, "model_type", None) in SUPPORTED
+            and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
+
+
+class StaticKV:
+    """K/V buffers for every layer, allocated once per shape bucket; ``slots`` says where the next forward writes.
+
+    It stands in for a transformers ``Cache``: attention modules call ``update`` and attend over what it returns.
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype, device):
+        shape = (batch, kv_heads, length, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]  # (B, Hkv, L, D) each
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.slots = torch.zeros(1, dtype=torch.long, device=device)  # (S,) slots written by the current forward
+        self.rows = batch  # forwards may use the first `rows` rows only (prefill of the unique prompts)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.k[layer_idx][: self.rows], self.v[layer_idx][: self.rows]
+        k.index_copy_(2, self.slots, key_states.to(k.dtype))
+        v.index_copy_(2, self.slots, value_states.to(v.dtype))
+        return k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class _Bucket:
+    """Everything static for one (batch, length) shape: cache, step buffers, and the captured graphs."""
+
+    def __init__(self, engine: "GraphEngine", batch: int, length: int):
+        cfg, dev = engine.model.config, engine.device
+        heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = StaticKV(cfg.num_hidden_layers, batch, heads, length, head_dim, engine.cache_dtype, dev)
+        self.batch, self.length = batch, length
+        self.tok = torch.zeros(batch, dtype=torch.long, device=dev)  # (B,) last sampled token
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1) its position id
+        self.cur = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) its cache slot
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) its completion index + 1
+        self.valid = torch.zeros(batch, length, dtype=torch.bool, device=dev)  # (B, L) slots a query may attend
+        self.done = torch.zeros(batch, dtype=torch.bool, device=dev)  # (B,)
+        self.out_tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, T) grown per call
+        self.out_logp = torch.zeros(batch, 1, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+
+
+class GraphEngine:
+    """Fast sampling for supported HF decoder models; same interface and output as :class:`HFEngine`."""
+
+    def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, device=None,
+                 autocast_dtype: torch.dtype | None = None, sync_every: int = 16, use_graphs: bool | None = None,
+                 max_batch: int | None = None):
+        if not supports(model):
+            raise UserError(f"The graph rollout engine does not support model_type {model.config.model_type!r} "
+                            f"(supported: {', '.join(SUPPORTED)}); set rollout.engine = 'hf'.")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.stop_ids = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.autocast_dtype = autocast_dtype
+        self.cache_dtype = autocast_dtype or next(model.parameters()).dtype
+        self.sync_every = sync_every
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.max_batch = max_batch
+        self._stop = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._gen: torch.Generator | None = None  # the generator captured graphs draw from
+        layer_fwd = inspect.signature(model.model.layers[0].forward).parameters
+        self._cache_arg = "cache" if "cache" in layer_fwd else "past_key_values"
+        self.warmup_s = 0.0  # seconds spent capturing graphs, cumulative
+
+    # ------------------------------------------------------------------------------------------ model pieces
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: StaticKV) -> torch.Tensor:
+        """Hidden state of the last position after every layer: ids (b, S), pos (b, S), mask (b, 1, S, L).  (b, H)"""
+        inner = self.model.model
+        h = inner.embed_tokens(ids)  # (b, S, H)
+        rope = inner.rotary_emb(h, pos)
+        for layer in inner.layers[: self.model.config.num_hidden_layers]:
+            out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, use_cache=True,
+                        **{self._cache_arg: cache})
+            h = out[0] if isinstance(out, tuple) else out
+        return inner.norm(h[:, -1])  # (b, H)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return final_logits(self.model.config, self.model.get_output_embeddings()(hidden).float())  # (b, V)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (b,) and log pi(token) under softmax(logits / temperature); graph-safe (no host sync)."""
+        if params.greedy:
+            tok = logits.argmax(-1)  # (b,)
+            return tok, F.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+        scaled = logits / params.temperature  # (b, V)
+        logp = F.log_softmax(scaled, -1)  # (b, V)
+        filtered = filter_logits(scaled, params)
+        # Gumbel-max: argmax(l - log(-log u)) is a draw from softmax(l), with no multinomial (which syncs).
+        u = torch.rand(filtered.shape, device=filtered.device, generator=self._gen).clamp_(min=1e-20)
+        tok = (filtered - torch.log(-torch.log(u))).argmax(-1)  # (b,)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+    # ------------------------------------------------------------------------------------------ decode step
+
+    def _step(self, b: _Bucket, params: SamplingParams) -> None:
+        """One decode step on the bucket's static buffers: everything in it may be captured in a graph."""
+        b.cache.slots = b.cur
+        b.cache.rows = b.batch
+        b.valid.index_fill_(1, b.cur, True)
+        hidden = self._forward(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache)  # (B, H)
+        tok, logp = self._sample(self._logits(hidden), params)  # (B,), (B,)
+        tok = torch.where(b.done, torch.full_like(tok, self.pad_id), tok)
+        logp = torch.where(b.done, torch.zeros_like(logp), logp)
+        b.out_tok.index_copy_(1, b.step, tok[:, None])
+        b.out_logp.index_copy_(1, b.step, logp[:, None])
+        b.done |= torch.isin(tok, self._stop)
+        b.tok.copy_(tok)
+        b.pos += 1
+        b.cur += 1
+        b.step += 1
+
+    def _graph(self, b: _Bucket, params: SamplingParams) -> torch.cuda.CUDAGraph:
+        key = (params.greedy, params.temperature, params.top_p, params.top_k, id(self._gen))
+        if key not in b.graphs:
+            t0 = time.perf_counter()
+            saved = [t.clone() for t in (b.tok, b.pos, b.cur, b.step, b.valid, b.done, b.out_tok, b.out_logp)]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up runs outside the graph (lazy init, autotuning)
+                    self._step(b, params)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self._gen is not None:
+                graph.register_generator_state(self._gen)
+            with torch.cuda.graph(graph):
+                self._step(b, params)
+            for t, s in zip((b.tok, b.pos, b.cur, b.step, b.valid, b.done, b.out_tok, b.out_logp), saved):
+                t.copy_(s)
+            b.graphs[key] = graph
+            self.warmup_s += time.perf_counter() - t0
+        return b.graphs[key]
+
+    # ------------------------------------------------------------------------------------------ generate
+
+    def _bucket(self, rows: int, length: int) -> _Bucket:
+        batch = max(8, 1 << (rows - 1).bit_length())
+        if self.max_batch is not None and batch > self.max_batch:
+            raise UserError(f"{rows} rows need a batch bucket of {batch}, above rollout.max_batch = {self.max_batch}; "
+                            "raise it or lower rollout.prompts_per_batch x rollout.group_size.")
+        key = (batch, length)
+        if key not in self._buckets:
+            if self.device.type == "cuda":
+                self._check_memory(batch, length)
+            self._buckets[key] = _Bucket(self, batch, length)
+        return self._buckets[key]
+
+    def _check_memory(self, batch: int, length: int) -> None:
+        cfg = self.model.config
+        heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        itemsize = torch.empty((), dtype=self.cache_dtype).element_size()
+        kv = 2 * cfg.num_hidden_layers * batch * heads * length * head_dim * itemsize
+        logits = 6 * batch * cfg.vocab_size * 4  # fp32 logits, log-softmax, Gumbel noise and temporaries
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if kv + logits > 0.9 * free:
+            raise UserError(f"A rollout batch bucket of {batch} rows x {length} slots needs ~{(kv + logits) / 2**30:.1f} GiB "
+                            f"but {free / 2**30:.1f} GiB are free; lower rollout.prompts_per_batch, rollout.group_size "
+                            "or rollout.max_new_tokens.")
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """``n`` completions for each token-id prompt; row ``i`` belongs to prompt ``i // n``."""
+        check_request(self.model, prompts, n, params)
+        rows = len(prompts) * n
+        width = max(len(p) for p in prompts)
+        length = -(-(width + params.max_new_tokens) // 64) * 64  # slots, in buckets of 64
+        b = self._bucket(rows, length)
+        P = length - params.max_new_tokens
+        modes = [(m, m.training) for m in self.model.modules()]  # restored one by one: mixed states survive
+        self.model.eval()
+        self._gen = generator
+        try:
+            with torch.no_grad(), autocast_context(self.device, self.autocast_dtype), attention_context():
+                self._prefill(b, prompts, n, P, params)
+                self._decode(b, rows, params)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        return self._collect(b, prompts, n, rows, params)
+
+    def _prefill(self, b: _Bucket, prompts: list[list[int]], n: int, P: int, params: SamplingParams) -> None:
+        dev = self.device
+        ids, mask = pad_prompts(prompts, self.pad_id)  # (U, w)
+        ids = F.pad(ids, (P - ids.shape[1], 0), value=self.pad_id).to(dev)  # (U, P)
+        mask = F.pad(mask, (P - mask.shape[1], 0), value=0).to(dev).bool()  # (U, P)
+        U = ids.shape[0]
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (U, P)
+        # Query q attends key slot s <= q that holds a prompt token; a padding query attends itself only, which keeps
+        # its (unused) K/V finite: a NaN there would poison every row through 0 * NaN in the attention product.
+        slot = torch.arange(b.length, device=dev)
+        q = torch.arange(P, device=dev)
+        key_ok = torch.zeros(U, b.length, dtype=torch.bool, device=dev)
+        key_ok[:, :P] = mask
+        attn = key_ok[:, None, :] & (slot[None, None, :] <= q[None, :, None])  # (U, P, L)
+        attn |= (~mask)[:, :, None] & (slot[None, None, :] == q[None, :, None])
+        b.cache.rows, b.cache.slots = U, torch.arange(P, device=dev)
+        hidden = self._forward(ids, pos, attn[:, None], b.cache)  # (U, H)
+        # Each prompt's K/V goes to its n rows (bucket rows past N copy the last prompt and are marked done).
+        src = torch.arange(b.batch, device=dev).div(n, rounding_mode="floor").clamp(max=U - 1)  # (B,)
+        for k, v in zip(b.cache.k, b.cache.v):
+            k.copy_(k[src])
+            v.copy_(v[src])
+        b.cache.rows = b.batch
+        tok, logp = self._sample(self._logits(hidden)[src], params)  # (B,)
+        rows = U * n
+        b.done.copy_(torch.arange(b.batch, device=dev) >= rows)
+        tok = torch.where(b.done, torch.full_like(tok, self.pad_id), tok)
+        logp = torch.where(b.done, torch.zeros_like(logp), logp)
+        T = params.max_new_tokens
+        if b.out_tok.shape[1] != T:
+            b.out_tok, b.out_logp = b.out_tok.new_zeros(b.batch, T), b.out_logp.new_zeros(b.batch, T)
+            b.graphs.clear()  # captured graphs point at the old output buffers
+        b.out_tok.fill_(self.pad_id)
+        b.out_logp.zero_()
+        b.out_tok[:, 0], b.out_logp[:, 0] = tok, logp
+        b.done |= torch.isin(tok, self._stop)
+        b.tok.copy_(tok)
+        b.pos.copy_(mask.long().sum(-1)[src][:, None])
+        b.valid.zero_()
+        b.valid[:, :P] = mask[src]
+        b.cur.fill_(P)
+        b.step.fill_(1)
+
+    def _decode(self, b: _Bucket, rows: int, params: SamplingParams) -> None:
+        graph = self._graph(b, params) if self.use_graphs else None
+        for j in range(1, params.max_new_tokens):
+            if j % self.sync_every == 1 or not self.use_graphs:
+                if bool(b.done[:rows].all()):  # the only host sync: once every sync_every steps
+                    break
+            if graph is not None:
+                graph.replay()
+            else:
+                self._step(b, params)
+
+    def _collect(self, b: _Bucket, prompts: list[list[int]], n: int, rows: int, params: SamplingParams) -> Rollout:
+        tok = b.out_tok[:rows].cpu()  # (N, T)
+        logp = b.out_logp[:rows].float().cpu()  # (N, T)
+        is_stop = torch.isin(tok, self._stop.cpu())  # (N, T)
+        T = tok.shape[1]
+        first_stop = torch.where(is_stop.any(-1), is_stop.float().argmax(-1), torch.full((rows,), T))  # (N,)
+        lengths = torch.minimum(first_stop + 1, torch.full((rows,), T))  # (N,)
+        width = int(lengths.max())
+        mask = torch.arange(width)[None, :] < lengths[:, None]  # (N, T')
+        tok = torch.where(mask, tok[:, :width], torch.full_like(tok[:, :width], self.pad_id))
+        logp = torch.where(mask, logp[:, :width], torch.zeros_like(logp[:, :width]))
+        finish = [FINISH_STOP if int(first_stop[i]) < T else FINISH_LENGTH for i in range(rows)]
+        texts = self.tokenizer.batch_decode([t[m].tolist() for t, m in zip(tok, mask)], skip_special_tokens=True)
+        return Rollout(prompt_ids=[list(prompts[i // n]) for i in range(rows)], completion_ids=tok, completion_mask=mask,
+                       logprobs=logp, finish_reasons=finish, texts=texts, pad_id=self.pad_id)
