@@ -1,0 +1,145 @@
+"""Rollout throughput: the CUDA-graph engine against the simple engine and ``model.generate``, same prompts.
+
+  python benchmarks/rollout.py --model /root/smollm2/model.gguf --out $OUT/rollout.json
+  python benchmarks/rollout.py --model qwen2.5-0.5b-shape --out $OUT/rollout_qwen.json   # random init, same shape
+
+Prompts are "What is a + b? Put the final answer after 'Answer:'." in the chat template, temperature 1. Every row
+decodes exactly ``new`` tokens (stop tokens ignored) so tokens/s counts the same work for every path. Warm-up
+(graph capture, first-call allocation) is timed separately from the timed repeats; the table reports the median.
+The memory-bandwidth floor per decode step reads the weights once (bf16) plus the KV cache of every row; % of floor
+is that floor time over the measured step time, at the card's nominal bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from gspo.data.tasks import ArithmeticTask  # noqa: E402
+from gspo.models import load_model  # noqa: E402
+from gspo.prompts import encode_prompts  # noqa: E402
+from gspo.rollout.graph import GraphEngine  # noqa: E402
+from gspo.rollout.hf import HFEngine  # noqa: E402
+from gspo.types import SamplingParams  # noqa: E402
+
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def qwen_shape(tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(fn, device, repeats):
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--batches", default="64,256,512,1024")
+    p.add_argument("--new", default="128,512")
+    p.add_argument("--baseline-batch", type=int, default=256, help="batch for the slow paths (simple engine, generate)")
+    p.add_argument("--baselines", default="hf,generate")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    device = torch.device(a.device)
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    if a.model == "qwen2.5-0.5b-shape":
+        _, tok = load_model("smollm2-135m-instruct")  # any tokenizer: ids are clamped to the vocabulary
+        model = qwen_shape(tok)
+    else:
+        model, tok = load_model(a.model)
+    model.to(device).eval()
+    card = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    bw = next((v for k, v in BANDWIDTH.items() if k in card), None)
+    cfg = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * heads * head_dim * 2  # bf16 K and V
+    task = ArithmeticTask(seed=0)
+    prompts_all = encode_prompts(tok, [task[i] for i in range(max(int(b) for b in a.batches.split(",")))])
+    prompts_all = [[min(t, cfg.vocab_size - 1) for t in p] for p in prompts_all]
+    no_stop = [cfg.vocab_size + 1]  # never sampled: fixed-length decoding
+    rows = []
+
+    def record(path, batch, new, seconds, warmup, steps):
+        toks = batch * new
+        ctx = statistics.mean(len(p) for p in prompts_all[:batch]) + new / 2
+        floor = (n_params * 2 + batch * ctx * kv_per_token) / bw if bw else None
+        step_ms = 1000 * seconds / steps
+        row = {"path": path, "batch": batch, "new_tokens": new, "tokens_per_s": toks / seconds, "ms_per_step": step_ms,
+               "warmup_s": warmup, "pct_of_bandwidth_floor": 100 * floor * 1000 / step_ms if floor else None}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    params_for = lambda new: SamplingParams(max_new_tokens=new, temperature=1.0)  # noqa: E731
+    engine = GraphEngine(model, tok, stop_ids=no_stop, device=device, autocast_dtype=autocast)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for new in [int(x) for x in a.new.split(",")]:
+        for batch in [int(x) for x in a.batches.split(",")]:
+            prompts = prompts_all[:batch]
+            before = engine.warmup_s
+            t0 = time.perf_counter()
+            engine.generate(prompts, 1, params_for(new), generator=gen)
+            sync(device)
+            first = time.perf_counter() - t0
+            secs = time_call(lambda: engine.generate(prompts, 1, params_for(new), generator=gen), device, a.repeats)
+            record("gspo graph engine", batch, new, secs, max(first - secs, engine.warmup_s - before), new)
+    b, new = a.baseline_batch, int(a.new.split(",")[0])
+    prompts = prompts_all[:b]
+    if "hf" in a.baselines:
+        simple = HFEngine(model, tok, stop_ids=no_stop, device=device, autocast_dtype=autocast)
+        secs = time_call(lambda: simple.generate(prompts, 1, params_for(new), generator=gen), device, 1)
+        record("gspo simple engine (eager, dynamic cache)", b, new, secs, 0.0, new)
+    if "generate" in a.baselines:
+        from gspo.rollout.hf import pad_prompts
+
+        ids, mask = pad_prompts(prompts, tok.pad_token_id)
+        ids, mask = ids.to(device), mask.to(device)
+
+        def hf_generate():
+            with torch.no_grad(), torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+                model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                               max_new_tokens=new, min_new_tokens=new, pad_token_id=tok.pad_token_id)
+
+        secs = time_call(hf_generate, device, 1)
+        record("model.generate (eager, dynamic cache)", b, new, secs, 0.0, new)
+    out = {"model": a.model, "card": card, "params": n_params, "torch": torch.__version__, "rows": rows}
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(f"\n{a.model} on {card}\n| path | batch | new tokens | tokens/s | ms/step | warm-up s | % of bandwidth floor |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        pct = f"{r['pct_of_bandwidth_floor']:.0f}%" if r["pct_of_bandwidth_floor"] else "-"
+        print(f"| {r['path']} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | "
+              f"{r['warmup_s']:.1f} | {pct} |")
+
+
+if __name__ == "__main__":
+    main()
