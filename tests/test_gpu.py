@@ -42,3 +42,24 @@ def test_graph_engine_on_cuda_matches_the_simple_engine(tokenizer):
     assert a.completion_ids.tolist() == b.completion_ids.tolist()
     assert (a.logprobs - b.logprobs).abs().max() < 1e-3
     assert graph.warmup_s < 15
+
+
+def test_graph_engine_sees_optimizer_updates_under_bf16(tokenizer):
+    """Under bf16 autocast the captured graph casts the live fp32 weights: after an in-place update its greedy
+    output equals that of a freshly built engine (a stale or freed weight copy would not)."""
+    from gspo.rollout.graph import GraphEngine
+    from gspo.types import SamplingParams
+
+    model = tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).cuda()
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi there"]]
+    params = SamplingParams(max_new_tokens=24, greedy=True)
+    cuda = torch.device("cuda")
+    engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16)
+    before = engine.generate(prompts, 2, params).completion_ids
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    after = engine.generate(prompts, 2, params).completion_ids
+    fresh = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16).generate(prompts, 2, params)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, fresh.completion_ids)

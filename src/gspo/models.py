@@ -258,11 +258,15 @@ def _load_error(name: str, what: str, err: Exception) -> UserError:
                      f"local directory, or download it once online so the hub cache has it (HF_HOME).")
 
 
-def autocast_context(device: torch.device, dtype: torch.dtype | None):
-    """Mixed-precision context for forward passes: bf16 autocast on CUDA, and on CPUs (oneDNN, ~2x on AVX512-BF16)."""
+def autocast_context(device: torch.device, dtype: torch.dtype | None, *, cache: bool = True):
+    """Mixed-precision context for forward passes: bf16 autocast on CUDA, and on CPUs (oneDNN, ~2x on AVX512-BF16).
+
+    ``cache=False`` for CUDA-graph capture: autocast's weight-cast cache would freeze the bf16 copies of the weights
+    made before capture (and free them when the context exits), so the graph must cast the live weights itself.
+    """
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
 
 
 def attention_context():

@@ -233,7 +233,7 @@ class GraphEngine:
         self.model.eval()
         self._gen = generator
         try:
-            with torch.no_grad(), autocast_context(self.device, self.autocast_dtype), attention_context():
+            with torch.no_grad(), autocast_context(self.device, self.autocast_dtype, cache=False), attention_context():
                 self._prefill(b, prompts, n, P, params)
                 self._decode(b, rows, params)
         finally:
