@@ -28,12 +28,45 @@ prompts = encode_prompts(tok, [task[i] for i in range(a.batch)])
 params = SamplingParams(max_new_tokens=128)
 engine.generate(prompts, 1, params)  # builds the bucket
 b = next(iter(engine._buckets.values()))
+
+
+def rewind():  # back to the first decode slot, so the steps below stay inside the cache
+    b.cur.fill_(b.length - params.max_new_tokens)
+    b.step.fill_(1)
+    b.done.zero_()
+
+
+import time  # noqa: E402
+
 with torch.no_grad(), autocast_context(dev, torch.bfloat16, cache=False), attention_context():
+    rewind()
     for _ in range(3):
         engine._step(b, params)
+    rewind()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    t0 = time.perf_counter()
+    for _ in range(20):
+        engine._step(b, params)
+    torch.cuda.synchronize()
+    print(f"eager step: {1000 * (time.perf_counter() - t0) / 20:.2f} ms")
+    engine.use_graphs = True
+    rewind()
+    graph = engine._graph(b, params)
+    rewind()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    print(f"graph replay: {1000 * (time.perf_counter() - t0) / 20:.2f} ms")
+    rewind()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             engine._step(b, params)
         torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+t0 = time.perf_counter()
+engine.use_graphs = True
+engine.generate(prompts, 1, params)
+torch.cuda.synchronize()
+print(f"generate with graphs: {time.perf_counter() - t0:.2f} s for {a.batch} x {params.max_new_tokens}")
