@@ -206,3 +206,25 @@ def test_graph_engine_trains_on_cpu(tiny_dir, tmp_path):
     assert type(trainer.engine).__name__ == "GraphEngine"
     trainer.train()
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_dir, tmp_path, monkeypatch):
+    """A loss that turns NaN is not applied: the weights stay as they were, the step is counted, and the run stops
+    with a message once train.max_nonfinite_steps happen in a row."""
+    import gspo.trainer
+    from gspo.errors import UserError
+
+    real = gspo.trainer.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(gspo.trainer, "policy_loss", nan_loss)
+    trainer = Trainer(tiny_config(tiny_dir, "train.steps=8", "train.max_nonfinite_steps=2"), tmp_path / "run")
+    before = _params(trainer.model)
+    with pytest.raises(UserError, match="non-finite"):
+        trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in _params(trainer.model).items())
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["nonfinite_steps"] for r in rows] == [1.0]  # the second in a row stops the run before its line

@@ -199,11 +199,13 @@ class Trainer:
         timing["failures"] += float(sum(result.failures.values()))
         return rollout, row_examples, result.total.float(), {"per_function": result.per_function}
 
-    def collect(self) -> Batch:
-        """Sample, score and (DAPO) filter one rollout batch, and compute its advantages."""
+    def _sample_batch(self, timing: dict[str, float]) -> tuple[list, list, dict[str, float]]:
+        """P groups for the update: with DAPO dynamic sampling, zero-variance groups are dropped and refilled.
+
+        Returns the kept parts, the rewards of every sampled round (for the metrics) and the sampling counters.
+        """
         cfg = self.cfg
         P, G = cfg.rollout.prompts_per_batch, cfg.rollout.group_size
-        timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
         parts: list[tuple[Rollout, list[Example], torch.Tensor, dict[str, Any]]] = []
         kept, dropped, rounds, padded = 0, 0, 0, 0
         sampled: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []  # rewards of every round, for the metrics
@@ -230,6 +232,16 @@ class Trainer:
                 padded, kept, dropped = len(bad), kept + len(bad), dropped - len(bad)
                 log.warning("dynamic sampling: only %d of %d groups had reward variance after %d rounds; %d padded with "
                             "zero-advantage groups (raise dapo.max_resample_rounds)", P - padded, P, rounds, padded)
+        counters = {"dynamic/dropped_groups": float(dropped), "dynamic/padded_groups": float(padded),
+                    "dynamic/rounds": float(rounds), "zero_variance_frac": float(torch.cat(all_zero).float().mean())}
+        return parts, sampled, counters
+
+    def collect(self) -> Batch:
+        """Sample, score and (DAPO) filter one rollout batch, and compute its advantages."""
+        cfg = self.cfg
+        G = cfg.rollout.group_size
+        timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
+        parts, sampled, counters = self._sample_batch(timing)
         rollout = _concat_rollouts([p[0] for p in parts], self.tokenizer.pad_token_id)
         examples = [ex for p in parts for ex in p[1]]
         rewards = torch.cat([p[2] for p in parts])  # (N,)
@@ -257,15 +269,11 @@ class Trainer:
         m["reward/failed_frac"] = float((~valid).float().mean())
         if cfg.dapo.overlong_penalty:
             m["reward/overlong_penalty_mean"] = float(self._overlong(rollout).mean())
-        zero = torch.cat(all_zero).float()
-        m["zero_variance_frac"] = float(zero.mean())
         lengths = rollout.lengths.float()
         m["completion/len_mean"] = float(lengths.mean())
         m["completion/len_max"] = float(lengths.max())
         m["completion/truncated_frac"] = float(truncated.float().mean())
-        m["dynamic/dropped_groups"] = float(dropped)
-        m["dynamic/padded_groups"] = float(padded)
-        m["dynamic/rounds"] = float(rounds)
+        m.update(counters)
         m["data/skipped_prompts"] = float(self.skipped_prompts)
         m["data/position"] = float(self.stream.position)
         m["time/rollout"] = timing["rollout"]
@@ -324,13 +332,7 @@ class Trainer:
         extra = dict(batch.metrics)
         extra["time/logprobs"] = t_logprobs
         if t.old_logprobs == "recompute":
-            cm = rollout.completion_mask.to(dev)
-            diff = (engine_logp - old_logp).abs()
-            extra["logprob/engine_diff_mean"] = float(diff[cm].mean()) if cm.any() else 0.0
-            extra["logprob/engine_diff_max"] = float(diff[cm].max()) if cm.any() else 0.0
-            seq = torch.where(cm, engine_logp - old_logp, 0).sum(-1) / cm.sum(-1).clamp(min=1)
-            extra["logprob/engine_seq_diff_mean"] = float(seq.abs().mean())
-            extra["logprob/engine_seq_diff_max"] = float(seq.abs().max())
+            extra.update(_engine_gap(engine_logp, old_logp, rollout.completion_mask.to(dev)))
 
         adv = batch.advantages.to(dev)
         self.model.train()
@@ -360,32 +362,37 @@ class Trainer:
                                              ref_logp=None if ref_logp is None else ref_logp[rows], **loss_kw)
             cm = rollout.completion_mask[rows.cpu()].to(dev)
             trained_tokens = float(cm.sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
-            finite = math.isfinite(loss_total) and bool(torch.isfinite(grad_norm))
-            if finite:
-                self.optimizer.step()
-                self.nonfinite_in_row = 0
-            else:
-                self.nonfinite_steps += 1
-                self.nonfinite_in_row += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                log.warning("non-finite loss or gradient at step %d: optimizer step skipped", self.step + 1)
-                if self.nonfinite_in_row >= t.max_nonfinite_steps:
-                    raise UserError(f"{self.nonfinite_in_row} optimizer steps in a row had a non-finite loss or gradient "
-                                    f"(last at step {self.step + 1}); lower train.lr or try model.precision = 'fp32'. "
-                                    "The last checkpoint is intact.")
+            grad_norm = self._optimizer_step(loss_total)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.step += 1
             dt = time.perf_counter() - t_step
             row = {"step": self.step, "rollout_batch": self.rollout_batch, "minibatch": k, **extra,
                    "loss": loss_total, **metric_sums, "entropy": float(mb_ent[cm].mean()) if cm.any() else 0.0,
-                   "grad_norm": float(grad_norm), "lr": lr, "nonfinite_steps": float(self.nonfinite_steps),
+                   "grad_norm": grad_norm, "lr": lr, "nonfinite_steps": float(self.nonfinite_steps),
                    "time/update": dt, "throughput/train_tok_s": trained_tokens / max(dt, 1e-9),
                    "time/elapsed": time.time() - self.t_start}
             writer.write(row)
             console.update(self.step, row, end_of_batch=(k == t.minibatches - 1))
         self.model.eval()
+
+    def _optimizer_step(self, loss: float) -> float:
+        """Clip and apply the accumulated gradient, or skip the step (counted) when the loss or gradient is not finite."""
+        t = self.cfg.train
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")))
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.nonfinite_in_row = 0
+            return grad_norm
+        self.nonfinite_steps += 1
+        self.nonfinite_in_row += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        log.warning("non-finite loss or gradient at step %d: optimizer step skipped", self.step + 1)
+        if self.nonfinite_in_row >= t.max_nonfinite_steps:
+            raise UserError(f"{self.nonfinite_in_row} optimizer steps in a row had a non-finite loss or gradient "
+                            f"(last at step {self.step + 1}); lower train.lr or try model.precision = 'fp32'. "
+                            "The last checkpoint is intact.")
+        return grad_norm
 
     # ------------------------------------------------------------------------------------------ loop
 
@@ -424,6 +431,17 @@ class Trainer:
             samples.close()
             self.rewards.close()
         return self.run_dir
+
+
+def _engine_gap(engine_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's: per token, and per sequence (the GSPO log-ratio)."""
+    if not mask.any():
+        return {k: 0.0 for k in ("logprob/engine_diff_mean", "logprob/engine_diff_max",
+                                 "logprob/engine_seq_diff_mean", "logprob/engine_seq_diff_max")}
+    diff = (engine_logp - old_logp).abs()[mask]
+    seq = (torch.where(mask, engine_logp - old_logp, 0).sum(-1) / mask.sum(-1).clamp(min=1)).abs()  # (N,)
+    return {"logprob/engine_diff_mean": float(diff.mean()), "logprob/engine_diff_max": float(diff.max()),
+            "logprob/engine_seq_diff_mean": float(seq.mean()), "logprob/engine_seq_diff_max": float(seq.max())}
 
 
 def _select_groups(part, groups: list[int], G: int):
