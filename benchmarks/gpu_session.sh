@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, rollout benchmark, end-to-end GSPO with the graph engine. Run after stage.sh's calls.
+# Device-call helper, after ../shared/device/stage.sh's two calls (model at /root/smollm2, wheels in /tmp/site).
+#   bash benchmarks/gpu_session.sh tests|rollout|train|e2e [...]     results under $OUT
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-mkdir -p $OUT/e2e
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee $OUT/gpu_tests.txt
-python3 benchmarks/rollout.py --model /root/smollm2/model.gguf --out $OUT/rollout_smollm2.json 2>&1 | grep -v Warn | tail -14
-python3 benchmarks/e2e_reference.py run --model /root/smollm2/model.gguf --algos ${ALGOS:-gspo} --out $OUT/e2e log.progress=false 2>&1 | grep "e2e\|rror" | tail -5
+M=/root/smollm2/model.gguf
+mkdir -p "$OUT/e2e"
+for part in "$@"; do
+  case $part in
+    tests)   python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
+    rollout) python3 benchmarks/rollout.py --model $M --out "$OUT/rollout_smollm2.json" 2>&1 | grep -v Warn | tail -14
+             python3 benchmarks/rollout.py --model qwen2.5-0.5b-shape --new 128 --batches 256,512 --baselines none \
+               --out "$OUT/rollout_qwen.json" 2>&1 | grep -v Warn | tail -6 ;;
+    train)   python3 benchmarks/train_step.py --model $M --out "$OUT/train_step_smollm2.json" 2>&1 | tail -6
+             python3 benchmarks/train_step.py --model qwen2.5-0.5b-shape --batch 32 --out "$OUT/train_step_qwen.json" 2>&1 | tail -6 ;;
+    e2e)     python3 benchmarks/e2e_reference.py run --model $M --algos ${ALGOS:-gspo,grpo} --out "$OUT/e2e" log.progress=false \
+               2>&1 | grep "e2e\|rror" | tail -5 ;;
+  esac
+done
