@@ -59,3 +59,15 @@ def test_unsupported_architecture_names_the_fallback(tokenizer):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))
     with pytest.raises(UserError, match="rollout.engine = 'hf'"):
         GraphEngine(model, tokenizer)
+
+
+def test_requests_larger_than_the_batch_cap_are_split(make_tiny_model, tokenizer, prompts):
+    """With max_batch 8, a request of 3 prompts x 4 samples runs in two calls and returns the same greedy rows."""
+    model = make_tiny_model(seed=2, init_std=0.3)
+    params = SamplingParams(max_new_tokens=8, greedy=True)
+    whole = GraphEngine(model, tokenizer, stop_ids=[STOP]).generate(prompts, 4, params)
+    split = GraphEngine(model, tokenizer, stop_ids=[STOP], max_batch=8).generate(prompts, 4, params)
+    assert split.completion_ids.shape[0] == 12
+    for a, b, ma, mb in zip(whole.completion_ids, split.completion_ids, whole.completion_mask, split.completion_mask):
+        assert a[ma].tolist() == b[mb].tolist()
+    assert split.prompt_ids == whole.prompt_ids

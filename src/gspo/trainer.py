@@ -242,7 +242,7 @@ class Trainer:
         G = cfg.rollout.group_size
         timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
         parts, sampled, counters = self._sample_batch(timing)
-        rollout = _concat_rollouts([p[0] for p in parts], self.tokenizer.pad_token_id)
+        rollout = Rollout.concat([p[0] for p in parts])
         examples = [ex for p in parts for ex in p[1]]
         rewards = torch.cat([p[2] for p in parts])  # (N,)
         shaped = self._shape(rewards, rollout)
@@ -459,19 +459,3 @@ def _nanmean(x: torch.Tensor) -> float:
 def _nanstd(x: torch.Tensor) -> float:
     x = x[torch.isfinite(x)]
     return float(x.std(unbiased=False)) if x.numel() else float("nan")
-
-
-def _concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
-    if len(parts) == 1:
-        return parts[0]
-    T = max(p.completion_ids.shape[1] for p in parts)
-
-    def pad(x: torch.Tensor, value) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
-
-    return Rollout(prompt_ids=[ids for p in parts for ids in p.prompt_ids],
-                   completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
-                   completion_mask=torch.cat([pad(p.completion_mask, False) for p in parts]),
-                   logprobs=torch.cat([pad(p.logprobs, 0.0) for p in parts]),
-                   finish_reasons=[f for p in parts for f in p.finish_reasons],
-                   texts=[s for p in parts for s in p.texts], pad_id=pad_id)

@@ -65,3 +65,21 @@ class Rollout:
             texts=[self.texts[i] for i in rows],
             pad_id=self.pad_id,
         )
+
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        """Rows of several rollouts, in order, padded to the longest completion."""
+        if len(parts) == 1:
+            return parts[0]
+        T = max(p.completion_ids.shape[1] for p in parts)
+
+        def pad(x: torch.Tensor, value) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+        pad_id = parts[0].pad_id
+        return Rollout(prompt_ids=[ids for p in parts for ids in p.prompt_ids],
+                       completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
+                       completion_mask=torch.cat([pad(p.completion_mask, False) for p in parts]),
+                       logprobs=torch.cat([pad(p.logprobs, 0.0) for p in parts]),
+                       finish_reasons=[f for p in parts for f in p.finish_reasons],
+                       texts=[t for p in parts for t in p.texts], pad_id=pad_id)

@@ -122,7 +122,11 @@ class _Bucket:
 
 
 class GraphEngine:
-    """Fast sampling for supported HF decoder models; same interface and output as :class:`HFEngine`."""
+    """Fast sampling for supported HF decoder models; same interface and output as :class:`HFEngine`.
+
+    ``max_batch`` caps the rows of one batch bucket; a request with more rows (or more than fit in free GPU memory)
+    is generated in several calls of whole prompts.
+    """
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, device=None,
                  autocast_dtype: torch.dtype | None = None, sync_every: int = 16, use_graphs: bool | None = None,
@@ -221,36 +225,43 @@ class GraphEngine:
 
     def _bucket(self, rows: int, length: int) -> _Bucket:
         batch = max(8, 1 << (rows - 1).bit_length())
-        if self.max_batch is not None and batch > self.max_batch:
-            raise UserError(f"{rows} rows need a batch bucket of {batch}, above rollout.max_batch = {self.max_batch}; "
-                            "raise it or lower rollout.prompts_per_batch x rollout.group_size.")
         key = (batch, length)
         if key not in self._buckets:
-            if self.device.type == "cuda":
-                self._check_memory(batch, length)
             self._buckets[key] = _Bucket(self, batch, length)
         return self._buckets[key]
 
-    def _check_memory(self, batch: int, length: int) -> None:
+    def _bytes_per_row(self, length: int) -> int:
         cfg = self.model.config
         heads = cfg.num_key_value_heads or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         itemsize = torch.empty((), dtype=self.cache_dtype).element_size()
-        kv = 2 * cfg.num_hidden_layers * batch * heads * length * head_dim * itemsize
-        logits = 6 * batch * cfg.vocab_size * 4  # fp32 logits, log-softmax, Gumbel noise and temporaries
-        free, _ = torch.cuda.mem_get_info(self.device)
-        if kv + logits > 0.9 * free:
-            raise UserError(f"A rollout batch bucket of {batch} rows x {length} slots needs ~{(kv + logits) / 2**30:.1f} GiB "
-                            f"but {free / 2**30:.1f} GiB are free; lower rollout.prompts_per_batch, rollout.group_size "
-                            "or rollout.max_new_tokens.")
+        kv = 2 * cfg.num_hidden_layers * heads * length * head_dim * itemsize
+        return kv + 6 * cfg.vocab_size * 4  # + fp32 logits, log-softmax, Gumbel noise and temporaries
+
+    def rows_that_fit(self, length: int) -> int:
+        """The largest power-of-two batch bucket of ``length`` slots that fits ``max_batch`` and, on CUDA, 90% of the
+        free memory (buckets already allocated count as free: they are reused)."""
+        limit = self.max_batch or 1 << 20
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += sum(b.cache.nbytes() for b in self._buckets.values())
+            limit = min(limit, int(0.9 * free) // self._bytes_per_row(length))
+        if limit < 8:
+            raise UserError(f"Not even 8 rollout rows of {length} cache slots fit in the free GPU memory; lower "
+                            "rollout.max_new_tokens or data.max_prompt_tokens, or free memory.")
+        return 1 << (limit.bit_length() - 1)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout:
         """``n`` completions for each token-id prompt; row ``i`` belongs to prompt ``i // n``."""
         check_request(self.model, prompts, n, params)
-        rows = len(prompts) * n
         width = max(len(p) for p in prompts)
         length = -(-(width + params.max_new_tokens) // 64) * 64  # slots, in buckets of 64
+        per_call = max(1, self.rows_that_fit(length) // n)  # prompts per call; more are generated in turn
+        if len(prompts) > per_call:
+            return Rollout.concat([self.generate(prompts[i:i + per_call], n, params, generator)
+                                   for i in range(0, len(prompts), per_call)])
+        rows = len(prompts) * n
         b = self._bucket(rows, length)
         P = length - params.max_new_tokens
         modes = [(m, m.training) for m in self.model.modules()]  # restored one by one: mixed states survive
