@@ -25,7 +25,6 @@ or the next host check (their output is masked); attention reads all ``L`` slots
 from __future__ import annotations
 
 import inspect
-import logging
 import time
 
 import torch
@@ -39,8 +38,6 @@ from gspo.logprobs import final_logits
 from gspo.models import attention_context, autocast_context, stop_token_ids
 from gspo.rollout.hf import check_request, filter_logits, pad_prompts
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
-
-log = logging.getLogger("gspo")
 
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
 # whose inner model has embed_tokens / layers / norm / rotary_emb with nothing else between them.
