@@ -321,9 +321,10 @@ class GraphEngine:
         saved = config._attn_implementation
         config._attn_implementation = "gspo_decode"  # read by every attention module at each call (and capture)
         try:
-            graph = self._graph(b, params) if self.use_graphs else None
+            # Capture runs 3 steps ahead in the buffers (2 warm-up, 1 captured): shorter requests decode eagerly.
+            graph = self._graph(b, params) if self.use_graphs and params.max_new_tokens >= 4 else None
             for j in range(1, params.max_new_tokens):
-                if j % self.sync_every == 1 or not self.use_graphs:
+                if j % self.sync_every == 1 or graph is None:
                     if bool(b.done[:rows].all()):  # the only host sync: once every sync_every steps
                         break
                 if graph is not None:
