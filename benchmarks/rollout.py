@@ -28,17 +28,9 @@ from gspo.prompts import encode_prompts  # noqa: E402
 from gspo.rollout.graph import GraphEngine  # noqa: E402
 from gspo.rollout.hf import HFEngine  # noqa: E402
 from gspo.types import SamplingParams  # noqa: E402
+from shapes import qwen25_05b_shape  # noqa: E402
 
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
-
-
-def qwen_shape(tokenizer):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(cfg)
 
 
 def sync(device):
@@ -72,7 +64,7 @@ def main() -> None:
     autocast = torch.bfloat16 if device.type == "cuda" else None
     if a.model == "qwen2.5-0.5b-shape":
         _, tok = load_model("smollm2-135m-instruct")  # any tokenizer: ids are clamped to the vocabulary
-        model = qwen_shape(tok)
+        model = qwen25_05b_shape()
     else:
         model, tok = load_model(a.model)
     model.to(device).eval()

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gspo import policy_loss  # noqa: E402
 from gspo.logprobs import sequence_logprobs  # noqa: E402
 from gspo.models import attention_context, autocast_context, load_model  # noqa: E402
+from shapes import qwen25_05b_shape  # noqa: E402
 
 
 def make_batch(batch: int, prompt: int, completion: int, vocab: int, seed: int = 0):
@@ -99,11 +100,7 @@ def main() -> None:
     device = torch.device(a.device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     if a.model == "qwen2.5-0.5b-shape":
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True))
+        model = qwen25_05b_shape()
     else:
         model, _ = load_model(a.model)
     model.to(device).train()

@@ -1,0 +1,12 @@
+"""Random-initialised models of a real model's shape, for benchmarks that must not be tuned to one model."""
+import torch
+
+
+def qwen25_05b_shape():
+    """A Qwen2.5-0.5B-shaped Qwen2 model (896 hidden, 24 layers, 14 heads, 2 KV heads, 151,936 vocabulary), seed 0."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                                        tie_word_embeddings=True))
