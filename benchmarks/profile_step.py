@@ -1,16 +1,18 @@
-"""Where a graph-engine decode step spends its time: the step run eagerly under the profiler (kernels by CUDA time).
+"""Where a graph-engine rollout spends its time: one whole ``generate`` call (every row decodes ``--new`` tokens)
+under the profiler, kernels by GPU time per decode step, after a warm-up call that captures the graphs.
 
-  python benchmarks/profile_step.py --model /root/smollm2/model.gguf --batch 512
+  python benchmarks/profile_step.py --model /root/smollm2/model.gguf --batch 512 [--no-flash] [--no-shadow]
 """
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gspo.data.tasks import ArithmeticTask  # noqa: E402
-from gspo.models import attention_context, autocast_context, load_model  # noqa: E402
+from gspo.models import load_model  # noqa: E402
 from gspo.prompts import encode_prompts  # noqa: E402
 from gspo.rollout.graph import GraphEngine  # noqa: E402
 from gspo.types import SamplingParams  # noqa: E402
@@ -18,55 +20,31 @@ from gspo.types import SamplingParams  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="smollm2-135m-instruct")
 p.add_argument("--batch", type=int, default=512)
+p.add_argument("--new", type=int, default=128)
+p.add_argument("--no-flash", action="store_true")
+p.add_argument("--no-shadow", action="store_true")
 a = p.parse_args()
 model, tok = load_model(a.model)
 model.cuda().eval()
 dev = torch.device("cuda")
-engine = GraphEngine(model, tok, stop_ids=[model.config.vocab_size + 1], device=dev, autocast_dtype=torch.bfloat16, use_graphs=False)
+engine = GraphEngine(model, tok, stop_ids=[model.config.vocab_size + 1], device=dev, autocast_dtype=torch.bfloat16,
+                     flash_decode=False if a.no_flash else None, shadow_weights=not a.no_shadow)
 task = ArithmeticTask(seed=0)
 prompts = encode_prompts(tok, [task[i] for i in range(a.batch)])
-params = SamplingParams(max_new_tokens=128)
-engine.generate(prompts, 1, params)  # builds the bucket
-b = next(iter(engine._buckets.values()))
-
-
-def rewind():  # back to the first decode slot, so the steps below stay inside the cache
-    b.cur.fill_(b.length - params.max_new_tokens)
-    b.step.fill_(1)
-    b.done.zero_()
-
-
-import time  # noqa: E402
-
-with torch.no_grad(), autocast_context(dev, torch.bfloat16, cache=False), attention_context():
-    rewind()
-    for _ in range(3):
-        engine._step(b, params)
-    rewind()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        engine._step(b, params)
-    torch.cuda.synchronize()
-    print(f"eager step: {1000 * (time.perf_counter() - t0) / 20:.2f} ms")
-    engine.use_graphs = True
-    rewind()
-    graph = engine._graph(b, params)
-    rewind()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    print(f"graph replay: {1000 * (time.perf_counter() - t0) / 20:.2f} ms")
-    rewind()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            engine._step(b, params)
-        torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+params = SamplingParams(max_new_tokens=a.new)
+engine.generate(prompts, 1, params)  # captures the graph
+torch.cuda.synchronize()
 t0 = time.perf_counter()
-engine.use_graphs = True
 engine.generate(prompts, 1, params)
 torch.cuda.synchronize()
-print(f"generate with graphs: {time.perf_counter() - t0:.2f} s for {a.batch} x {params.max_new_tokens}")
+wall = time.perf_counter() - t0
+print(f"flash_decode={engine.flash_decode} shadow={engine.shadow is not None}: {a.batch} x {a.new} in {wall:.3f} s, "
+      f"{a.batch * a.new / wall:,.0f} tokens/s, {1000 * wall / a.new:.2f} ms/step")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    engine.generate(prompts, 1, params)
+    torch.cuda.synchronize()
+ka = prof.key_averages()
+total = sum(e.self_device_time_total for e in ka)
+print(f"GPU time per decode step: {total / 1000 / a.new:.2f} ms")
+for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:16]:
+    print(f"{e.self_device_time_total / 1000 / a.new:7.3f} ms/step {e.count / a.new:6.1f} calls/step  {e.key[:90]}")

@@ -1,7 +1,7 @@
 """Rollout throughput: the CUDA-graph engine against the simple engine and ``model.generate``, same prompts.
 
   python benchmarks/rollout.py --model /root/smollm2/model.gguf --out $OUT/rollout.json
-  python benchmarks/rollout.py --model qwen2.5-0.5b-shape --out $OUT/rollout_qwen.json   # random init, same shape
+  python benchmarks/rollout.py --model qwen2.5-0.5b-shape --baselines none --out $OUT/rollout_qwen.json   # random init, same shape
 
 Prompts are "What is a + b? Put the final answer after 'Answer:'." in the chat template, temperature 1. Every row
 decodes exactly ``new`` tokens (stop tokens ignored) so tokens/s counts the same work for every path. Warm-up
@@ -55,7 +55,10 @@ def main() -> None:
     p.add_argument("--batches", default="64,256,512,1024")
     p.add_argument("--new", default="128,512")
     p.add_argument("--baseline-batch", type=int, default=256, help="batch for the slow paths (simple engine, generate)")
-    p.add_argument("--baselines", default="hf,generate")
+    p.add_argument("--baselines", default="hf,generate,compile",
+                   help="hf: gspo's simple engine; generate: model.generate eager; compile: model.generate with a static "
+                        "cache, which transformers compiles (torch.compile) on the first call")
+    p.add_argument("--compile-batch", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
@@ -123,6 +126,26 @@ def main() -> None:
 
         secs = time_call(hf_generate, device, 1)
         record("model.generate (eager, dynamic cache)", b, new, secs, 0.0, new)
+    if "compile" in a.baselines:
+        from gspo.rollout.hf import pad_prompts
+
+        b = a.compile_batch
+        ids, mask = pad_prompts(prompts_all[:b], tok.pad_token_id)
+        ids, mask = ids.to(device), mask.to(device)
+
+        def hf_static():
+            with torch.no_grad(), torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+                model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                               max_new_tokens=new, min_new_tokens=new, pad_token_id=tok.pad_token_id,
+                               cache_implementation="static")
+
+        sync(device)
+        t0 = time.perf_counter()
+        hf_static()
+        sync(device)
+        first = time.perf_counter() - t0
+        secs = time_call(hf_static, device, 2)
+        record("model.generate (static cache + torch.compile)", b, new, secs, first - secs, new)
     out = {"model": a.model, "card": card, "params": n_params, "torch": torch.__version__, "rows": rows}
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"\n{a.model} on {card}\n| path | batch | new tokens | tokens/s | ms/step | warm-up s | % of bandwidth floor |")

@@ -54,6 +54,29 @@ def test_in_place_weight_update_is_seen(make_tiny_model, tokenizer, prompts):
     assert not torch.equal(before, after)
 
 
+def test_shadow_weights_sample_exactly_like_autocast(make_tiny_model, tokenizer, prompts):
+    """Under bf16 autocast the engine's bf16 weight copies give bit-identical tokens and log-probs to casting the fp32
+    weights at every step, and an in-place update of the fp32 weights reaches the copies at the next call."""
+    model = make_tiny_model(seed=4, init_std=0.3)
+    params = SamplingParams(max_new_tokens=10, temperature=0.9)
+
+    def run(shadow: bool, seed: int = 0):
+        engine = GraphEngine(model, tokenizer, stop_ids=[STOP], autocast_dtype=torch.bfloat16, shadow_weights=shadow)
+        return engine, engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(seed))
+
+    shadow_engine, a = run(True)
+    _, b = run(False)
+    assert shadow_engine.shadow is not None and shadow_engine.shadow.nbytes() > 0
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters are back in the model
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    after = shadow_engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(0))
+    _, fresh = run(False)
+    assert torch.equal(after.completion_ids, fresh.completion_ids) and torch.equal(after.logprobs, fresh.logprobs)
+
+
 def test_unsupported_architecture_names_the_fallback(tokenizer):
     """A model type the graph engine does not handle raises a UserError naming rollout.engine = 'hf'."""
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))

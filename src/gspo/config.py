@@ -164,6 +164,9 @@ class TrainConfig:
     """``recompute`` old-policy log-probs with the trainer, or reuse the ``rollout`` engine's."""
     logprob_chunk: int = 1024
     """Positions per chunk of the log-prob pass (bounds the fp32 logits held at once)."""
+    packing: str = "auto"
+    """Log-prob and update passes on packed sequences (no padding): ``on``, ``off``, or ``auto`` (on with CUDA flash
+    attention, off elsewhere, where the packed attention is a slow per-sequence reference)."""
     max_nonfinite_steps: int = 8
     """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient (each is skipped)."""
 
@@ -375,6 +378,7 @@ def validate(cfg: Config) -> None:
     for value, valid, key in ((lc.level, LEVELS, "loss.level"), (lc.aggregation, AGGREGATIONS, "loss.aggregation"),
                               (lc.advantage_scale, SCALES, "loss.advantage_scale"),
                               (t.old_logprobs, ("recompute", "rollout"), "train.old_logprobs"),
+                              (t.packing, ("auto", "on", "off"), "train.packing"),
                               (t.schedule, ("constant", "linear", "cosine"), "train.schedule"),
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),
                               (r.engine, ("auto", "graph", "hf"), "rollout.engine")):

@@ -7,8 +7,12 @@ Shapes: ``N`` sequences, ``P`` padded prompt length, ``T`` padded completion len
     logp[i, t] = log softmax(W h[i, P - 1 + t] / tau)[y[i, t]]
     entropy[i, t] = - sum_v pi(v) log pi(v),   pi = softmax(W h[i, P - 1 + t] / tau)
 
-The decoder runs once on ``[left-padded prompt | right-padded completion]`` with ``position_ids = cumsum(mask) - 1``
-(left padding shifts nothing). The language-model head is then applied only at the ``M`` completion positions, in
+Padded layout (default on a CPU): the decoder runs once on ``[left-padded prompt | right-padded completion]`` with
+``position_ids = cumsum(mask) - 1`` (left padding shifts nothing). Packed layout (``packed=True``, default on a GPU with
+flash attention): the ``N`` sequences ``prompt_i + completion_i`` (no padding) are concatenated into one row of
+``sum_i (len(prompt_i) + len_i)`` tokens, positions restart at 0 for each, and attention is causal within each
+sequence only (flash attention's variable-length kernel on CUDA): no compute is spent on padding, which in RL batches
+(a long tail of completion lengths) is often most of the padded tensor. The language-model head is then applied only at the ``M`` completion positions, in
 chunks of ``chunk_size``, each wrapped in activation checkpointing under grad: the float32 ``(N, T, V)`` logits
 never exist at once, neither in the forward nor as saved activations (the backward recomputes one chunk's logits).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface
 
 from gspo.errors import UserError
 from gspo.models import attention_context, autocast_context
@@ -35,6 +40,7 @@ def sequence_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     autocast_dtype: torch.dtype | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities ``(N, T)`` float32 of ``completion_ids`` given ``prompt_ids`` under
     ``softmax(logits / temperature)``, differentiable w.r.t. the model, 0 where ``completion_mask`` is False;
@@ -46,23 +52,25 @@ def sequence_logprobs(
     completion_ids = completion_ids.to(device)  # (N, T)
     completion_mask = completion_mask.to(device).bool()  # (N, T)
     n_rows, width = completion_ids.shape
-    prompt, prompt_mask = pad_prompts(prompt_ids, pad_id)  # (N, P)
-    prompt_len = prompt.shape[1]
-    input_ids = torch.cat([prompt.to(device), completion_ids.masked_fill(~completion_mask, pad_id)], 1)  # (N, P+T)
-    attention_mask = torch.cat([prompt_mask.to(device), completion_mask.long()], 1)  # (N, P+T)
-
-    with autocast_context(device, autocast_dtype), attention_context():
-        hidden = model.get_decoder()(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions_from_mask(attention_mask),
-            use_cache=False,
-        ).last_hidden_state  # (N, P+T, H)
-    # Position P-1+t predicts completion token t.
-    hidden = hidden[:, prompt_len - 1: prompt_len + width - 1]  # (N, T, H)
-    flat = completion_mask.reshape(-1).nonzero().squeeze(-1)  # (M,)
-    hidden = hidden.reshape(n_rows * width, -1).index_select(0, flat)  # (M, H)
+    flat = completion_mask.reshape(-1).nonzero().squeeze(-1)  # (M,) completion tokens, row-major
     targets = completion_ids.reshape(-1).index_select(0, flat)  # (M,)
+    if packed:
+        hidden = _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_dtype)  # (M, H)
+    else:
+        prompt, prompt_mask = pad_prompts(prompt_ids, pad_id)  # (N, P)
+        prompt_len = prompt.shape[1]
+        input_ids = torch.cat([prompt.to(device), completion_ids.masked_fill(~completion_mask, pad_id)], 1)  # (N, P+T)
+        attention_mask = torch.cat([prompt_mask.to(device), completion_mask.long()], 1)  # (N, P+T)
+        with autocast_context(device, autocast_dtype), attention_context():
+            hidden = model.get_decoder()(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions_from_mask(attention_mask),
+                use_cache=False,
+            ).last_hidden_state  # (N, P+T, H)
+        # Position P-1+t predicts completion token t.
+        hidden = hidden[:, prompt_len - 1: prompt_len + width - 1]  # (N, T, H)
+        hidden = hidden.reshape(n_rows * width, -1).index_select(0, flat)  # (M, H)
 
     head = model.get_output_embeddings()
     config = model.config
@@ -84,6 +92,81 @@ def sequence_logprobs(
         entropy = out.index_copy(0, flat, torch.cat(chunk_entropy)) if chunk_entropy else out.clone()  # (N*T,)
         entropy = entropy.view(n_rows, width).detach()  # (N, T)
     return logp.view(n_rows, width), entropy
+
+
+def _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_dtype) -> torch.Tensor:
+    """Final hidden states ``(M, H)`` at the positions that predict each completion token (row-major, as ``flat``),
+    from one packed row of every ``prompt_i + completion_i``.
+
+    Completion tokens must be a prefix of each row (``completion_mask[i] = [1]*len_i + [0]*...``), as rollouts are.
+    """
+    device = completion_ids.device
+    lengths = completion_mask.sum(-1)  # (N,)
+    if not torch.equal(completion_mask, torch.arange(completion_mask.shape[1], device=device)[None, :] < lengths[:, None]):
+        raise UserError("packed log-probs need each completion's tokens first in its row (mask = 1..1 0..0); use "
+                        "train.packing = 'off' for other layouts.")
+    comp = completion_ids.tolist()
+    seq_lens = [len(p) + int(n) for p, n in zip(prompt_ids, lengths.tolist())]
+    ids = [t for p, c, n in zip(prompt_ids, comp, lengths.tolist()) for t in (*p, *c[:n])]
+    ids = torch.tensor(ids, dtype=torch.long, device=device)[None]  # (1, S) S = sum of seq_lens
+    pos = torch.cat([torch.arange(n) for n in seq_lens]).to(device)[None]  # (1, S)
+    cu = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)  # (N+1,)
+    # Row i's token t is predicted at packed index start_i + len(prompt_i) - 1 + t.
+    first = torch.tensor([s + len(p) - 1 for s, p in zip(cu[:-1].tolist(), prompt_ids)], device=device)  # (N,)
+    at = (first[:, None] + torch.arange(completion_mask.shape[1], device=device)[None, :])[completion_mask]  # (M,)
+    config = model.config
+    saved = config._attn_implementation
+    config._attn_implementation = "gspo_packed"  # read by every attention module at each call
+    try:
+        with autocast_context(device, autocast_dtype):
+            hidden = model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu,
+                                         cu_seq_lens_k=cu, max_length_q=max(seq_lens), max_length_k=max(seq_lens),
+                                         ).last_hidden_state  # (1, S, H)
+    finally:
+        config._attn_implementation = saved
+    return hidden[0].index_select(0, at)  # (M, H)
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
+                      max_length_q=None, **kwargs):
+    """Causal attention within each packed sequence: query (1, H, S, D), key/value (1, Hkv, S, D) -> (1, S, H, D).
+
+    CUDA: flash attention's variable-length kernel (``torch.nn.attention.varlen``), no padding and no mask. Elsewhere
+    (the CPU tests): scaled-dot-product attention per sequence, the reference the flash path is checked against.
+    """
+    _, H, S, D = query.shape
+    kv_heads = key.shape[1]
+    q = query[0].transpose(0, 1)  # (S, H, D)
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (S, Hkv, D)
+    if query.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn
+
+        if kv_heads != H:  # torch 2.11's varlen_attn has no grouped-query option
+            k, v = k.repeat_interleave(H // kv_heads, 1), v.repeat_interleave(H // kv_heads, 1)
+        out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, cu_seq_lens_q, max_length_q,
+                          max_length_q, scale=scaling, window_size=(-1, 0))  # (S, H, D)
+        return out[None], None
+    outs = []
+    bounds = cu_seq_lens_q.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                                           is_causal=True, scale=scaling, enable_gqa=kv_heads != H)  # (H, n, D)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)[None], None
+
+
+AttentionInterface.register("gspo_packed", _packed_attention)
+
+
+def packing_available(device: torch.device) -> bool:
+    """Whether packed log-probs run on a fast kernel here (flash attention's variable-length path on CUDA)."""
+    if device.type != "cuda" or not torch.backends.cuda.flash_sdp_enabled():
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _chunk(hidden, targets, head, config, temperature, with_entropy, device, autocast_dtype):

@@ -27,7 +27,7 @@ from gspo.checkpoint import complete_checkpoints, load_model_weights, rng_state,
 from gspo.config import Config
 from gspo.data import DataStream, build_dataset, default_reward
 from gspo.errors import UserError
-from gspo.logprobs import sequence_logprobs
+from gspo.logprobs import packing_available, sequence_logprobs
 from gspo.metrics import Console, JsonlWriter
 from gspo.models import attention_context, disable_dropout, load_model, stop_token_ids
 from gspo.prompts import encode_prompts
@@ -107,7 +107,11 @@ class Trainer:
         self.rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s)
 
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+        self.packed = t.packing == "on" or (t.packing == "auto" and packing_available(self.device))
+        # One fused kernel for the whole AdamW update on CUDA (the per-tensor loop is ~6 ms per step at 135M).
+        fused = self.device.type == "cuda" and all(p.dtype == torch.float32 for p in self.model.parameters())
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay,
+                                           fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step = 0
         self.rollout_batch = 0
@@ -293,7 +297,7 @@ class Trainer:
         r = rollout if rows is None else rollout.select(rows.tolist())
         return sequence_logprobs(model, r.prompt_ids, r.completion_ids.to(self.device), r.completion_mask.to(self.device),
                                  temperature=self.cfg.rollout.temperature, pad_id=r.pad_id, chunk_size=self.cfg.train.logprob_chunk,
-                                 with_entropy=with_entropy, autocast_dtype=self.autocast)
+                                 with_entropy=with_entropy, autocast_dtype=self.autocast, packed=self.packed)
 
     @torch.no_grad()
     def _frozen_logprobs(self, model, rollout: Rollout, micro_batches: list[torch.Tensor]) -> torch.Tensor:

@@ -51,14 +51,27 @@ def supports(model) -> bool:
             and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
 
 
-def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA for one new token per row that reads grouped K/V in place.
+def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, gspo_live=None, **kwargs):
+    """Attention for one new token per row against the static cache.
 
-    HF's sdpa path repeats K and V for every query head of a group before attending: with a static cache that copies
-    the whole cache twice per layer per step (on an H200 at 512 rows, 8 of 17 ms per step). With a single query
-    position the G query heads of one KV head can instead be G queries of that head: no copy, the same result.
+    With ``gspo_live = (starts, used)`` (CUDA, flash kernel available) row ``b`` attends only its live slots
+    ``starts[b] - b * L ..`` (``used[b]`` of them) through flash attention's variable-length path, which handles grouped
+    K/V natively: the cost follows the live context, not the ``L`` allocated slots, and there is no mask to read.
+
+    Otherwise SDPA with the boolean mask over all ``L`` slots, reading grouped K/V in place: HF's sdpa path repeats K
+    and V for every query head of a group first, which with a static cache copies the whole cache twice per layer per
+    step (on an H200 at 512 rows, 8 of 17 ms per step). With a single query position the G query heads of one KV head
+    can instead be G queries of that head: no copy, the same result.
     """
     B, H, S, D = query.shape
+    if gspo_live is not None and S == 1:
+        starts, used, cu_q = gspo_live  # (B+1,), (B,), (B+1,) int32
+        L, kv_heads = key.shape[2], key.shape[1]
+        k = key.transpose(1, 2).reshape(B * L, kv_heads, D)  # the cache's (B, L, Hkv, D) storage: a view
+        v = value.transpose(1, 2).reshape(B * L, kv_heads, D)
+        out = torch.ops.aten._flash_attention_forward(query.reshape(B, H, D), k, v, cu_q, starts, 1, L, 0.0, False, False,
+                                                      scale=scaling, seqused_k=used)[0]  # (B, H, D)
+        return out.view(B, 1, H, D), None
     kv_heads = key.shape[1]
     if S != 1 or kv_heads == H:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -72,21 +85,43 @@ def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 AttentionInterface.register("gspo_decode", _decode_attention)
 
 
+def _flash_decode_works(device: torch.device, dtype: torch.dtype, config) -> bool:
+    """Whether flash attention's variable-length path (with ``seqused_k``) runs here for this head layout."""
+    heads = config.num_attention_heads
+    kv_heads = config.num_key_value_heads or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if dtype not in (torch.float16, torch.bfloat16) or not torch.backends.cuda.flash_sdp_enabled():
+        return False
+    try:
+        q = torch.zeros(2, heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(2 * 4, kv_heads, head_dim, dtype=dtype, device=device)
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+        starts = torch.tensor([1, 4, 8], dtype=torch.int32, device=device)
+        used = torch.tensor([3, 2], dtype=torch.int32, device=device)
+        torch.ops.aten._flash_attention_forward(q, kv, kv, cu, starts, 1, 4, 0.0, False, False, seqused_k=used)
+        return True
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
 class StaticKV:
     """K/V buffers for every layer, allocated once per shape bucket; ``slots`` says where the next forward writes.
 
     It stands in for a transformers ``Cache``: attention modules call ``update`` and attend over what it returns.
+    The storage is ``(B, L, Hkv, D)`` (rows of slots, the layout flash attention's variable-length path reads);
+    ``update`` returns ``(B, Hkv, L, D)`` views of it, the layout HF attention functions expect.
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype, device):
-        shape = (batch, kv_heads, length, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]  # (B, Hkv, L, D) each
+        shape = (batch, length, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]  # (B, L, Hkv, D) each
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.slots = torch.zeros(1, dtype=torch.long, device=device)  # (S,) slots written by the current forward
         self.rows = batch  # forwards may use the first `rows` rows only (prefill of the unique prompts)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.k[layer_idx][: self.rows], self.v[layer_idx][: self.rows]
+        k = self.k[layer_idx][: self.rows].transpose(1, 2)  # (b, Hkv, L, D) view
+        v = self.v[layer_idx][: self.rows].transpose(1, 2)
         k.index_copy_(2, self.slots, key_states.to(k.dtype))
         v.index_copy_(2, self.slots, value_states.to(v.dtype))
         return k, v
@@ -96,6 +131,44 @@ class StaticKV:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class ShadowWeights:
+    """Low-precision copies of the trainer's fp32 Linear weights (and biases) for the engine's forward passes.
+
+    Under autocast every decode step would cast each fp32 weight to bf16 again (inside a CUDA graph it must: see
+    ``autocast_context``), one extra kernel per weight and ~1.5x the weight bytes moved per token. The copies are
+    refreshed with one ``_foreach_copy_`` at the start of every ``generate`` call, so the engine always samples from
+    the trainer's current weights, and they round exactly as autocast's cast does: the same numbers, bit for bit.
+    Norm and embedding weights stay fp32, as autocast leaves them.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        self.slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]] = []
+        for module in model.modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            for name in ("weight", "bias"):
+                master = module._parameters.get(name)
+                if master is not None and master.dtype == torch.float32:
+                    copy = torch.nn.Parameter(torch.empty_like(master, dtype=dtype), requires_grad=False)
+                    self.slots.append((module, name, master, copy))
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for *_, c in self.slots)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        if self.slots:
+            torch._foreach_copy_([c for *_, c in self.slots], [m for _, _, m, _ in self.slots])
+
+    def swap_in(self) -> None:
+        for module, name, _, copy in self.slots:
+            module._parameters[name] = copy
+
+    def swap_out(self) -> None:
+        for module, name, master, _ in self.slots:
+            module._parameters[name] = master
 
 
 class _Bucket:
@@ -112,6 +185,10 @@ class _Bucket:
         self.cur = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) its cache slot
         self.step = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) its completion index + 1
         self.valid = torch.zeros(batch, length, dtype=torch.bool, device=dev)  # (B, L) slots a query may attend
+        # The same as offsets for flash attention: row b's live slots are starts[b] - b * L .. + used[b] - 1.
+        self.starts = torch.arange(batch + 1, dtype=torch.int32, device=dev) * length  # (B+1,)
+        self.used = torch.zeros(batch, dtype=torch.int32, device=dev)  # (B,)
+        self.cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)  # (B+1,) one query per row
         self.done = torch.zeros(batch, dtype=torch.bool, device=dev)  # (B,)
         self.out_tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, T) grown per call
         self.out_logp = torch.zeros(batch, 1, dtype=torch.float32, device=dev)
@@ -122,12 +199,14 @@ class GraphEngine:
     """Fast sampling for supported HF decoder models; same interface and output as :class:`HFEngine`.
 
     ``max_batch`` caps the rows of one batch bucket; a request with more rows (or more than fit in free GPU memory)
-    is generated in several calls of whole prompts.
+    is generated in several calls of whole prompts. ``shadow_weights`` (default: on under autocast with fp32
+    weights) keeps bf16 copies of the Linear weights, refreshed at every call; ``flash_decode`` (default: on when
+    flash attention runs on this GPU) makes decode attention read live cache slots only.
     """
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, device=None,
                  autocast_dtype: torch.dtype | None = None, sync_every: int = 16, use_graphs: bool | None = None,
-                 max_batch: int | None = None):
+                 max_batch: int | None = None, shadow_weights: bool | None = None, flash_decode: bool | None = None):
         if not supports(model):
             raise UserError(f"The graph rollout engine does not support model_type {model.config.model_type!r} "
                             f"(supported: {', '.join(SUPPORTED)}); set rollout.engine = 'hf'.")
@@ -147,17 +226,26 @@ class GraphEngine:
         layer_fwd = inspect.signature(model.model.layers[0].forward).parameters
         self._cache_arg = "cache" if "cache" in layer_fwd else "past_key_values"
         self.warmup_s = 0.0  # seconds spent capturing graphs, cumulative
+        fp32 = next(model.parameters()).dtype == torch.float32
+        if shadow_weights is None:
+            shadow_weights = autocast_dtype is not None and fp32
+        self.shadow = ShadowWeights(model, autocast_dtype) if shadow_weights and autocast_dtype is not None else None
+        if flash_decode is None:
+            flash_decode = self.device.type == "cuda" and _flash_decode_works(self.device, self.cache_dtype, model.config)
+        self.flash_decode = flash_decode
 
     # ------------------------------------------------------------------------------------------ model pieces
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: StaticKV) -> torch.Tensor:
-        """Hidden state of the last position after every layer: ids (b, S), pos (b, S), mask (b, 1, S, L).  (b, H)"""
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: StaticKV, live=None) -> torch.Tensor:
+        """Hidden state of the last position after every layer: ids (b, S), pos (b, S), mask (b, 1, S, L); ``live``
+        is passed to the decode attention (see ``_decode_attention``).  (b, H)"""
         inner = self.model.model
         h = inner.embed_tokens(ids)  # (b, S, H)
         rope = inner.rotary_emb(h, pos)
+        extra = {} if live is None else {"gspo_live": live}
         for layer in inner.layers[: self.model.config.num_hidden_layers]:
             out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, use_cache=True,
-                        **{self._cache_arg: cache})
+                        **{self._cache_arg: cache}, **extra)
             h = out[0] if isinstance(out, tuple) else out
         return inner.norm(h[:, -1])  # (b, H)
 
@@ -170,12 +258,13 @@ class GraphEngine:
             tok = logits.argmax(-1)  # (b,)
             return tok, F.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
         scaled = logits / params.temperature  # (b, V)
-        logp = F.log_softmax(scaled, -1)  # (b, V)
+        lse = torch.logsumexp(scaled, -1)  # (b,): log pi(v) = scaled[v] - lse, without writing a (b, V) log-softmax
         filtered = filter_logits(scaled, params)
-        # Gumbel-max: argmax(l - log(-log u)) is a draw from softmax(l), with no multinomial (which syncs).
-        u = torch.rand(filtered.shape, device=filtered.device, generator=self._gen).clamp_(min=1e-20)
-        tok = (filtered - torch.log(-torch.log(u))).argmax(-1)  # (b,)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+        # Gumbel-max: with E ~ Exp(1), -log E is Gumbel, and argmax(l - log E) is a draw from softmax(l), with no
+        # multinomial (which syncs). E is clamped away from 0, whose log would pick a token of probability 0.
+        e = torch.empty_like(filtered).exponential_(generator=self._gen).clamp_(min=1e-30).log_()  # (b, V)
+        tok = (filtered - e).argmax(-1)  # (b,)
+        return tok, scaled.gather(-1, tok[:, None]).squeeze(-1) - lse
 
     # ------------------------------------------------------------------------------------------ decode step
 
@@ -184,7 +273,9 @@ class GraphEngine:
         b.cache.slots = b.cur
         b.cache.rows = b.batch
         b.valid.index_fill_(1, b.cur, True)
-        hidden = self._forward(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache)  # (B, H)
+        b.used += 1
+        live = (b.starts, b.used, b.cu_q) if self.flash_decode else None
+        hidden = self._forward(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache, live)  # (B, H)
         tok, logp = self._sample(self._logits(hidden), params)  # (B,), (B,)
         tok = torch.where(b.done, torch.full_like(tok, self.pad_id), tok)
         logp = torch.where(b.done, torch.zeros_like(logp), logp)
@@ -200,7 +291,8 @@ class GraphEngine:
         key = (params.greedy, params.temperature, params.top_p, params.top_k, id(self._gen))
         if key not in b.graphs:
             t0 = time.perf_counter()
-            saved = [t.clone() for t in (b.tok, b.pos, b.cur, b.step, b.valid, b.done, b.out_tok, b.out_logp)]
+            state = (b.tok, b.pos, b.cur, b.step, b.valid, b.used, b.done, b.out_tok, b.out_logp)
+            saved = [t.clone() for t in state]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -212,7 +304,7 @@ class GraphEngine:
                 graph.register_generator_state(self._gen)
             with torch.cuda.graph(graph):
                 self._step(b, params)
-            for t, s in zip((b.tok, b.pos, b.cur, b.step, b.valid, b.done, b.out_tok, b.out_logp), saved):
+            for t, s in zip(state, saved):
                 t.copy_(s)
             b.graphs[key] = graph
             self.warmup_s += time.perf_counter() - t0
@@ -264,11 +356,16 @@ class GraphEngine:
         modes = [(m, m.training) for m in self.model.modules()]  # restored one by one: mixed states survive
         self.model.eval()
         self._gen = generator
+        if self.shadow is not None:
+            self.shadow.sync()
+            self.shadow.swap_in()
         try:
             with torch.no_grad(), autocast_context(self.device, self.autocast_dtype, cache=False), attention_context():
                 self._prefill(b, prompts, n, P, params)
                 self._decode(b, rows, params)
         finally:
+            if self.shadow is not None:
+                self.shadow.swap_out()
             for m, mode in modes:
                 m.training = mode
         return self._collect(b, prompts, n, rows, params)
@@ -313,6 +410,9 @@ class GraphEngine:
         b.pos.copy_(mask.long().sum(-1)[src][:, None])
         b.valid.zero_()
         b.valid[:, :P] = mask[src]
+        plen = mask.sum(-1)[src].int()  # (B,) live prompt slots: the last plen of the first P
+        b.starts[:-1] = torch.arange(b.batch, device=dev, dtype=torch.int32) * b.length + (P - plen)
+        b.used.copy_(plen)
         b.cur.fill_(P)
         b.step.fill_(1)
 
