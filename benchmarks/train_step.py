@@ -119,7 +119,7 @@ def main() -> None:
         model, _ = load_model(a.model)
     model.to(device).train()
     prompts, comp, mask = make_batch(a.batch, a.prompt, a.completion, model.config.vocab_size, a.uniform)
-    packed = packing_available(device)
+    packed = packing_available(device, autocast)
     adv = torch.randn(a.batch, device=device)
     tokens = int(mask.sum())
     card = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"

@@ -138,9 +138,13 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     kv_heads = key.shape[1]
     q = query[0].transpose(0, 1)  # (S, H, D)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (S, Hkv, D)
-    if query.is_cuda:
+    half = torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else value.dtype
+    if query.is_cuda and half in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
+        # Autocast would cast SDPA's inputs to bf16 (the rotary embedding leaves q and k in float32); it does not know
+        # this op, so cast here. Flash attention has no float32 kernel: float32 takes the per-sequence path below.
+        q, k, v = q.to(half), k.to(half), v.to(half)
         if kv_heads != H:  # torch 2.11's varlen_attn has no grouped-query option
             k, v = k.repeat_interleave(H // kv_heads, 1), v.repeat_interleave(H // kv_heads, 1)
         out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, cu_seq_lens_q, max_length_q,
@@ -158,9 +162,10 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 AttentionInterface.register("gspo_packed", _packed_attention)
 
 
-def packing_available(device: torch.device) -> bool:
-    """Whether packed log-probs run on a fast kernel here (flash attention's variable-length path on CUDA)."""
-    if device.type != "cuda" or not torch.backends.cuda.flash_sdp_enabled():
+def packing_available(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether packed log-probs run on a fast kernel here: flash attention's variable-length path on CUDA, with
+    ``dtype`` (the autocast or weight dtype) half precision."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or not torch.backends.cuda.flash_sdp_enabled():
         return False
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401

@@ -107,7 +107,8 @@ class Trainer:
         self.rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s)
 
         t = cfg.train
-        self.packed = t.packing == "on" or (t.packing == "auto" and packing_available(self.device))
+        compute_dtype = self.autocast or next(self.model.parameters()).dtype
+        self.packed = t.packing == "on" or (t.packing == "auto" and packing_available(self.device, compute_dtype))
         # One fused kernel for the whole AdamW update on CUDA (the per-tensor loop is ~6 ms per step at 135M).
         fused = self.device.type == "cuda" and all(p.dtype == torch.float32 for p in self.model.parameters())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay,

@@ -69,8 +69,10 @@ def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         L, kv_heads = key.shape[2], key.shape[1]
         k = key.transpose(1, 2).reshape(B * L, kv_heads, D)  # the cache's (B, L, Hkv, D) storage: a view
         v = value.transpose(1, 2).reshape(B * L, kv_heads, D)
-        out = torch.ops.aten._flash_attention_forward(query.reshape(B, H, D), k, v, cu_q, starts, 1, L, 0.0, False, False,
-                                                      scale=scaling, seqused_k=used)[0]  # (B, H, D)
+        # Under autocast the rotary embedding leaves the query in float32 (SDPA would be cast by autocast; this op isn't).
+        q = query.reshape(B, H, D).to(k.dtype)
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, starts, 1, L, 0.0, False, False, scale=scaling,
+                                                      seqused_k=used)[0]  # (B, H, D)
         return out.view(B, 1, H, D), None
     kv_heads = key.shape[1]
     if S != 1 or kv_heads == H:
