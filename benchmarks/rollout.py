@@ -59,6 +59,8 @@ def main() -> None:
                    help="hf: gspo's simple engine; generate: model.generate eager; compile: model.generate with a static "
                         "cache, which transformers compiles (torch.compile) on the first call")
     p.add_argument("--compile-batch", type=int, default=512)
+    p.add_argument("--engines", default="graph,graph+compile", help="graph: the default engine; graph+compile: with "
+                   "compile=True")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
@@ -95,18 +97,23 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     params_for = lambda new: SamplingParams(max_new_tokens=new, temperature=1.0)  # noqa: E731
-    engine = GraphEngine(model, tok, stop_ids=no_stop, device=device, autocast_dtype=autocast)
     gen = torch.Generator(device=device).manual_seed(0)
-    for new in [int(x) for x in a.new.split(",")]:
-        for batch in [int(x) for x in a.batches.split(",")]:
-            prompts = prompts_all[:batch]
-            before = engine.warmup_s
-            t0 = time.perf_counter()
-            engine.generate(prompts, 1, params_for(new), generator=gen)
-            sync(device)
-            first = time.perf_counter() - t0
-            secs = time_call(lambda: engine.generate(prompts, 1, params_for(new), generator=gen), device, a.repeats)
-            record("gspo graph engine", batch, new, secs, max(first - secs, engine.warmup_s - before), new)
+    for variant in a.engines.split(","):
+        engine = GraphEngine(model, tok, stop_ids=no_stop, device=device, autocast_dtype=autocast,
+                             compile=variant == "graph+compile")
+        name = "gspo graph engine" + (" + compile" if engine.compile else "")
+        compiled = variant == "graph+compile"  # compiles once per shape: only the reference shapes
+        for new in [int(x) for x in a.new.split(",")][: 1 if compiled else None]:
+            for batch in [int(x) for x in a.batches.split(",") if not compiled or x in ("256", "512")]:
+                prompts = prompts_all[:batch]
+                before = engine.warmup_s
+                t0 = time.perf_counter()
+                engine.generate(prompts, 1, params_for(new), generator=gen)
+                sync(device)
+                first = time.perf_counter() - t0
+                secs = time_call(lambda: engine.generate(prompts, 1, params_for(new), generator=gen), device, a.repeats)
+                record(name, batch, new, secs, max(first - secs, engine.warmup_s - before), new)
+        del engine
     b, new = a.baseline_batch, int(a.new.split(",")[0])
     prompts = prompts_all[:b]
     if "hf" in a.baselines:
