@@ -23,13 +23,12 @@ p.add_argument("--batch", type=int, default=512)
 p.add_argument("--new", type=int, default=128)
 p.add_argument("--no-flash", action="store_true")
 p.add_argument("--no-shadow", action="store_true")
-p.add_argument("--compile", action="store_true")
 a = p.parse_args()
 model, tok = load_model(a.model)
 model.cuda().eval()
 dev = torch.device("cuda")
 engine = GraphEngine(model, tok, stop_ids=[model.config.vocab_size + 1], device=dev, autocast_dtype=torch.bfloat16,
-                     flash_decode=False if a.no_flash else None, shadow_weights=not a.no_shadow, compile=a.compile)
+                     flash_decode=False if a.no_flash else None, shadow_weights=not a.no_shadow)
 task = ArithmeticTask(seed=0)
 prompts = encode_prompts(tok, [task[i] for i in range(a.batch)])
 params = SamplingParams(max_new_tokens=a.new)
@@ -42,7 +41,7 @@ t0 = time.perf_counter()
 engine.generate(prompts, 1, params)
 torch.cuda.synchronize()
 wall = time.perf_counter() - t0
-print(f"flash_decode={engine.flash_decode} shadow={engine.shadow is not None} compile={a.compile}: {a.batch} x {a.new} "
+print(f"flash_decode={engine.flash_decode} shadow={engine.shadow is not None}: {a.batch} x {a.new} "
       f"in {wall:.3f} s, {a.batch * a.new / wall:,.0f} tokens/s, {1000 * wall / a.new:.2f} ms/step, warm-up {first - wall:.1f} s")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
     engine.generate(prompts, 1, params)

@@ -12,6 +12,7 @@ is that floor time over the measured step time, at the card's nominal bandwidth.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gspo.data.tasks import ArithmeticTask  # noqa: E402
-from gspo.models import load_model  # noqa: E402
+from gspo.models import load_model, load_tokenizer  # noqa: E402
 from gspo.prompts import encode_prompts  # noqa: E402
 from gspo.rollout.graph import GraphEngine  # noqa: E402
 from gspo.rollout.hf import HFEngine  # noqa: E402
@@ -59,8 +60,6 @@ def main() -> None:
                    help="hf: gspo's simple engine; generate: model.generate eager; compile: model.generate with a static "
                         "cache, which transformers compiles (torch.compile) on the first call")
     p.add_argument("--compile-batch", type=int, default=512)
-    p.add_argument("--engines", default="graph,graph+compile", help="graph: the default engine; graph+compile: with "
-                   "compile=True")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
@@ -68,7 +67,7 @@ def main() -> None:
     device = torch.device(a.device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     if a.model == "qwen2.5-0.5b-shape":
-        _, tok = load_model("smollm2-135m-instruct")  # any tokenizer: ids are clamped to the vocabulary
+        tok = load_tokenizer()  # SmolLM2's shipped files: any tokenizer does, ids are clamped to the vocabulary
         model = qwen25_05b_shape()
     else:
         model, tok = load_model(a.model)
@@ -95,25 +94,23 @@ def main() -> None:
                "warmup_s": warmup, "pct_of_bandwidth_floor": 100 * floor * 1000 / step_ms if floor else None}
         rows.append(row)
         print(json.dumps(row), flush=True)
+        Path(a.out).write_text(json.dumps({"model": a.model, "card": card, "params": n_params, "torch": torch.__version__,
+                                           "rows": rows}, indent=1))  # after every row: a later crash loses nothing
 
     params_for = lambda new: SamplingParams(max_new_tokens=new, temperature=1.0)  # noqa: E731
     gen = torch.Generator(device=device).manual_seed(0)
-    for variant in a.engines.split(","):
-        engine = GraphEngine(model, tok, stop_ids=no_stop, device=device, autocast_dtype=autocast,
-                             compile=variant == "graph+compile")
-        name = "gspo graph engine" + (" + compile" if engine.compile else "")
-        compiled = variant == "graph+compile"  # compiles once per shape: only the issue's reference shapes
-        for new in [int(x) for x in a.new.split(",")][: 1 if compiled else None]:
-            for batch in [int(x) for x in a.batches.split(",") if not compiled or x in ("256", "512")]:
-                prompts = prompts_all[:batch]
-                before = engine.warmup_s
-                t0 = time.perf_counter()
-                engine.generate(prompts, 1, params_for(new), generator=gen)
-                sync(device)
-                first = time.perf_counter() - t0
-                secs = time_call(lambda: engine.generate(prompts, 1, params_for(new), generator=gen), device, a.repeats)
-                record(name, batch, new, secs, max(first - secs, engine.warmup_s - before), new)
-        del engine
+    engine = GraphEngine(model, tok, stop_ids=no_stop, device=device, autocast_dtype=autocast)
+    for new in [int(x) for x in a.new.split(",")]:
+        for batch in [int(x) for x in a.batches.split(",")]:
+            prompts = prompts_all[:batch]
+            before = engine.warmup_s
+            t0 = time.perf_counter()
+            engine.generate(prompts, 1, params_for(new), generator=gen)
+            sync(device)
+            first = time.perf_counter() - t0
+            secs = time_call(lambda: engine.generate(prompts, 1, params_for(new), generator=gen), device, a.repeats)
+            record("gspo graph engine", batch, new, secs, max(first - secs, engine.warmup_s - before), new)
+    del engine
     b, new = a.baseline_batch, int(a.new.split(",")[0])
     prompts = prompts_all[:b]
     if "hf" in a.baselines:
@@ -139,10 +136,12 @@ def main() -> None:
         b = a.compile_batch
         ids, mask = pad_prompts(prompts_all[:b], tok.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
+        # A static cache is allocated in the model's dtype, and autocast writes bf16 K/V into it: run a bf16 copy.
+        half = copy.deepcopy(model).to(autocast) if autocast is not None else model
 
         def hf_static():
-            with torch.no_grad(), torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-                model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+            with torch.no_grad():
+                half.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                                max_new_tokens=new, min_new_tokens=new, pad_token_id=tok.pad_token_id,
                                cache_implementation="static")
 

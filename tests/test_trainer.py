@@ -106,6 +106,20 @@ def test_rollout_logprobs_and_reference_kl(tiny_dir, tmp_path):
     assert all("kl/ref" in r for r in rows)
 
 
+def test_recomputed_old_logprobs_are_the_pre_update_policys(tiny_dir, tmp_path):
+    """In fp32 the engine's log-probs are the pre-update policy's to ~1e-5, so recomputing the old log-probs (minibatch 0
+    from its own forward, the later ones from the frozen pass) must give the same losses and ratios as reusing them."""
+    runs = {}
+    for mode in ("recompute", "rollout"):
+        Trainer(tiny_config(tiny_dir, f"train.old_logprobs='{mode}'", "train.steps=4", "train.minibatches=4",
+                            "rollout.group_size=8"), tmp_path / mode).train()
+        runs[mode] = read_jsonl(tmp_path / mode / "metrics.jsonl")
+    for a, b in zip(runs["recompute"], runs["rollout"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert a["ratio/seq_max"] == pytest.approx(b["ratio/seq_max"], abs=1e-4)
+    assert runs["recompute"][-1]["ratio/token_max"] > 1.0  # the later minibatches are off-policy
+
+
 def test_cli_train_and_user_errors(tiny_dir, tmp_path, capsys):
     """`gspo train` runs from a TOML file, and a bad override ends in one line naming the key, exit code 2."""
     cfg = tmp_path / "c.toml"

@@ -5,7 +5,8 @@ One rollout batch per iteration:
   2. rewards in isolated workers (failures -> NaN -> left out of the group baseline)
   3. [DAPO] soft overlong punishment; dynamic sampling drops zero-variance groups and refills
   4. group-relative advantages
-  5. old-policy log-probs: recomputed by the trainer (default) or the engine's own (``old_logprobs = "rollout"``)
+  5. old-policy log-probs: recomputed by the trainer (default; minibatch 0 takes its own update forward's, so its
+     ratio is exactly 1) or the engine's own (``old_logprobs = "rollout"``)
   6. ``minibatches`` optimizer steps over a seeded shuffle of the batch; only the first is on-policy
   7. metrics line per optimizer step, samples, checkpoints
 Differences from the GSPO paper's setup: none in the objective; rewards that fail are excluded rather than scored 0.
@@ -304,8 +305,8 @@ class Trainer:
     def _frozen_logprobs(self, model, rollout: Rollout, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """Log-probs of a frozen policy over the same micro-batches (rows, padding) the update will use.
 
-        Same rows and shapes give bit-identical numbers to the first update's forward pass, so the on-policy
-        ratio is exactly 1 even in bf16, where a different batch composition would change the rounding.
+        Same rows and shapes as the update's forward passes, so a frozen policy's numbers round as the update's would:
+        in bf16 a different batch composition changes the rounding by more than GSPO's clip range.
         """
         was_training = model.training
         model.eval()
@@ -328,16 +329,18 @@ class Trainer:
         mb_size = N // t.minibatches
         micro = t.micro_batch_size or mb_size
         micro_batches = [order[i:i + micro] for i in range(0, N, micro)]  # minibatch k = micro-batches of rows k*mb_size..
-        if t.old_logprobs == "recompute":
-            old_logp = self._frozen_logprobs(self.model, rollout, micro_batches)  # (N, T)
+        recompute = t.old_logprobs == "recompute"
+        first = mb_size // micro  # micro-batches of minibatch 0
+        if recompute:
+            # Minibatch 0 is on-policy: its old log-probs are its own update forward's (detached, filled in below), so
+            # only the later minibatches need the frozen pass; they get it now, before any weight changes.
+            old_logp = self._frozen_logprobs(self.model, rollout, micro_batches[first:])  # (N, T)
         else:
             old_logp = engine_logp
         ref_logp = self._frozen_logprobs(self.ref_model, rollout, micro_batches) if self.ref_model is not None else None
         t_logprobs = time.perf_counter() - t0
         extra = dict(batch.metrics)
         extra["time/logprobs"] = t_logprobs
-        if t.old_logprobs == "recompute":
-            extra.update(_engine_gap(engine_logp, old_logp, rollout.completion_mask.to(dev)))
 
         adv = batch.advantages.to(dev)
         self.model.train()
@@ -356,12 +359,16 @@ class Trainer:
             for j in range(0, mb_size, micro):
                 sub = rows[j:j + micro]
                 logp, ent = self._logprobs(self.model, rollout, sub, with_entropy=True)  # (n, T)
+                if recompute and k == 0:
+                    old_logp[sub.to(dev)] = logp.detach()
                 loss, _ = policy_loss(logp, old_logp[sub], adv[sub], mask[sub], ref_logp=None if ref_logp is None else ref_logp[sub],
                                       num_seqs=num_seqs, num_tokens=num_tokens, **loss_kw)
                 with attention_context():
                     loss.backward()
                 loss_total += float(loss.detach())
                 mb_logp[j:j + micro], mb_ent[j:j + micro] = logp.detach(), ent
+            if recompute and k == 0:  # every row's old log-probs exist from here on
+                extra.update(_engine_gap(engine_logp, old_logp, rollout.completion_mask.to(dev)))
             with torch.no_grad():  # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
                 _, metric_sums = policy_loss(mb_logp, old_logp[rows], adv[rows], mask[rows],
                                              ref_logp=None if ref_logp is None else ref_logp[rows], **loss_kw)

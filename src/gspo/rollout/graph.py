@@ -203,14 +203,12 @@ class GraphEngine:
     ``max_batch`` caps the rows of one batch bucket; a request with more rows (or more than fit in free GPU memory)
     is generated in several calls of whole prompts. ``shadow_weights`` (default: on under autocast with fp32
     weights) keeps bf16 copies of the Linear weights, refreshed at every call; ``flash_decode`` (default: on when
-    flash attention runs on this GPU) makes decode attention read live cache slots only; ``compile`` runs the decode
-    step's model part through torch.compile before graph capture (slower warm-up, faster steps).
+    flash attention runs on this GPU) makes decode attention read live cache slots only.
     """
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, device=None,
-                 autocast_dtype: torch.dtype | None = None, sync_every: int = 16, use_graphs: bool | None = None,
-                 max_batch: int | None = None, shadow_weights: bool | None = None, flash_decode: bool | None = None,
-                 compile: bool = False):
+                 autocast_dtype: torch.dtype | None = None, sync_every: int = 4, use_graphs: bool | None = None,
+                 max_batch: int | None = None, shadow_weights: bool | None = None, flash_decode: bool | None = None):
         if not supports(model):
             raise UserError(f"The graph rollout engine does not support model_type {model.config.model_type!r} "
                             f"(supported: {', '.join(SUPPORTED)}); set rollout.engine = 'hf'.")
@@ -237,10 +235,6 @@ class GraphEngine:
         if flash_decode is None:
             flash_decode = self.device.type == "cuda" and _flash_decode_works(self.device, self.cache_dtype, model.config)
         self.flash_decode = flash_decode
-        # torch.compile fuses the ~40 small kernels per layer of the eager step (norms, rotary, residuals, casts) that
-        # dominate a decode step's GPU time at small hidden sizes; it costs compilation once per batch bucket.
-        self.compile = compile
-        self._decode_logits = torch.compile(self._model_step, dynamic=False) if compile else self._model_step
 
     # ------------------------------------------------------------------------------------------ model pieces
 
@@ -260,10 +254,6 @@ class GraphEngine:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return final_logits(self.model.config, self.model.get_output_embeddings()(hidden).float())  # (b, V)
 
-    def _model_step(self, ids, pos, mask, cache, live) -> torch.Tensor:
-        """Logits (b, V) float32 of one decode step: the part ``compile`` hands to torch.compile (sampling stays
-        outside: it draws from a generator object, which would break the compiled graph)."""
-        return self._logits(self._forward(ids, pos, mask, cache, live))
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (b,) and log pi(token) under softmax(logits / temperature); graph-safe (no host sync)."""
@@ -288,8 +278,8 @@ class GraphEngine:
         b.valid.index_fill_(1, b.cur, True)
         b.used += 1
         live = (b.starts, b.used, b.cu_q) if self.flash_decode else None
-        logits = self._decode_logits(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache, live)  # (B, V)
-        tok, logp = self._sample(logits, params)  # (B,), (B,)
+        hidden = self._forward(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache, live)  # (B, H)
+        tok, logp = self._sample(self._logits(hidden), params)  # (B,), (B,)
         tok = torch.where(b.done, torch.full_like(tok, self.pad_id), tok)
         logp = torch.where(b.done, torch.zeros_like(logp), logp)
         b.out_tok.index_copy_(1, b.step, tok[:, None])
