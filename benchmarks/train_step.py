@@ -13,6 +13,8 @@ are shaped like RL rollouts: prompts of ``prompt`` tokens +-25%, completions wit
 - ``gspo padded``: ``gspo.logprobs.sequence_logprobs`` (the decoder once, the LM head in checkpointed chunks over
   completion tokens only) -> ``gspo.policy_loss``.
 - ``gspo packed``: the same on packed sequences (no padding; flash attention's variable-length kernel).
+- ``+ CUDA graphs``: the packed decoder forward and backward replayed from CUDA graphs (``gspo.logprobs.PackedGraphs``;
+  capture happens in the warm-up calls and is not timed).
 - ``gspo logprob pass``: the no-grad old-policy pass alone, padded and packed.
 
 Reports completion tokens per second (median of the timed repeats after warm-up) and the peak memory of each path.
@@ -31,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gspo import policy_loss  # noqa: E402
-from gspo.logprobs import packing_available, sequence_logprobs  # noqa: E402
+from gspo.logprobs import PackedGraphs, packing_available, sequence_logprobs  # noqa: E402
 from gspo.rollout.hf import pad_prompts  # noqa: E402
 from gspo.models import attention_context, autocast_context, load_model  # noqa: E402
 from shapes import qwen25_05b_shape  # noqa: E402
@@ -65,24 +67,25 @@ def plain_step(model, prompts, comp, mask, adv, autocast, device):
     loss.backward()
 
 
-def gspo_step(model, prompts, comp, mask, adv, autocast, device, chunk, packed):
+def gspo_step(model, prompts, comp, mask, adv, autocast, device, chunk, packed, graphs=None):
     logp, _ = sequence_logprobs(model, prompts, comp, mask, pad_id=0, chunk_size=chunk, autocast_dtype=autocast,
-                                packed=packed)
+                                packed=packed, graphs=graphs)
     loss, _ = policy_loss(logp, logp.detach(), adv, mask.to(device), level="sequence", eps_low=3e-4, eps_high=4e-4,
                           aggregation="seq-mean-token-mean")
     with attention_context():
         loss.backward()
 
 
-def logprob_pass(model, prompts, comp, mask, autocast, device, chunk, packed):
+def logprob_pass(model, prompts, comp, mask, autocast, device, chunk, packed, graphs=None):
     with torch.no_grad():
-        sequence_logprobs(model, prompts, comp, mask, pad_id=0, chunk_size=chunk, autocast_dtype=autocast, packed=packed)
+        sequence_logprobs(model, prompts, comp, mask, pad_id=0, chunk_size=chunk, autocast_dtype=autocast, packed=packed,
+                          graphs=graphs)
 
 
 def measure(fn, model, device, warmup: int, repeats: int) -> tuple[float, float | None]:
     for _ in range(warmup):
         fn()
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -93,7 +96,7 @@ def measure(fn, model, device, warmup: int, repeats: int) -> tuple[float, float 
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return statistics.median(times), peak
 
@@ -132,6 +135,11 @@ def main() -> None:
         paths["gspo update, packed"] = lambda: gspo_step(model, prompts, comp, mask, adv, autocast, device, a.chunk, True)
         paths["gspo log-prob pass (no grad), packed"] = lambda: logprob_pass(model, prompts, comp, mask, autocast, device,
                                                                             a.chunk, True)
+        graphs = PackedGraphs(model, autocast)  # captured during the warm-up calls
+        paths["gspo update, packed + CUDA graphs"] = lambda: gspo_step(model, prompts, comp, mask, adv, autocast, device,
+                                                                       a.chunk, True, graphs)
+        paths["gspo log-prob pass (no grad), packed + CUDA graphs"] = lambda: logprob_pass(
+            model, prompts, comp, mask, autocast, device, a.chunk, True, graphs)
     rows = []
     for name, fn in paths.items():
         secs, peak = measure(fn, model, device, a.warmup, a.repeats)

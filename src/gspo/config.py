@@ -166,7 +166,10 @@ class TrainConfig:
     """Positions per chunk of the log-prob pass (bounds the fp32 logits held at once)."""
     packing: str = "auto"
     """Log-prob and update passes on packed sequences (no padding): ``on``, ``off``, or ``auto`` (on with CUDA flash
-    attention, off elsewhere, where the packed attention is a slow per-sequence reference)."""
+    attention and bf16/fp16, off elsewhere, where the packed attention is a slow per-sequence reference)."""
+    cuda_graphs: str = "auto"
+    """Replay the decoder's forward and backward of packed passes as CUDA graphs, one per token bucket (``auto``: on
+    when packing on CUDA without gradient checkpointing; ``off``)."""
     max_nonfinite_steps: int = 8
     """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient (each is skipped)."""
 
@@ -379,6 +382,7 @@ def validate(cfg: Config) -> None:
                               (lc.advantage_scale, SCALES, "loss.advantage_scale"),
                               (t.old_logprobs, ("recompute", "rollout"), "train.old_logprobs"),
                               (t.packing, ("auto", "on", "off"), "train.packing"),
+                              (t.cuda_graphs, ("auto", "off"), "train.cuda_graphs"),
                               (t.schedule, ("constant", "linear", "cosine"), "train.schedule"),
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),
                               (r.engine, ("auto", "graph", "hf"), "rollout.engine")):
