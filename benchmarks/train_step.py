@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--completion", type=int, default=192)
-    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--uniform", action="store_true", help="every row at the full prompt + completion length")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)

@@ -162,9 +162,9 @@ class TrainConfig:
     """Gradient clipping by global norm (0 disables it)."""
     old_logprobs: str = "recompute"
     """``recompute`` old-policy log-probs with the trainer, or reuse the ``rollout`` engine's."""
-    logprob_chunk: int = 4096
+    logprob_chunk: int = 1024
     """Positions per chunk of the log-prob pass (bounds the fp32 logits held at once: chunk x vocabulary x 4 bytes,
-    0.8 GB for 4096 x 49152; fewer chunks cost less host time)."""
+    0.2 GB for 1024 x 49152; 4096 measured 1% faster for 1.4 GB more peak memory on an H200)."""
     packing: str = "auto"
     """Log-prob and update passes on packed sequences (no padding): ``on``, ``off``, or ``auto`` (on with CUDA flash
     attention and bf16/fp16, off elsewhere, where the packed attention is a slow per-sequence reference)."""

@@ -37,7 +37,7 @@ def sequence_logprobs(
     *,
     temperature: float = 1.0,
     pad_id: int,
-    chunk_size: int = 4096,
+    chunk_size: int = 1024,
     with_entropy: bool = False,
     autocast_dtype: torch.dtype | None = None,
     packed: bool = False,
