@@ -66,6 +66,23 @@ def test_two_steps_change_parameters_and_log_every_key(tiny_dir, tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["algorithm"] == "gspo"
 
 
+def test_run_writes_ratio_histograms_and_token_traces(tiny_dir, tmp_path):
+    """Every optimizer step writes token and sequence log-ratio counts (one per token / per sequence trained); the last
+    minibatch of a traced batch writes per-token traces whose mean is the sequence log-ratio."""
+    Trainer(tiny_config(tiny_dir, "log.trace_every=1", "log.trace_samples=2"), tmp_path / "run").train()
+    hists = read_jsonl(tmp_path / "run" / "histograms.jsonl")
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [h["step"] for h in hists] == [m["step"] for m in metrics] == [1, 2]
+    assert len(hists[0]["token"]) == len(hists[0]["seq"]) == len(hists[0]["edges"]) + 1
+    assert sum(hists[0]["token"]) == sum(hists[0]["token"][12:13])  # on-policy: every log-ratio is 0
+    assert sum(hists[1]["seq"]) == 4  # 8 completions, 2 minibatches
+    traces = read_jsonl(tmp_path / "run" / "traces.jsonl")
+    assert len(traces) == 2 and {t["minibatch"] for t in traces} == {1}
+    for t in traces:
+        assert len(t["tokens"]) == len(t["token_log_ratio"]) > 0
+        assert t["seq_log_ratio"] == pytest.approx(sum(t["token_log_ratio"]) / len(t["token_log_ratio"]), abs=1e-6)
+
+
 def test_resume_continues_the_step_count(tiny_dir, tmp_path):
     """A run resumed from its checkpoint continues from step 2 to step 4 with the same parameters it saved."""
     run = tmp_path / "run"

@@ -187,6 +187,13 @@ class LogConfig:
     """How many of the newest checkpoints to keep."""
     progress: bool = True
     """Show the console progress bar."""
+    histograms: bool = True
+    """Write binned token and sequence log-ratio counts of every optimizer step to histograms.jsonl."""
+    trace_every: int = 5
+    """Every this many rollout batches, write per-token ratio traces of a few responses of the last (most off-policy)
+    minibatch to traces.jsonl; 0 = never."""
+    trace_samples: int = 2
+    """Responses per trace: the one with the most extreme token ratio, then others spread over the minibatch."""
 
 
 @dataclass

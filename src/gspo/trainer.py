@@ -27,6 +27,7 @@ from gspo.algorithms import group_advantages, overlong_penalty, policy_loss, zer
 from gspo.checkpoint import complete_checkpoints, load_model_weights, rng_state, save_checkpoint, seed_everything, set_rng_state
 from gspo.config import Config
 from gspo.data import DataStream, build_dataset, default_reward
+from gspo.diagnostics import LOG_RATIO_EDGES, pick_trace_rows, ratio_histograms, token_trace
 from gspo.errors import UserError
 from gspo.logprobs import PackedGraphs, packing_available, sequence_logprobs
 from gspo.metrics import Console, JsonlWriter
@@ -124,6 +125,8 @@ class Trainer:
         self.nonfinite_steps = 0
         self.nonfinite_in_row = 0
         self.elapsed_before = 0.0  # wall-clock of earlier sessions of a resumed run
+        self.hist_writer: JsonlWriter | None = None  # diagnostics sinks, open while train() runs
+        self.trace_writer: JsonlWriter | None = None
         if resume:
             self._resume()
 
@@ -383,6 +386,7 @@ class Trainer:
                                              ref_logp=None if ref_logp is None else ref_logp[rows], **loss_kw)
             cm = rollout.completion_mask[rows.cpu()].to(dev)
             trained_tokens = float(cm.sum())
+            self._diagnostics(rollout, rows, mb_logp, old_logp[rows], mask[rows], adv[rows], k)
             grad_norm = self._optimizer_step(loss_total)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
@@ -396,6 +400,22 @@ class Trainer:
             writer.write(row)
             console.update(self.step, row, end_of_batch=(k == t.minibatches - 1))
         self.model.eval()
+
+    def _diagnostics(self, rollout: Rollout, rows: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor,
+                     mask: torch.Tensor, adv: torch.Tensor, k: int) -> None:
+        """Ratio histograms of this optimizer step and, every ``trace_every`` rollout batches on the last minibatch,
+        per-token traces of a few responses (``gspo report`` draws both)."""
+        log_cfg, step = self.cfg.log, self.step + 1
+        if self.hist_writer is not None and log_cfg.histograms:
+            self.hist_writer.write({"step": step, "rollout_batch": self.rollout_batch, "minibatch": k,
+                                    "edges": LOG_RATIO_EDGES, **ratio_histograms(logp, old_logp, mask)})
+        due = log_cfg.trace_every and self.rollout_batch % log_cfg.trace_every == 0 and k == self.cfg.train.minibatches - 1
+        if self.trace_writer is not None and due:
+            for i in pick_trace_rows(logp, old_logp, mask, log_cfg.trace_samples):
+                row = int(rows[i])
+                self.trace_writer.write({"step": step, "rollout_batch": self.rollout_batch, "minibatch": k, "row": row,
+                                         **token_trace(self.tokenizer, rollout.completion_ids[row], logp[i].cpu(),
+                                                       old_logp[i].cpu(), mask[i].cpu(), float(adv[i].mean()))})
 
     def _optimizer_step(self, loss: float) -> float:
         """Clip and apply the accumulated gradient, or skip the step (counted) when the loss or gradient is not finite."""
@@ -434,6 +454,8 @@ class Trainer:
         step, batch_no = self.step, self.rollout_batch
         metrics = JsonlWriter(self.run_dir / "metrics.jsonl", keep=lambda row: row["step"] <= step)
         samples = JsonlWriter(self.run_dir / "samples.jsonl", keep=lambda row: row["rollout_batch"] < batch_no)
+        self.hist_writer = JsonlWriter(self.run_dir / "histograms.jsonl", keep=lambda row: row["step"] <= step)
+        self.trace_writer = JsonlWriter(self.run_dir / "traces.jsonl", keep=lambda row: row["step"] <= step)
         console = Console(cfg.train.steps, self.step, enabled=cfg.log.progress)
         self.model.eval()
         try:
@@ -450,6 +472,9 @@ class Trainer:
             console.close()
             metrics.close()
             samples.close()
+            self.hist_writer.close()
+            self.trace_writer.close()
+            self.hist_writer = self.trace_writer = None
             self.rewards.close()
         return self.run_dir
 
