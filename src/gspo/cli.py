@@ -1,4 +1,4 @@
-"""``gspo train | eval | config``: the command line."""
+"""``gspo train | eval | compare | report | summary | config``: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,8 @@ EPILOG = """examples:
   gspo train configs/quickstart.toml algorithm=grpo train.steps=80 log.run_dir=runs/grpo
   gspo train configs/quickstart.toml --resume            # continue log.run_dir from its last checkpoint
   gspo eval configs/quickstart.toml --model runs/gspo-seed1/checkpoints/step-000160
+  gspo compare configs/quickstart.toml --algos gspo,grpo --seeds 1,2 --out runs/compare
+  gspo report runs/gspo-seed1 runs/grpo-seed1 --out runs/report
   gspo config                                           # every config key with its default and meaning
 """
 
@@ -49,6 +51,63 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Train the same config under each algorithm and seed, then write the report and the key-metrics table."""
+    import gc
+
+    import torch
+
+    from gspo.checkpoint import complete_checkpoints
+    from gspo.metrics import read_jsonl
+    from gspo.report import group_means, key_metrics, load_run, metrics_table, write_report
+    from gspo.trainer import Trainer
+
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    seeds = _int_list(args.seeds, "--seeds")
+    out = Path(args.out)
+    run_dirs = []
+    for algo in algos:
+        for seed in seeds:
+            cfg = _config(args.config, [*args.overrides, f"algorithm={algo!r}", f"seed={seed}"])
+            run_dir = out / f"{algo}-seed{seed}"
+            run_dirs.append(run_dir)
+            rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+            if rows and rows[-1]["step"] >= cfg.train.steps:
+                print(f"[compare] {run_dir} is complete; kept", file=sys.stderr)
+                continue
+            resume = bool(complete_checkpoints(run_dir / "checkpoints")) if run_dir.exists() else False
+            print(f"[compare] training {algo} seed {seed} -> {run_dir}{' (resumed)' if resume else ''}", file=sys.stderr)
+            trainer = Trainer(cfg, run_dir, resume=resume)
+            trainer.train()
+            del trainer
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    page = write_report(run_dirs, out / "report", title=f"gspo compare: {', '.join(algos)} x seeds {args.seeds}")
+    rows = [key_metrics(load_run(d)) for d in run_dirs]
+    print(metrics_table(rows + group_means(rows), markdown=True))
+    print(f"report: {page}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from gspo.report import write_report
+
+    page = write_report(args.run_dirs, args.out, title=args.title)
+    print(f"report: {page}")
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise UserError(f"{flag} {text!r} is not a comma-separated list of integers; write e.g. {flag} 1,2.")
+    return values
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -99,6 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("summary", help="headline numbers of finished runs (reward first/last, clipping, entropy)")
     s.add_argument("run_dirs", nargs="+", help="run directories")
     s.set_defaults(func=cmd_summary)
+    m = sub.add_parser("compare", help="train one config under several algorithms and seeds, then report")
+    m.add_argument("config", nargs="?", help="TOML config shared by every run (default: the built-in defaults)")
+    m.add_argument("overrides", nargs="*", help="dotted key=value overrides for every run")
+    m.add_argument("--algos", default="gspo,grpo", help="comma-separated presets (default gspo,grpo)")
+    m.add_argument("--seeds", default="1", help="comma-separated seeds (default 1)")
+    m.add_argument("--out", required=True, help="directory for the runs (<algo>-seed<seed>) and report/")
+    m.set_defaults(func=cmd_compare)
+    r = sub.add_parser("report", help="figures and an HTML page from run directories")
+    r.add_argument("run_dirs", nargs="+", help="run directories")
+    r.add_argument("--out", required=True, help="directory for index.html and the PNGs")
+    r.add_argument("--title", default="gspo report")
+    r.set_defaults(func=cmd_report)
     c = sub.add_parser("config", help="print every config key with its default and meaning")
     c.add_argument("--markdown", action="store_true", help="as a Markdown table")
     c.set_defaults(func=cmd_config)
@@ -114,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    config = getattr(args, "config", None)
+    if config and "=" in config and not Path(config).exists():  # no config file given: the first override took its place
+        args.overrides, args.config = [config, *args.overrides], None
     logging.basicConfig(level=logging.INFO, format="[gspo] %(message)s", stream=sys.stderr)
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -1,0 +1,433 @@
+"""``gspo report``: the seeds' figures drawn from the user's own runs, as PNGs and one HTML page readable offline.
+
+Input: run directories (``metrics.jsonl``, ``config.json``; ``histograms.jsonl``, ``traces.jsonl`` and
+``probe_noise.json`` when present). Runs are grouped by algorithm; runs of one algorithm with different seeds are
+averaged, with a band from the lowest to the highest seed.
+
+Figures (each saved as a PNG next to ``index.html``):
+  1. reward vs optimizer step and vs wall-clock
+  2. clipped fraction of the off-policy steps (log scale), per token and per sequence
+  3. token and sequence log-ratio histograms of the off-policy steps on one axis, GSPO's clip band as a sliver
+  4. a token strip: one response's tokens shaded by their ratio, the outliers labelled, the geometric mean called out
+  5. gradient noise vs response length (only when ``gspo probe noise`` wrote ``probe_noise.json``)
+  6. response length and entropy over steps
+  7. a table of the final numbers per run
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gspo.errors import UserError
+from gspo.metrics import read_jsonl
+
+GSPO_BAND = (3e-4, 4e-4)  # the paper's sequence-level clip range, drawn on the ratio histogram
+GRPO_BAND = (0.2, 0.28)
+
+
+@dataclass
+class Run:
+    path: Path
+    algorithm: str
+    seed: int
+    config: dict[str, Any]
+    metrics: list[dict[str, Any]]
+    histograms: list[dict[str, Any]] = field(default_factory=list)
+    traces: list[dict[str, Any]] = field(default_factory=list)
+    probe: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def batches(self) -> list[dict[str, Any]]:
+        """The first metrics line of every rollout batch (rollout-batch quantities live there)."""
+        seen: dict[int, dict[str, Any]] = {}
+        for r in self.metrics:
+            seen.setdefault(r["rollout_batch"], r)
+        return [seen[k] for k in sorted(seen)]
+
+    def per_batch(self, key: str, off_policy: bool = False) -> list[float | None]:
+        """``key`` per rollout batch; with ``off_policy`` the mean over the batch's minibatches 1.. (None if none)."""
+        if not off_policy:
+            return [b.get(key) for b in self.batches()]
+        out: dict[int, list[float]] = {}
+        for r in self.metrics:
+            if r.get("minibatch", 0) > 0 and r.get(key) is not None:
+                out.setdefault(r["rollout_batch"], []).append(r[key])
+        return [sum(out[b]) / len(out[b]) if out.get(b) else None for b in sorted({r["rollout_batch"] for r in self.metrics})]
+
+
+def load_run(path: str | Path) -> Run:
+    p = Path(path)
+    if not (p / "metrics.jsonl").exists():
+        raise UserError(f"{str(p)!r} is not a run directory (no metrics.jsonl); pass directories written by gspo train.")
+    metrics = read_jsonl(p / "metrics.jsonl")
+    if not metrics:
+        raise UserError(f"{str(p / 'metrics.jsonl')!r} is empty; the run has not finished a step yet.")
+    config = json.loads((p / "config.json").read_text()) if (p / "config.json").exists() else {}
+    opt = lambda name: read_jsonl(p / name) if (p / name).exists() else []  # noqa: E731
+    probe = json.loads((p / "probe_noise.json").read_text()) if (p / "probe_noise.json").exists() else None
+    return Run(p, config.get("algorithm", "?"), int(config.get("seed", 0)), config, metrics, opt("histograms.jsonl"),
+               opt("traces.jsonl"), probe)
+
+
+# --------------------------------------------------------------------------------------------- numbers
+
+
+def _moving_mean(xs: list[float], k: int) -> list[float]:
+    return [sum(xs[max(0, i - k + 1): i + 1]) / len(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
+
+
+def key_metrics(run: Run) -> dict[str, Any]:
+    """The seeds' "key metrics comparison" for one run.
+
+    - clipping: mean clipped fraction over the off-policy steps (minibatches 1..), per token and per sequence
+    - final reward: mean over the last 10 rollout batches; best: the best 5-batch moving average
+    - stability: the largest drop of the 5-batch moving average from its running maximum
+    - entropy at the end: mean over the last rollout batch's steps; wall-clock of the training loop
+    """
+    rewards = [r for r in run.per_batch("reward/mean") if r is not None]
+    smooth = _moving_mean(rewards, 5)
+    peak, drop = -math.inf, 0.0
+    for x in smooth:
+        peak = max(peak, x)
+        drop = max(drop, peak - x)
+    off = [r for r in run.metrics if r.get("minibatch", 0) > 0]
+
+    def mean(key: str, rows: list[dict[str, Any]]) -> float | None:
+        xs = [r[key] for r in rows if r.get(key) is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    last_batch = [r for r in run.metrics if r["rollout_batch"] == run.metrics[-1]["rollout_batch"]]
+    return {
+        "run": run.name, "algorithm": run.algorithm, "seed": run.seed, "steps": run.metrics[-1]["step"],
+        "clip_token": mean("clip/token_total", off), "clip_seq": mean("clip/seq_total", off),
+        "reward_first": rewards[0] if rewards else None,
+        "reward_final": sum(rewards[-10:]) / len(rewards[-10:]) if rewards else None,
+        "reward_best": max(smooth) if smooth else None, "largest_drop": drop,
+        "entropy_end": mean("entropy", last_batch), "wall_s": run.metrics[-1].get("time/elapsed"),
+    }
+
+
+def group_runs(runs: list[Run]) -> dict[str, list[Run]]:
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.algorithm, []).append(r)
+    return groups
+
+
+# --------------------------------------------------------------------------------------------- figures
+
+
+def _band(series: list[list[float | None]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Mean, min and max across seeds at each index where every seed has a value."""
+    n = min(len(s) for s in series)
+    idx, mean, lo, hi = [], [], [], []
+    for i in range(n):
+        vals = [s[i] for s in series]
+        if any(v is None for v in vals):
+            continue
+        idx.append(i)
+        mean.append(sum(vals) / len(vals))
+        lo.append(min(vals))
+        hi.append(max(vals))
+    return idx, mean, lo, hi
+
+
+def _plot_band(ax, x, mean, lo, hi, label, color):
+    ax.plot(x, mean, label=label, color=color, lw=1.6)
+    if any(a != b for a, b in zip(lo, hi)):
+        ax.fill_between(x, lo, hi, color=color, alpha=0.18, lw=0)
+
+
+def _colors(groups: dict[str, list[Run]]) -> dict[str, str]:
+    palette = {"gspo": "#1f77b4", "grpo": "#d62728", "gspo_token": "#2ca02c", "dapo": "#ff7f0e", "dr_grpo": "#9467bd"}
+    extra = iter(["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"])
+    return {g: palette.get(g) or next(extra, "#333333") for g in groups}
+
+
+def _label(name: str, runs: list[Run]) -> str:
+    return f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+
+
+def fig_reward(plt, groups, colors, out: Path) -> str:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for g, runs in groups.items():
+        steps = [b["step"] for b in runs[0].batches()]
+        idx, mean, lo, hi = _band([r.per_batch("reward/mean") for r in runs])
+        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
+        widx, wmean, _, _ = _band([r.per_batch("time/elapsed") for r in runs])
+        wall = dict(zip(widx, wmean))
+        keep = [k for k, i in enumerate(idx) if i in wall]
+        _plot_band(axes[1], [wall[idx[k]] for k in keep], [mean[k] for k in keep], [lo[k] for k in keep],
+                   [hi[k] for k in keep], _label(g, runs), colors[g])
+    axes[0].set(xlabel="optimizer step", ylabel="mean reward of the rollout batch", title="Reward vs step")
+    axes[1].set(xlabel="wall-clock (s, training loop)", title="Reward vs wall-clock")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, out / "reward.png")
+
+
+def fig_clipping(plt, groups, colors, out: Path) -> str:
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    for g, runs in groups.items():
+        steps = [b["step"] for b in runs[0].batches()]
+        for key, style, what in (("clip/token_total", "-", "tokens"), ("clip/seq_total", "--", "sequences")):
+            idx, mean, lo, hi = _band([r.per_batch(key, off_policy=True) for r in runs])
+            pts = [(steps[i], m, a, b) for i, m, a, b in zip(idx, mean, lo, hi) if m > 0]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colors[g], lw=1.4, label=f"{g}: {what}")
+    ax.set_yscale("log")
+    ax.set(xlabel="optimizer step", ylabel="clipped fraction (off-policy steps)",
+           title="Clipping: GSPO clips whole sequences, orders of magnitude more often")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return _save(fig, out / "clipping.png")
+
+
+def _histogram_counts(run: Run) -> tuple[list[float], list[int], list[int]] | None:
+    rows = [h for h in run.histograms if h.get("minibatch", 0) > 0]
+    if not rows:
+        return None
+    edges = rows[0]["edges"]
+    tok = [sum(h["token"][i] for h in rows) for i in range(len(edges) + 1)]
+    seq = [sum(h["seq"][i] for h in rows) for i in range(len(edges) + 1)]
+    return edges, tok, seq
+
+
+def fig_ratios(plt, groups, colors, out: Path) -> str | None:
+    data = {g: _histogram_counts(runs[0]) for g, runs in groups.items()}
+    data = {g: d for g, d in data.items() if d is not None}
+    if not data:
+        return None
+    fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 3.8), squeeze=False)
+    for ax, (g, (edges, tok, seq)) in zip(axes[0], data.items()):
+        # A linear log-ratio axis, so that clip bands keep their true widths (GSPO's is a sliver next to GRPO's); the
+        # bins are log-spaced, so each is drawn as a density (fraction of the items / bin width) on a log scale.
+        bounds = [-2.0, *edges[1:-1], 2.0]  # beyond +-1 merged into one bin a side, drawn out to +-2 (off the axis)
+        counts_tok = [tok[0] + tok[1], *tok[2:-2], tok[-2] + tok[-1]]
+        counts_seq = [seq[0] + seq[1], *seq[2:-2], seq[-2] + seq[-1]]
+        widths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        lowest = math.inf
+        for counts, label, color in ((counts_tok, "token ratios", "#555555"), (counts_seq, "sequence ratios", colors[g])):
+            total = max(sum(counts), 1)
+            dens = [c / total / w for c, w in zip(counts, widths)]
+            lowest = min([lowest] + [d for d in dens if d > 0])
+            ax.stairs(dens, bounds, label=f"{label} (n={sum(counts):,})", color=color, lw=1.6)
+        ax.axvspan(math.log(1 - GSPO_BAND[0]), math.log(1 + GSPO_BAND[1]), color="#1f77b4", alpha=0.6, lw=0,
+                   label="GSPO clip band (1 - 3e-4, 1 + 4e-4)")
+        ax.axvspan(math.log(1 - GRPO_BAND[0]), math.log(1 + GRPO_BAND[1]), color="#d62728", alpha=0.08, lw=0,
+                   label="GRPO/DAPO clip band (1 - 0.2, 1 + 0.28)")
+        ax.set_yscale("log")
+        if math.isfinite(lowest):
+            ax.set_ylim(bottom=lowest / 3)
+        ax.set_xlim(-0.6, 0.6)
+        ax.set(xlabel="log ratio  log(pi / pi_old)", ylabel="density (fraction per unit log ratio)",
+               title=f"{g}: ratios of the off-policy steps")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, out / "ratios.png")
+
+
+def _pick_trace(groups) -> tuple[str, dict[str, Any]] | None:
+    """The most extreme trace of the GSPO-like group if any, else of any group: the strip is about outliers."""
+    order = sorted(groups, key=lambda g: (g != "gspo", g))
+    for g in order:
+        traces = [t for r in groups[g] for t in r.traces if t.get("tokens")]
+        if traces:
+            return g, max(traces, key=lambda t: max(abs(x) for x in t["token_log_ratio"]))
+    return None
+
+
+def fig_token_strip(plt, groups, out: Path) -> str | None:
+    picked = _pick_trace(groups)
+    if picked is None:
+        return None
+    g, t = picked
+    import matplotlib
+    from matplotlib import cm, colors as mcolors
+
+    lrs = t["token_log_ratio"]
+    lim = max(max(abs(x) for x in lrs), 1e-6)
+    norm = mcolors.TwoSlopeNorm(vmin=-lim, vcenter=0.0, vmax=lim)
+    cmap = matplotlib.colormaps["coolwarm"]
+    per_line, n = 16, len(lrs)
+    lines = math.ceil(n / per_line)
+    fig, ax = plt.subplots(figsize=(12, 0.55 * lines + 1.6))
+    outliers = sorted(range(n), key=lambda i: -abs(lrs[i]))[:3]
+    for i, (tok, lr) in enumerate(zip(t["tokens"], lrs)):
+        row, col = divmod(i, per_line)
+        text = tok.replace("\n", "\\n") or " "
+        ax.text(col + 0.5, -row, text, ha="center", va="center", fontsize=8, family="monospace",
+                bbox=dict(boxstyle="round,pad=0.25", fc=cmap(norm(lr)), ec="#999999" if i not in outliers else "black",
+                          lw=0.5 if i not in outliers else 1.5))
+        if i in outliers:
+            ax.annotate(f"r = {math.exp(lr):.4f}", (col + 0.5, -row + 0.28), ha="center", fontsize=7, color="black")
+    seq = math.exp(t["seq_log_ratio"])
+    ax.set_xlim(0, per_line)
+    ax.set_ylim(-lines + 0.4, 0.8)
+    ax.axis("off")
+    ax.set_title(f"{g}, step {t['step']} (minibatch {t['minibatch']}): token ratios; sequence ratio = geometric mean = "
+                 f"{seq:.5f}; advantage {t['advantage']:+.2f}", fontsize=9)
+    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, orientation="horizontal", fraction=0.05, pad=0.02,
+                 label="token log ratio")
+    return _save(fig, out / "token_strip.png")
+
+
+def fig_noise(plt, groups, colors, out: Path) -> str | None:
+    probes = [(g, r.probe) for g, runs in groups.items() for r in runs if r.probe]
+    if not probes:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    _, probe = probes[0]
+    for algo, rows in probe["by_algorithm"].items():
+        x = [b["length_mid"] for b in rows]
+        axes[0].plot(x, [b["weight_var"] for b in rows], marker="o", label=algo, color=colors.get(algo, "#333333"))
+        axes[1].plot(x, [b["grad_norm"] for b in rows], marker="o", label=algo, color=colors.get(algo, "#333333"))
+    axes[0].set(xlabel="response length (tokens)", ylabel="variance of per-token gradient weights", title="Weight noise vs length")
+    axes[1].set(xlabel="response length (tokens)", ylabel="per-sequence gradient norm", title="Gradient norm vs length")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, out / "noise.png")
+
+
+def fig_length_entropy(plt, groups, colors, out: Path) -> str:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for g, runs in groups.items():
+        steps = [b["step"] for b in runs[0].batches()]
+        for ax, key in zip(axes, ("completion/len_mean", "entropy")):
+            idx, mean, lo, hi = _band([r.per_batch(key) for r in runs])
+            _plot_band(ax, [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
+    axes[0].set(xlabel="optimizer step", ylabel="tokens", title="Mean response length")
+    axes[1].set(xlabel="optimizer step", ylabel="nats per token", title="Policy entropy (on-policy step)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, out / "length_entropy.png")
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+# --------------------------------------------------------------------------------------------- page
+
+_COLUMNS = [("run", "run"), ("algorithm", "algorithm"), ("seed", "seed"), ("steps", "steps"),
+            ("clip_token", "clipped tokens"), ("clip_seq", "clipped sequences"), ("reward_first", "reward, first"),
+            ("reward_final", "reward, final (last 10)"), ("reward_best", "best (5-batch mean)"),
+            ("largest_drop", "largest drop"), ("entropy_end", "entropy, end"), ("wall_s", "wall-clock s")]
+
+
+def _fmt(key: str, v: Any) -> str:
+    if v is None:
+        return "-"
+    if key.startswith("clip"):
+        return f"{100 * v:.3g}%"
+    if isinstance(v, float):
+        return f"{v:.0f}" if key in ("wall_s", "steps") else f"{v:.3f}"
+    return html.escape(str(v))
+
+
+def metrics_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
+    if markdown:
+        head = "| " + " | ".join(t for _, t in _COLUMNS) + " |\n|" + "---|" * len(_COLUMNS) + "\n"
+        return head + "".join("| " + " | ".join(_fmt(k, r.get(k)) for k, _ in _COLUMNS) + " |\n" for r in rows)
+    head = "<tr>" + "".join(f"<th>{t}</th>" for _, t in _COLUMNS) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{_fmt(k, r.get(k))}</td>" for k, _ in _COLUMNS) + "</tr>" for r in rows)
+    return f"<table>{head}{body}</table>"
+
+
+def group_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per algorithm: the mean of each number over its seeds."""
+    out = []
+    for algo in dict.fromkeys(r["algorithm"] for r in rows):
+        mine = [r for r in rows if r["algorithm"] == algo]
+        mean_row: dict[str, Any] = {"run": f"{algo} (mean of {len(mine)})", "algorithm": algo, "seed": None}
+        for k, _ in _COLUMNS[3:]:
+            xs = [r[k] for r in mine if r.get(k) is not None]
+            mean_row[k] = sum(xs) / len(xs) if xs else None
+        out.append(mean_row)
+    return out
+
+
+_CAPTIONS = {
+    "reward.png": "Mean reward of each rollout batch against optimizer steps and against the training loop's wall-clock; "
+                  "the line is the mean over seeds, the band spans the lowest to the highest seed.",
+    "clipping.png": "Fraction of tokens (solid) and of sequences (dashed) clipped in the off-policy steps (minibatches "
+                    "after the first of each rollout batch), log scale. GSPO's sequence ratio and its narrow clip range "
+                    "clip far more than GRPO's token ratios.",
+    "ratios.png": "Distribution of token ratios and of sequence ratios (geometric mean of a sequence's token ratios) over "
+                  "the off-policy steps of the first run of each algorithm, on one log-ratio axis. Averaging over the "
+                  "sequence concentrates the ratio: GSPO's clip band is the thin blue sliver.",
+    "token_strip.png": "One response of an off-policy step, each token shaded by its ratio (blue below 1, red above); the "
+                       "three most extreme tokens are outlined and labelled. The sequence ratio is their geometric mean.",
+    "noise.png": "From gspo probe noise: how the variance of per-token gradient weights and the per-sequence gradient "
+                 "norm grow with response length, per objective, on one rollout batch.",
+    "length_entropy.png": "Mean response length and policy entropy per rollout batch (mean over seeds, band over seeds).",
+}
+
+_LOADED_CHECK = """<script>
+window.addEventListener('load', () => {
+  const imgs = Array.from(document.images);
+  const ok = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+  document.body.setAttribute('data-images-loaded', ok + '/' + imgs.length);
+});
+</script>"""
+
+
+def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "gspo report") -> Path:
+    """Figures and ``index.html`` for ``run_dirs`` in ``out_dir``; returns the HTML path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not run_dirs:
+        raise UserError("gspo report needs at least one run directory.")
+    runs = [load_run(d) for d in run_dirs]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = group_runs(runs)
+    colors = _colors(groups)
+    figures = [fig_reward(plt, groups, colors, out), fig_clipping(plt, groups, colors, out),
+               fig_ratios(plt, groups, colors, out), fig_token_strip(plt, groups, out),
+               fig_noise(plt, groups, colors, out), fig_length_entropy(plt, groups, colors, out)]
+    rows = [key_metrics(r) for r in runs]
+    table_rows = rows + (group_means(rows) if any(len(v) > 1 for v in groups.values()) else [])
+    (out / "summary.json").write_text(json.dumps({"runs": rows, "groups": group_means(rows)}, indent=1))
+    (out / "table.md").write_text(metrics_table(table_rows, markdown=True))
+    sections = "".join(f"<figure><img src='{f}' alt='{f}'><figcaption>{html.escape(_CAPTIONS[f])}</figcaption></figure>"
+                       for f in figures if f)
+    missing = [] if figures[4] else ["<p class='note'>No gradient-noise figure: run <code>gspo probe noise</code> on a "
+                                     "run directory to add it.</p>"]
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}}
+figure{{margin:1.5em 0}}img{{max-width:100%;border:1px solid #ddd}}figcaption{{font-size:.9em;color:#555}}
+table{{border-collapse:collapse;font-size:.85em}}td,th{{border:1px solid #ccc;padding:3px 7px;text-align:right}}
+.note{{color:#777}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<p>{len(runs)} run(s): {", ".join(html.escape(f"{r.name} ({r.algorithm}, seed {r.seed})") for r in runs)}.</p>
+{sections}{"".join(missing)}
+<h2>Key numbers</h2>{metrics_table(table_rows)}
+<p class="note">Clipping: mean over the off-policy steps. Final reward: mean of the last 10 rollout batches. Best: the best
+5-batch moving average; largest drop: the largest fall of that average from its running maximum. Wall-clock: the
+training loop.</p>
+{_LOADED_CHECK}
+</body></html>
+"""
+    path = out / "index.html"
+    path.write_text(page)
+    return path

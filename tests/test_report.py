@@ -1,0 +1,91 @@
+"""gspo report / compare: the numbers of the key-metrics table, every figure written, and the page in a real browser."""
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from gspo.cli import main
+from gspo.report import Run, key_metrics, write_report
+
+from test_trainer import tiny_config  # noqa: F401  (the tiny model fixture lives there too)
+from test_trainer import tiny_dir  # noqa: F401
+from gspo.trainer import Trainer
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FIGURES = ["reward.png", "clipping.png", "ratios.png", "token_strip.png", "length_entropy.png"]
+
+
+def _row(step, batch, minibatch, reward, clip=0.0, entropy=1.0, elapsed=None):
+    return {"step": step, "rollout_batch": batch, "minibatch": minibatch, "reward/mean": reward, "clip/token_total": clip,
+            "clip/seq_total": clip, "entropy": entropy, "time/elapsed": elapsed if elapsed is not None else float(step)}
+
+
+def test_key_metrics_hand_worked(tmp_path):
+    """Rewards 0.2, 0.6, 1.0, 0.0, 0.0, 0.0 per batch (two steps each): final = mean of all 6 (fewer than 10) = 0.3;
+    5-batch moving averages 0.2, 0.4, 0.6, 0.45, 0.36, 0.32 -> best 0.6, largest drop 0.6 - 0.32 = 0.28; clipping is
+    the mean over the off-policy steps only (0.1 each), entropy the mean of the last batch (0.5, 0.7)."""
+    rewards = [0.2, 0.6, 1.0, 0.0, 0.0, 0.0]
+    rows = []
+    for b, r in enumerate(rewards):
+        rows += [_row(2 * b + 1, b, 0, r, clip=0.0), _row(2 * b + 2, b, 1, r, clip=0.1)]
+    rows[-2]["entropy"], rows[-1]["entropy"] = 0.5, 0.7
+    m = key_metrics(Run(tmp_path, "gspo", 1, {}, rows))
+    assert m["reward_final"] == pytest.approx(0.3) and m["reward_best"] == pytest.approx(0.6)
+    assert m["largest_drop"] == pytest.approx(0.28) and m["clip_token"] == pytest.approx(0.1)
+    assert m["entropy_end"] == pytest.approx(0.6) and m["wall_s"] == 12.0 and m["steps"] == 12
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny_dir, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("runs")
+    dirs = []
+    for algo in ("gspo", "grpo"):
+        d = root / algo
+        Trainer(tiny_config(tiny_dir, f"algorithm='{algo}'", "train.steps=4", "log.trace_every=1",
+                            "log.checkpoint_every=0"), d).train()
+        dirs.append(d)
+    return dirs
+
+
+def test_report_writes_every_figure_and_the_table(two_runs, tmp_path):
+    page = write_report(two_runs, tmp_path / "report")
+    for f in FIGURES:
+        assert (tmp_path / "report" / f).stat().st_size > 5000, f
+        assert f"src='{f}'" in page.read_text()
+    assert "noise.png" not in page.read_text() and "gspo probe noise" in page.read_text()
+    table = (tmp_path / "report" / "table.md").read_text()
+    assert table.count("\n") == 4 and "| gspo |" in table.replace("gspo | 1", "gspo |")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_report_opens_in_headless_chromium(two_runs, tmp_path):
+    """The page renders in a real browser and every image on it loads (the page's own check sets data-images-loaded)."""
+    page = write_report(two_runs, tmp_path / "report")
+    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", "--dump-dom",
+                          page.as_uri()], capture_output=True, text=True, timeout=120)
+    m = re.search(r'data-images-loaded="(\d+)/(\d+)"', out.stdout)
+    assert m, out.stderr[-2000:]
+    assert m.group(1) == m.group(2) == str(len(FIGURES))
+
+
+def test_compare_trains_each_algorithm_and_seed_then_reports(tiny_dir, tmp_path, capsys):  # noqa: F811
+    """`gspo compare` runs algos x seeds into <out>/<algo>-seed<seed>, writes the report, prints the key-metrics table;
+    run again, it keeps the finished runs instead of training them twice."""
+    args = ["compare", "--algos", "gspo,grpo", "--seeds", "3", "--out", str(tmp_path / "cmp"), f"model.name='{tiny_dir}'",
+            "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=2",
+            "train.minibatches=2", "rewards.workers=0", "log.progress=false", "log.checkpoint_every=0",
+            "rewards.functions=[{path='trainer_rewards:text_length'}]"]
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    assert (tmp_path / "cmp" / "gspo-seed3" / "metrics.jsonl").exists() and (tmp_path / "cmp" / "grpo-seed3").exists()
+    assert (tmp_path / "cmp" / "report" / "index.html").exists() and "| gspo (mean of 1) |" in printed.out
+    assert main(args) == 0
+    assert printed.err.count("training") == 2 and capsys.readouterr().err.count("complete; kept") == 2
+
+
+def test_bad_seed_list_is_one_clear_error(tmp_path, capsys):
+    assert main(["compare", "x.toml", "--seeds", "one", "--out", str(tmp_path)]) == 2
+    assert "--seeds 'one' is not a comma-separated list of integers" in capsys.readouterr().err
