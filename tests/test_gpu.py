@@ -113,8 +113,9 @@ def test_packed_logprobs_on_cuda_match_padded(tokenizer):
 
 
 def test_cuda_graphed_packed_passes_match_eager(tokenizer):
-    """The CUDA-graphed packed decoder gives the eager packed log-probs and gradients (bf16 noise), sees in-place
-    weight updates, and accumulates gradients over two backward passes into an allocated .grad."""
+    """The CUDA-graphed packed decoder gives the eager packed log-probs and gradients (bf16 noise) at every call, sees
+    in-place weight updates, and accumulates two backward passes (a second graphed backward added to a .grad that
+    aliased the graph's buffer would come out doubled)."""
     from gspo.logprobs import PackedGraphs, sequence_logprobs
 
     model = tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).cuda()
@@ -126,13 +127,13 @@ def test_cuda_graphed_packed_passes_match_eager(tokenizer):
     kw = dict(pad_id=0, autocast_dtype=torch.bfloat16, packed=True)
 
     def run(use_graphs, backward_times=1):
-        model.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=True)  # the graphed backward must not leave .grad as a view of its own buffer
         for _ in range(backward_times):
             logp, _ = sequence_logprobs(model, prompts, ids, mask, graphs=graphs if use_graphs else None, **kw)
             (logp * torch.linspace(0.5, 1.5, 20, device="cuda")).sum().backward()
         return logp.detach(), [p.grad.clone() for p in model.parameters()]
 
-    for _ in range(2):  # the second round runs after an in-place weight change
+    for _ in range(3):  # later rounds run after in-place weight changes, with .grad reset to None each time
         (a, ga), (b, gb) = run(False), run(True)
         assert graphs.graphed and graphs.enabled
         diff = (a - b)[mask.cuda()].abs()

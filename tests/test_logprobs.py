@@ -170,3 +170,14 @@ def test_packed_needs_completion_prefix_masks(make_tiny_model, batch):
     holes = torch.tensor([[1, 0, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     with pytest.raises(UserError, match="train.packing"):
         sequence_logprobs(make_tiny_model(vocab_size=512), prompts, ids, holes, pad_id=PAD, packed=True)
+
+
+def test_packing_refuses_sliding_window_models():
+    """The packed attention is causal over whole sequences: sliding-window models are reported as unsupported."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from gspo.logprobs import packing_unsupported
+
+    assert packing_unsupported(Qwen2Config(use_sliding_window=False)) is None
+    assert "sliding" in packing_unsupported(Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))
+    assert "sliding" in packing_unsupported(MistralConfig(sliding_window=4096))

@@ -6,6 +6,7 @@ import torch
 
 from gspo.cli import main
 from gspo.config import build_config
+from gspo.errors import UserError
 from gspo.metrics import read_jsonl
 from gspo.trainer import Trainer
 
@@ -214,6 +215,12 @@ def test_packed_update_gives_the_padded_update(tiny_dir, tmp_path):
     assert [r["loss"] for r in runs[0][0]] == pytest.approx([r["loss"] for r in runs[1][0]], abs=1e-6)
     for k, v in runs[0][1].items():  # Adam divides float32 gradient noise by ~|g|: 1e-5 is 0.5% of one step at lr 1e-3
         torch.testing.assert_close(v, runs[1][1][k], atol=1e-5, rtol=1e-5)
+
+
+def test_packing_on_with_gradient_checkpointing_is_refused(tiny_dir, tmp_path):
+    """Checkpointed layers recompute in the backward, after the packed attention is unset: refused with the fix."""
+    with pytest.raises(UserError, match="train.packing = 'off'"):
+        Trainer(tiny_config(tiny_dir, "train.packing='on'", "model.gradient_checkpointing=true"), tmp_path / "run")
 
 
 def test_dropout_is_disabled_so_the_on_policy_ratio_is_one(tmp_path, tokenizer):

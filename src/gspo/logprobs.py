@@ -160,15 +160,18 @@ class PackedGraphs:
     the end (attention never crosses sequences, so the real tokens see exactly what they would unpadded); the graph
     is captured on first use of a (bucket, sequences) shape with ``torch.cuda.make_graphed_callables`` (three eager
     warm-up passes, then capture), all buckets sharing one memory pool. Parameters are read in place, so optimizer
-    steps are seen. Gradients reach ``param.grad`` through autograd as usual; keep ``.grad`` allocated
-    (``zero_grad(set_to_none=False)``) so accumulation adds into it instead of aliasing the graph's output buffer.
-    Any capture failure turns the graphs off for the run (with a warning) and the eager path takes over.
+    steps are seen. Gradients reach ``param.grad`` through autograd as usual: ``.grad`` is allocated before a graphed
+    backward, so that accumulation adds into it instead of keeping a view of the graph's gradient buffer (which the
+    next replay would overwrite). Each graph keeps its own gradient buffers, so at most ``max_graphs`` shapes are
+    graphed (others run eagerly). Any capture failure turns the graphs off for the run (with a warning).
     """
 
-    def __init__(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None):
+    def __init__(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None, max_graphs: int = 8):
         self.decoder = model.get_decoder()
         self.autocast_dtype = autocast_dtype
         self.graphed: dict[tuple[int, int], torch.nn.Module] = {}
+        self.params = [p for p in self.decoder.parameters() if p.requires_grad]
+        self.max_graphs = max_graphs
         self.pool = torch.cuda.graph_pool_handle()
         self.enabled = True
         self.warmup_s = 0.0  # seconds spent capturing, cumulative
@@ -192,12 +195,21 @@ class PackedGraphs:
         pos_b = torch.cat([pos, torch.arange(pad, device=pos.device)[None]], 1)  # (1, size)
         cu_b = torch.cat([cu, cu.new_full((1,), size)])  # (N+2,)
         key = (size, cu_b.numel())
+        if key not in self.graphed and len(self.graphed) >= self.max_graphs:
+            return None  # each graph keeps its own gradient buffers (a model-sized fp32 copy): bounded, then eager
+        if torch.is_grad_enabled():
+            # The backward hands autograd views of the graph's gradient buffers; a parameter whose .grad is None would
+            # keep such a view as its .grad, and the next replay would then overwrite it and be added to itself.
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         if key not in self.graphed:
             import time
 
             t0 = time.perf_counter()
             try:
-                module = _GraphableDecoder(self.decoder, size, self.autocast_dtype).train()
+                module = _GraphableDecoder(self.decoder, size, self.autocast_dtype)
+                module.training = True  # the graphed forward runs while this flag matches; the decoder's own modes stay
                 with torch.enable_grad():  # the first use may be a no-grad pass; the backward graph is captured too
                     self.graphed[key] = torch.cuda.make_graphed_callables(module, (ids_b, pos_b, cu_b), pool=self.pool)
             except Exception as e:  # capture can fail in many ways (a host sync in a model's forward, memory)
@@ -245,6 +257,15 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 AttentionInterface.register("gspo_packed", _packed_attention)
+
+
+def packing_unsupported(config) -> str | None:
+    """Why the packed path cannot run this model (None if it can): it knows causal full attention only."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)) or \
+            any("sliding" in str(t) for t in layer_types):
+        return "it uses sliding-window attention"
+    return None
 
 
 def packing_available(device: torch.device, dtype: torch.dtype | None) -> bool:

@@ -29,7 +29,7 @@ from gspo.config import Config
 from gspo.data import DataStream, build_dataset, default_reward
 from gspo.diagnostics import LOG_RATIO_EDGES, pick_trace_rows, ratio_histograms, token_trace
 from gspo.errors import UserError
-from gspo.logprobs import PackedGraphs, packing_available, sequence_logprobs
+from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
 from gspo.metrics import Console, JsonlWriter
 from gspo.models import attention_context, disable_dropout, load_model, stop_token_ids
 from gspo.prompts import encode_prompts
@@ -110,7 +110,12 @@ class Trainer:
 
         t = cfg.train
         compute_dtype = self.autocast or next(self.model.parameters()).dtype
-        self.packed = t.packing == "on" or (t.packing == "auto" and packing_available(self.device, compute_dtype))
+        why_not = packing_unsupported(self.model.config)
+        if cfg.model.gradient_checkpointing:  # recomputation in the backward runs after the packed attention is unset
+            why_not = "model.gradient_checkpointing is on"
+        if t.packing == "on" and why_not:
+            raise UserError(f"train.packing = 'on' cannot be used here: {why_not}; set train.packing = 'off' or 'auto'.")
+        self.packed = t.packing == "on" or (t.packing == "auto" and not why_not and packing_available(self.device, compute_dtype))
         use_graphs = (self.packed and self.device.type == "cuda" and t.cuda_graphs == "auto"
                       and not cfg.model.gradient_checkpointing)
         self.graphs = PackedGraphs(self.model, self.autocast) if use_graphs else None
@@ -309,8 +314,7 @@ class Trainer:
                                  graphs=self.graphs if model is self.model else None)
 
     def _zero_grad(self) -> None:
-        # With CUDA graphs the backward hands autograd views of the graph's own gradient buffers: .grad must stay
-        # allocated so that accumulation adds into it rather than keeping such a view (overwritten by the next replay).
+        # With CUDA graphs .grad stays allocated (PackedGraphs allocates it before the first graphed backward).
         self.optimizer.zero_grad(set_to_none=self.graphs is None)
 
     @torch.no_grad()
