@@ -241,7 +241,8 @@ def _pick_trace(groups) -> tuple[str, dict[str, Any]] | None:
     for g in order:
         traces = [t for r in groups[g] for t in r.traces if t.get("tokens")]
         if traces:
-            return g, max(traces, key=lambda t: max(abs(x) for x in t["token_log_ratio"]))
+            # A response that carries gradient (non-zero advantage) first, then the most extreme token ratio.
+            return g, max(traces, key=lambda t: (t["advantage"] != 0, max(abs(x) for x in t["token_log_ratio"])))
     return None
 
 
@@ -254,12 +255,13 @@ def fig_token_strip(plt, groups, out: Path) -> str | None:
     from matplotlib import cm, colors as mcolors
 
     lrs = t["token_log_ratio"]
-    lim = max(max(abs(x) for x in lrs), 1e-6)
-    norm = mcolors.TwoSlopeNorm(vmin=-lim, vcenter=0.0, vmax=lim)
+    lim = max(max(abs(x) for x in lrs), 1e-3)
+    # Symmetric log colours: one outlier token must not wash out the 1e-3..1e-1 ratios of all the others.
+    norm = mcolors.SymLogNorm(linthresh=1e-3, vmin=-lim, vmax=lim, base=10)
     cmap = matplotlib.colormaps["coolwarm"]
     per_line, n = 16, len(lrs)
     lines = math.ceil(n / per_line)
-    fig, ax = plt.subplots(figsize=(12, 0.55 * lines + 1.6))
+    fig, ax = plt.subplots(figsize=(12, 0.55 * lines + 2.0))
     outliers = sorted(range(n), key=lambda i: -abs(lrs[i]))[:3]
     for i, (tok, lr) in enumerate(zip(t["tokens"], lrs)):
         row, col = divmod(i, per_line)
@@ -275,8 +277,10 @@ def fig_token_strip(plt, groups, out: Path) -> str | None:
     ax.axis("off")
     ax.set_title(f"{g}, step {t['step']} (minibatch {t['minibatch']}): token ratios; sequence ratio = geometric mean = "
                  f"{seq:.5f}; advantage {t['advantage']:+.2f}", fontsize=9)
-    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, orientation="horizontal", fraction=0.05, pad=0.02,
-                 label="token log ratio")
+    bar = fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, orientation="horizontal", fraction=0.05,
+                       pad=0.02, shrink=0.7, aspect=50, label="token log ratio (symmetric log colour scale)")
+    ticks = [v for v in (-1.0, -0.01, 0.0, 0.01, 1.0) if abs(v) <= lim]
+    bar.set_ticks(ticks, labels=[f"{v:g}" for v in ticks])
     return _save(fig, out / "token_strip.png")
 
 
