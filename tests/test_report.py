@@ -89,3 +89,35 @@ def test_compare_trains_each_algorithm_and_seed_then_reports(tiny_dir, tmp_path,
 def test_bad_seed_list_is_one_clear_error(tmp_path, capsys):
     assert main(["compare", "x.toml", "--seeds", "one", "--out", str(tmp_path)]) == 2
     assert "--seeds 'one' is not a comma-separated list of integers" in capsys.readouterr().err
+
+
+def test_length_bins_and_bin_summary_hand_worked():
+    """Lengths 1..6 in 3 bins -> [1,2], [3,4], [5,6]; GRPO weights (1, 3) and GSPO (2, 2) in one bin: variances 1 and 0."""
+    from gspo.probe import length_bins, summarize_bins
+
+    assert length_bins([6, 1, 2, 5, 3, 4], 3) == [(1, 2), (3, 4), (5, 6)]
+    rec = {"length": 2, "grpo_weights": [1.0, 3.0], "gspo_weights": [2.0, 2.0], "grpo_grad_norm": 1.0,
+           "gspo_grad_norm": 0.5, "grpo_is_noise": 0.2, "gspo_is_noise": 0.1}
+    out = summarize_bins([rec], 1)
+    assert out["grpo"][0]["weight_var"] == 1.0 and out["gspo"][0]["weight_var"] == 0.0
+    assert out["gspo"][0]["grad_norm"] == 0.5 and out["grpo"][0]["n"] == 1
+
+
+def test_probe_noise_writes_a_report_figure(tiny_dir, two_runs, tmp_path, capsys):  # noqa: F811
+    """`gspo probe noise` on the tiny model: every probed response is off-policy after the minibatch updates, and the
+    report of a run directory holding probe_noise.json gains the noise figure."""
+    run = two_runs[0]
+    args = ["probe", "noise", "--out", str(run), "--rows", "6", "--bins", "2", f"model.name='{tiny_dir}'",
+            "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.minibatches=2",
+            "train.lr=1e-3", "rewards.workers=0", "log.progress=false",
+            "rewards.functions=[{path='trainer_rewards:text_length'}]"]
+    assert main(args) == 0
+    import json
+
+    result = json.loads((run / "probe_noise.json").read_text())
+    assert result["responses"] > 0 and set(result["by_algorithm"]) == {"grpo", "gspo"}
+    assert all(r["grpo_is_noise"] > 0 for r in result["per_response"])
+    assert "| grpo |" in capsys.readouterr().out
+    page = write_report([run], tmp_path / "report")
+    assert (tmp_path / "report" / "noise.png").exists() and "noise.png" in page.read_text()
+    (run / "probe_noise.json").unlink()  # the other tests of this module expect no probe

@@ -17,6 +17,7 @@ EPILOG = """examples:
   gspo eval configs/quickstart.toml --model runs/gspo-seed1/checkpoints/step-000160
   gspo compare configs/quickstart.toml --algos gspo,grpo --seeds 1,2 --out runs/compare
   gspo report runs/gspo-seed1 runs/grpo-seed1 --out runs/report
+  gspo probe noise configs/quickstart.toml --out runs/gspo-seed1   # then gspo report shows the noise figure
   gspo config                                           # every config key with its default and meaning
 """
 
@@ -100,6 +101,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from gspo.probe import noise_table, probe_noise
+
+    cfg = _config(args.config, args.overrides)
+    out = Path(args.out)
+    if out.is_dir() or not out.suffix:
+        out = out / "probe_noise.json"
+    result = probe_noise(cfg, out, rows=args.rows, n_bins=args.bins)
+    print(noise_table(result))
+    print(f"probe: {out}")
+    return 0
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -170,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="directory for index.html and the PNGs")
     r.add_argument("--title", default="gspo report")
     r.set_defaults(func=cmd_report)
+    q = sub.add_parser("probe", help="measurements on one rollout batch (noise: GRPO vs GSPO gradient noise by length)")
+    q.add_argument("what", choices=["noise"], help="what to probe")
+    q.add_argument("config", nargs="?", help="TOML config (model, data, rollout, train settings)")
+    q.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    q.add_argument("--out", required=True, help="run directory (probe_noise.json is written in it) or a .json path")
+    q.add_argument("--rows", type=int, default=48, help="responses probed (default 48)")
+    q.add_argument("--bins", type=int, default=5, help="length bins (default 5)")
+    q.set_defaults(func=cmd_probe)
     c = sub.add_parser("config", help="print every config key with its default and meaning")
     c.add_argument("--markdown", action="store_true", help="as a Markdown table")
     c.set_defaults(func=cmd_config)

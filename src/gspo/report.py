@@ -288,14 +288,15 @@ def fig_noise(plt, groups, colors, out: Path) -> str | None:
     probes = [(g, r.probe) for g, runs in groups.items() for r in runs if r.probe]
     if not probes:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     _, probe = probes[0]
     for algo, rows in probe["by_algorithm"].items():
         x = [b["length_mid"] for b in rows]
-        axes[0].plot(x, [b["weight_var"] for b in rows], marker="o", label=algo, color=colors.get(algo, "#333333"))
-        axes[1].plot(x, [b["grad_norm"] for b in rows], marker="o", label=algo, color=colors.get(algo, "#333333"))
-    axes[0].set(xlabel="response length (tokens)", ylabel="variance of per-token gradient weights", title="Weight noise vs length")
-    axes[1].set(xlabel="response length (tokens)", ylabel="per-sequence gradient norm", title="Gradient norm vs length")
+        for ax, key in zip(axes, ("weight_var", "grad_norm", "is_noise")):
+            ax.plot(x, [b[key] for b in rows], marker="o", label=algo, color=colors.get(algo, "#333333"))
+    axes[0].set(xlabel="response length (tokens)", ylabel="variance", title="Per-token gradient weights")
+    axes[1].set(xlabel="response length (tokens)", ylabel="norm", title="Per-response gradient norm")
+    axes[2].set(xlabel="response length (tokens)", ylabel="||g_IS - g_on|| / ||g_on||", title="Noise from importance weights")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -377,8 +378,9 @@ _CAPTIONS = {
                   "sequence concentrates the ratio: GSPO's clip band is the thin blue sliver.",
     "token_strip.png": "One response of an off-policy step, each token shaded by its ratio (blue below 1, red above); the "
                        "three most extreme tokens are outlined and labelled. The sequence ratio is their geometric mean.",
-    "noise.png": "From gspo probe noise: how the variance of per-token gradient weights and the per-sequence gradient "
-                 "norm grow with response length, per objective, on one rollout batch.",
+    "noise.png": "From gspo probe noise, on one rollout batch after its minibatch updates: by response length, the "
+                 "variance of the per-token gradient weights (GRPO: token ratios; GSPO: one sequence ratio per "
+                 "response), the per-response gradient norm, and the share of the gradient the importance weights add.",
     "length_entropy.png": "Mean response length and policy entropy per rollout batch (mean over seeds, band over seeds).",
 }
 
