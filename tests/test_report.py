@@ -120,4 +120,5 @@ def test_probe_noise_writes_a_report_figure(tiny_dir, two_runs, tmp_path, capsys
     assert "| grpo |" in capsys.readouterr().out
     page = write_report([run], tmp_path / "report")
     assert (tmp_path / "report" / "noise.png").exists() and "noise.png" in page.read_text()
+    assert (run / "probe_noise.png").exists()
     (run / "probe_noise.json").unlink()  # the other tests of this module expect no probe

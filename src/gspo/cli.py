@@ -103,14 +103,16 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     from gspo.probe import noise_table, probe_noise
+    from gspo.report import noise_figure
 
     cfg = _config(args.config, args.overrides)
     out = Path(args.out)
     if out.is_dir() or not out.suffix:
         out = out / "probe_noise.json"
     result = probe_noise(cfg, out, rows=args.rows, n_bins=args.bins)
+    figure = noise_figure(result, out.with_suffix(".png"))
     print(noise_table(result))
-    print(f"probe: {out}")
+    print(f"probe: {out}, figure: {figure}")
     return 0
 
 

@@ -298,9 +298,26 @@ def fig_noise(plt, groups, colors, out: Path) -> str | None:
     axes[1].set(xlabel="response length (tokens)", ylabel="norm", title="Per-response gradient norm")
     axes[2].set(xlabel="response length (tokens)", ylabel="||g_IS - g_on|| / ||g_on||", title="Noise from importance weights")
     for ax in axes:
-        ax.grid(alpha=0.3)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     return _save(fig, out / "noise.png")
+
+
+def noise_figure(probe: dict[str, Any], path: str | Path) -> Path:
+    """The gradient-noise figure of one ``gspo probe noise`` result, on its own (``gspo probe`` draws it beside its JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    run = Run(path.parent, "probe", 0, {}, [], probe=probe)
+    fig_noise(plt, {"probe": [run]}, {"grpo": "#d62728", "gspo": "#1f77b4"}, path.parent)
+    produced = path.parent / "noise.png"
+    if produced != path:
+        produced.replace(path)
+    return path
 
 
 def fig_length_entropy(plt, groups, colors, out: Path) -> str:
