@@ -281,3 +281,53 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_dir, tmp_path, monk
     assert all(torch.equal(before[k], v) for k, v in _params(trainer.model).items())
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["nonfinite_steps"] for r in rows] == [1.0]  # the second in a row stops the run before its line
+
+
+def _losses(run):
+    return [(r["step"], r["loss"], r["reward/mean"], r["grad_norm"]) for r in read_jsonl(run / "metrics.jsonl")]
+
+
+def test_resume_is_bit_identical_to_a_straight_run(tiny_dir, tmp_path):
+    """6 steps straight and 3 steps + resume + 3 steps give bit-identical losses, rewards, gradient norms and weights."""
+    a = Trainer(tiny_config(tiny_dir, "train.steps=6", "train.minibatches=1"), tmp_path / "a")
+    a.train()
+    Trainer(tiny_config(tiny_dir, "train.steps=3", "train.minibatches=1"), tmp_path / "b").train()
+    b = Trainer(tiny_config(tiny_dir, "train.steps=6", "train.minibatches=1"), tmp_path / "b", resume=True)
+    assert b.step == 3
+    b.train()
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+    for (name, x), y in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(x, y), name
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tiny_dir, tmp_path, caplog):
+    """A complete-looking newest checkpoint whose weights cannot be read: resume says so and uses the previous one."""
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_dir, "train.steps=4"), run).train()
+    newest = sorted((run / "checkpoints").iterdir())[-1]
+    assert newest.name == "step-000004"
+    for f in newest.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    with caplog.at_level("WARNING", logger="gspo"):
+        t = Trainer(tiny_config(tiny_dir, "train.steps=6"), run, resume=True)
+    assert t.step == 2 and "cannot be read" in caplog.text
+    t.train()
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_sigterm_finishes_the_batch_checkpoints_and_exits_143(tiny_dir, tmp_path, capsys):
+    """SIGTERM during a rollout: the batch's minibatch steps finish, a checkpoint is written, `gspo train` exits with
+    143 and says how to continue; --resume then completes the run."""
+    import trainer_rewards
+
+    trainer_rewards._SENT.clear()
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), f"model.name='{tiny_dir}'", "rollout.prompts_per_batch=2",
+            "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=6", "train.minibatches=2",
+            "rewards.workers=0", "log.progress=false", "log.checkpoint_every=0",
+            "rewards.functions=[{path='trainer_rewards:sigterm_once'}]"]
+    assert main(args) == 143
+    assert "stopped by SIGTERM after 2 optimizer steps" in capsys.readouterr().err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]
+    assert main([*args, "--resume"]) == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]

@@ -16,3 +16,17 @@ def flaky(completion, example):
 def even_a_constant(completion, example):
     """1.0 for every completion of a prompt whose first operand is even (a zero-variance group), else length."""
     return 1.0 if example.meta["a"] % 2 == 0 else len(completion) / 100.0
+
+
+_SENT = []
+
+
+def sigterm_once(completion, example):
+    """Sends SIGTERM to its own process on its first call (in-process rewards: the trainer's main thread)."""
+    import os
+    import signal
+
+    if not _SENT:
+        _SENT.append(True)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return len(completion) / 100.0

@@ -39,6 +39,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or cfg.log.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
     trainer = Trainer(cfg, run_dir, resume=args.resume)
     out = trainer.train()
+    if trainer.stop_signal is not None:
+        print(f"stopped by {trainer.stop_signal} after {trainer.step} optimizer steps; checkpoint in {out / 'checkpoints'}; "
+              f"continue with: gspo train {args.config or ''} --resume --run-dir {out}", file=sys.stderr)
+        return 130 if trainer.stop_signal == "SIGINT" else 143
     print(f"done: {trainer.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
     return 0
 

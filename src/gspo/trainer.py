@@ -130,6 +130,7 @@ class Trainer:
         self.nonfinite_steps = 0
         self.nonfinite_in_row = 0
         self.elapsed_before = 0.0  # wall-clock of earlier sessions of a resumed run
+        self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
         self.hist_writer: JsonlWriter | None = None  # diagnostics sinks, open while train() runs
         self.trace_writer: JsonlWriter | None = None
         if resume:
@@ -162,9 +163,18 @@ class Trainer:
         if not ckpts:
             raise UserError(f"--resume found no complete checkpoint in {str(self.run_dir / 'checkpoints')!r}; "
                             "start a new run without --resume.")
-        ckpt = ckpts[-1]
-        load_model_weights(self.model, ckpt)
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        for ckpt in reversed(ckpts):  # newest first; a damaged one (disk error, manual edits) falls back to the previous
+            try:
+                load_model_weights(self.model, ckpt)
+                state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+                break
+            except Exception as e:  # safetensors, pickle and OS errors all mean "this checkpoint cannot be read"
+                log.warning("checkpoint %s cannot be read (%s: %s); trying the previous one", ckpt, type(e).__name__,
+                            str(e)[:200])
+        else:
+            raise UserError(f"--resume found no readable checkpoint in {str(self.run_dir / 'checkpoints')!r} (all "
+                            f"{len(ckpts)} failed to load); start a new run without --resume.")
+        log.info("resuming from %s (step %d)", ckpt, state["step"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -450,6 +460,34 @@ class Trainer:
                           "advantage": float(batch.advantages[i]), "finish_reason": batch.rollout.finish_reasons[i],
                           "length": int(batch.rollout.lengths[i])})
 
+    def _catch_stop_signals(self):
+        """SIGINT / SIGTERM finish the rollout batch being trained (its remaining minibatch steps), then the loop writes
+        a checkpoint and returns; a second signal stops at once. Returns the function that restores the old handlers.
+        Checkpoints sit at rollout-batch boundaries, so that is where a resumed run continues bit for bit."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {}
+
+        def handler(signum, frame):
+            if self.stop_signal is not None:  # the second one: the user really means it
+                signal.signal(signum, previous[signum])
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum).name
+            log.warning("%s: finishing rollout batch %d, then writing a checkpoint (again to stop now)",
+                        self.stop_signal, self.rollout_batch)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+
+        def restore():
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+        return restore
+
     def train(self) -> Path:
         """Run until ``train.steps`` optimizer steps; returns the run directory."""
         cfg = self.cfg
@@ -462,17 +500,23 @@ class Trainer:
         self.trace_writer = JsonlWriter(self.run_dir / "traces.jsonl", keep=lambda row: row["step"] <= step)
         console = Console(cfg.train.steps, self.step, enabled=cfg.log.progress)
         self.model.eval()
+        self.stop_signal = None
+        restore = self._catch_stop_signals()
         try:
-            while self.step < cfg.train.steps:
+            while self.step < cfg.train.steps and self.stop_signal is None:
                 batch = self.collect()
                 self._write_samples(samples, batch)
                 self.update(batch, metrics, console)
                 self.rollout_batch += 1
                 every = cfg.log.checkpoint_every
-                if every and self.rollout_batch % every == 0 and self.step < cfg.train.steps:
+                if every and self.rollout_batch % every == 0 and self.step < cfg.train.steps and self.stop_signal is None:
                     self.checkpoint()
             self.checkpoint()
+            if self.stop_signal is not None:
+                log.warning("%s received: stopped after step %d with a checkpoint; continue with --resume",
+                            self.stop_signal, self.step)
         finally:
+            restore()
             console.close()
             metrics.close()
             samples.close()
