@@ -331,3 +331,60 @@ def test_sigterm_finishes_the_batch_checkpoints_and_exits_143(tiny_dir, tmp_path
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]
     assert main([*args, "--resume"]) == 0
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_failed_checkpoint_write_keeps_the_previous_and_says_so(tiny_dir, tmp_path, monkeypatch):
+    """A checkpoint write that fails (disk full) ends in one error naming the directory and the intact checkpoint."""
+    import errno
+
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_dir, "train.steps=2"), run).train()
+    t = Trainer(tiny_config(tiny_dir, "train.steps=4"), run, resume=True)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(UserError, match="No space left on device.*step-000002, is intact"):
+        t.train()
+    monkeypatch.undo()
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "step-000002" in names and "step-000004" not in names
+    assert Trainer(tiny_config(tiny_dir, "train.steps=4"), run, resume=True).step == 2
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+from gspo.config import build_config
+from gspo.trainer import Trainer
+from test_trainer import tiny_config
+t = Trainer(tiny_config({tiny!r}, "train.steps=4"), {run!r}, resume=True)
+real = torch.save
+def save_then_die(obj, path, *a, **k):
+    real(obj, path, *a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)  # mid-checkpoint: after the state file, before fsync, rename and marker
+torch.save = save_then_die
+t.train()
+"""
+
+
+def test_kill_9_during_a_checkpoint_write_then_resume(tiny_dir, tmp_path):
+    """kill -9 in the middle of writing a checkpoint leaves a .tmp directory that is never taken for a checkpoint;
+    the previous one stays complete and --resume continues from it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_dir, "train.steps=2"), run).train()
+    code = KILL_DURING_SAVE.format(tests=str(Path(__file__).parent), tiny=str(tiny_dir), run=str(run))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "step-000004.tmp" in names and "step-000004" not in names
+    t = Trainer(tiny_config(tiny_dir, "train.steps=4"), run, resume=True)
+    assert t.step == 2
+    t.train()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step-000004"
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]

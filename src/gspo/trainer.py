@@ -193,7 +193,14 @@ class Trainer:
                  "shuffle_gen": self.shuffle_gen.get_state(), "data": self.stream.state_dict(),
                  "skipped_prompts": self.skipped_prompts, "nonfinite_steps": self.nonfinite_steps,
                  "elapsed": time.time() - self.t_start}
-        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.tokenizer, state, self.cfg.log.keep_checkpoints)
+        try:
+            return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.tokenizer, state,
+                                   self.cfg.log.keep_checkpoints)
+        except OSError as e:  # no space, read-only or vanished directory: the previous checkpoints are untouched
+            done = complete_checkpoints(self.run_dir / "checkpoints")
+            kept = f"the last complete one, {done[-1].name}, is intact" if done else "no earlier checkpoint exists"
+            raise UserError(f"Writing the checkpoint of step {self.step} to {str(self.run_dir / 'checkpoints')!r} failed "
+                            f"({e.strerror or e}); {kept}. Free disk space or fix the directory, then --resume.") from e
 
     # ------------------------------------------------------------------------------------------ rollout
 
