@@ -388,3 +388,29 @@ def test_kill_9_during_a_checkpoint_write_then_resume(tiny_dir, tmp_path):
     t.train()
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step-000004"
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("detector", ["sentinel.entropy_min=100.0", "sentinel.seq_ratio_log_max=1e-9",
+                                      "sentinel.reward_drop=0.5"])
+def test_collapse_sentinel_detectors_stop_the_run(tiny_dir, tmp_path, detector):
+    """Each detector trips (entropy and ratio thresholds set beyond a healthy run; the reward falls from 1 to 0 after
+    the first batch) and stops the run with one error naming the detector, the threshold and the last checkpoint,
+    without writing a checkpoint of the collapsed state."""
+    import trainer_rewards
+
+    trainer_rewards._CALLS.clear()
+    extra = ["sentinel.window=1", "rewards.functions=[{path='trainer_rewards:declining'}]"] if "reward_drop" in detector else []
+    t = Trainer(tiny_config(tiny_dir, "train.steps=6", "sentinel.action='stop'", detector, *extra), tmp_path / "run")
+    key = detector.split("=")[0].replace(".", r"\.")
+    with pytest.raises(UserError, match=key + ".*(last checkpoint is step-|no checkpoint was written yet)"):
+        t.train()
+    assert t.step < 6 and t.collapse
+    written = [p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")] if (tmp_path / "run" / "checkpoints").exists() else []
+    assert f"step-{t.step:06d}" not in written  # the collapsed state is not checkpointed
+
+
+def test_collapse_sentinel_warns_and_goes_on(tiny_dir, tmp_path, caplog):
+    t = Trainer(tiny_config(tiny_dir, "train.steps=4", "sentinel.entropy_min=100.0"), tmp_path / "run")
+    with caplog.at_level("WARNING", logger="gspo"):
+        t.train()
+    assert t.step == 4 and "collapse sentinel at step 2: entropy" in caplog.text

@@ -30,3 +30,12 @@ def sigterm_once(completion, example):
         _SENT.append(True)
         os.kill(os.getpid(), signal.SIGTERM)
     return len(completion) / 100.0
+
+
+_CALLS = []
+
+
+def declining(completion, example):
+    """1.0 for the first 8 calls (one rollout batch of the tiny config), 0.0 after: a reward collapse on cue."""
+    _CALLS.append(1)
+    return 1.0 if len(_CALLS) <= 8 else 0.0

@@ -176,6 +176,23 @@ class TrainConfig:
 
 
 @dataclass
+class SentinelConfig:
+    """Collapse detectors, checked after every rollout batch (each is off at 0)."""
+
+    entropy_min: float = 0.0
+    """Trigger when the on-policy step's mean token entropy falls below this (entropy collapse)."""
+    reward_drop: float = 0.0
+    """Trigger when the mean reward of the last ``window`` rollout batches is this much below the best such mean so far."""
+    window: int = 5
+    """Rollout batches averaged by ``reward_drop``."""
+    seq_ratio_log_max: float = 0.0
+    """Trigger when a step's sequence ratio leaves exp(+-this) (exploding spread of the sequence log-ratios)."""
+    action: str = "warn"
+    """On a trigger: ``warn`` (log and go on) or ``stop`` (end the run without writing a checkpoint, so the last one
+    written before the collapse stays the newest)."""
+
+
+@dataclass
 class LogConfig:
     run_dir: str = "runs/{algorithm}-seed{seed}"
     """Run directory; ``{algorithm}`` and ``{seed}`` are filled in."""
@@ -210,6 +227,7 @@ class Config:
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    sentinel: SentinelConfig = field(default_factory=SentinelConfig)
 
     @property
     def rollout_batches(self) -> int:
@@ -390,6 +408,7 @@ def validate(cfg: Config) -> None:
                               (lc.advantage_scale, SCALES, "loss.advantage_scale"),
                               (t.old_logprobs, ("recompute", "rollout"), "train.old_logprobs"),
                               (t.packing, ("auto", "on", "off"), "train.packing"),
+                              (cfg.sentinel.action, ("warn", "stop"), "sentinel.action"),
                               (t.cuda_graphs, ("auto", "off"), "train.cuda_graphs"),
                               (t.schedule, ("constant", "linear", "cosine"), "train.schedule"),
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),

@@ -131,6 +131,9 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.elapsed_before = 0.0  # wall-clock of earlier sessions of a resumed run
         self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
+        self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
+        self._rewards_seen: list[float | None] = []  # reward/mean of every rollout batch of this session
+        self._batch_rows: list[dict[str, Any]] = []  # metrics lines of the rollout batch being trained
         self.hist_writer: JsonlWriter | None = None  # diagnostics sinks, open while train() runs
         self.trace_writer: JsonlWriter | None = None
         if resume:
@@ -376,6 +379,7 @@ class Trainer:
         extra["time/logprobs"] = t_logprobs
 
         adv = batch.advantages.to(dev)
+        self._batch_rows: list[dict[str, Any]] = []
         self.model.train()
         for k in range(t.minibatches):
             t_step = time.perf_counter()
@@ -419,6 +423,7 @@ class Trainer:
                    "time/update": dt, "throughput/train_tok_s": trained_tokens / max(dt, 1e-9),
                    "time/elapsed": time.time() - self.t_start}
             writer.write(row)
+            self._batch_rows.append(row)
             console.update(self.step, row, end_of_batch=(k == t.minibatches - 1))
         self.model.eval()
 
@@ -466,6 +471,36 @@ class Trainer:
                           "completion": batch.rollout.texts[i], "reward": float(batch.rewards[i]),
                           "advantage": float(batch.advantages[i]), "finish_reason": batch.rollout.finish_reasons[i],
                           "length": int(batch.rollout.lengths[i])})
+
+    def _check_collapse(self) -> None:
+        """The collapse sentinel (``sentinel.*``) on the rollout batch just trained: warn, or stop the run."""
+        sc, rows = self.cfg.sentinel, self._batch_rows
+        self._rewards_seen.append(rows[0].get("reward/mean"))
+        found = []
+        entropy = rows[0].get("entropy")
+        if sc.entropy_min > 0 and entropy is not None and entropy < sc.entropy_min:
+            found.append(f"entropy {entropy:.4f} < sentinel.entropy_min = {sc.entropy_min}")
+        rewards = [r for r in self._rewards_seen if r is not None]
+        if sc.reward_drop > 0 and len(rewards) >= 2 * sc.window:
+            means = [sum(rewards[i - sc.window:i]) / sc.window for i in range(sc.window, len(rewards) + 1)]
+            if max(means[:-1]) - means[-1] > sc.reward_drop:
+                found.append(f"mean reward of the last {sc.window} batches {means[-1]:.3f} is {max(means[:-1]) - means[-1]:.3f} "
+                             f"below its best {max(means[:-1]):.3f} (sentinel.reward_drop = {sc.reward_drop})")
+        if sc.seq_ratio_log_max > 0:
+            spread = max(max(abs(math.log(max(r.get(k) or 1.0, 1e-30))) for k in ("ratio/seq_min", "ratio/seq_max"))
+                         for r in rows)
+            if spread > sc.seq_ratio_log_max:
+                found.append(f"|log sequence ratio| reached {spread:.3g} > sentinel.seq_ratio_log_max = {sc.seq_ratio_log_max}")
+        if not found:
+            return
+        self.collapse = "; ".join(found)
+        done = complete_checkpoints(self.run_dir / "checkpoints")
+        last = f"the last checkpoint is {done[-1].name}" if done else "no checkpoint was written yet"
+        if sc.action == "warn":
+            log.warning("collapse sentinel at step %d: %s", self.step, self.collapse)
+            return
+        raise UserError(f"Collapse sentinel stopped the run at step {self.step}: {self.collapse}; {last}. Resume from it "
+                        "with a lower train.lr, or loosen the sentinel.* thresholds.")
 
     def _catch_stop_signals(self):
         """SIGINT / SIGTERM finish the rollout batch being trained (its remaining minibatch steps), then the loop writes
@@ -515,6 +550,7 @@ class Trainer:
                 self._write_samples(samples, batch)
                 self.update(batch, metrics, console)
                 self.rollout_batch += 1
+                self._check_collapse()
                 every = cfg.log.checkpoint_every
                 if every and self.rollout_batch % every == 0 and self.step < cfg.train.steps and self.stop_signal is None:
                     self.checkpoint()
