@@ -221,6 +221,19 @@ def test_stream_resume():
     assert resumed.next_batch(9) == s.next_batch(9)
 
 
+def test_stream_resume_exactly_at_an_epoch_boundary():
+    """Saved right after the last example of an epoch (verl #7401: such a resume trained 0 steps), the resumed stream
+    goes on with the next epoch, exactly as the uninterrupted one."""
+    data = small(4)
+    s = DataStream(data, seed=2)
+    s.next_batch(2)
+    s.next_batch(2)  # the epoch ends here
+    r = DataStream(data, seed=2)
+    r.load_state_dict(s.state_dict())
+    nxt = r.next_batch(4)
+    assert len(nxt) == 4 and nxt == s.next_batch(4) and r.epoch == s.epoch == 2
+
+
 def test_stream_infinite_task_in_order():
     """A generated stream is read in index order (no permutation of 2**31 items), and resumes the same way."""
     task = ArithmeticTask(seed=5)

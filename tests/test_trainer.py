@@ -414,3 +414,39 @@ def test_collapse_sentinel_warns_and_goes_on(tiny_dir, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="gspo"):
         t.train()
     assert t.step == 4 and "collapse sentinel at step 2: entropy" in caplog.text
+
+
+def test_sentinel_rollback_reloads_the_last_checkpoint_with_a_lower_lr(tiny_dir, tmp_path, caplog):
+    """action='rollback': on a reward collapse the run reloads its last checkpoint, halves the learning rate, replays
+    from there without duplicate metrics lines, and stops in one line once max_rollbacks are used up."""
+    import trainer_rewards
+
+    trainer_rewards._CALLS.clear()
+    t = Trainer(tiny_config(tiny_dir, "train.steps=8", "sentinel.action='rollback'", "sentinel.reward_drop=0.5",
+                            "sentinel.window=1", "sentinel.max_rollbacks=2",
+                            "rewards.functions=[{path='trainer_rewards:declining'}]"), tmp_path / "run")
+    with caplog.at_level("WARNING", logger="gspo"), pytest.raises(UserError, match="2 rollbacks done"):
+        t.train()
+    assert caplog.text.count("rolling back to step-000002") == 2
+    assert t.lr_scale == 0.25 and t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.25)
+    steps = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == sorted(set(steps))  # replayed lines replaced, never duplicated
+    lrs = [r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert lrs[:2] == [1e-3, 1e-3] and lrs[-1] == pytest.approx(1e-3 * 0.25)  # the last replay ran at a quarter
+
+
+def test_long_prompt_fails_by_flag(tiny_dir, tmp_path):
+    t = Trainer(tiny_config(tiny_dir, "data.max_prompt_tokens=3", "data.long_prompts='fail'"), tmp_path / "run")
+    with pytest.raises(UserError, match="exceeds data.max_prompt_tokens = 3; raise it, or set data.long_prompts"):
+        t.train()
+
+
+def test_out_of_memory_names_the_knob(tiny_dir, tmp_path, monkeypatch):
+    t = Trainer(tiny_config(tiny_dir), tmp_path / "run")
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(t, "update", oom)
+    with pytest.raises(UserError, match="out of memory in the update at step 0; lower train.micro_batch_size"):
+        t.train()

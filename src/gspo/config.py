@@ -67,7 +67,9 @@ class DataConfig:
     system_prompt: str | None = None
     """Optional system message; ``None`` keeps the chat template's own default."""
     max_prompt_tokens: int = 512
-    """Prompts longer than this (after the chat template) are skipped and counted in ``data/skipped_prompts``."""
+    """Longest prompt in tokens, after the chat template; longer ones are handled as ``long_prompts`` says."""
+    long_prompts: str = "skip"
+    """A prompt longer than ``max_prompt_tokens``: ``skip`` it (counted in ``data/skipped_prompts``) or ``fail``."""
 
 
 @dataclass
@@ -188,8 +190,13 @@ class SentinelConfig:
     seq_ratio_log_max: float = 0.0
     """Trigger when a step's sequence ratio leaves exp(+-this) (exploding spread of the sequence log-ratios)."""
     action: str = "warn"
-    """On a trigger: ``warn`` (log and go on) or ``stop`` (end the run without writing a checkpoint, so the last one
-    written before the collapse stays the newest)."""
+    """On a trigger: ``warn`` (log and go on), ``stop`` (end the run without writing a checkpoint, so the last one
+    written before the collapse stays the newest) or ``rollback`` (reload the last checkpoint, multiply the learning
+    rate by ``lr_factor`` and go on; after ``max_rollbacks`` of them, stop)."""
+    lr_factor: float = 0.5
+    """Learning-rate multiplier applied at each rollback."""
+    max_rollbacks: int = 2
+    """Rollbacks allowed in one run before the sentinel stops it."""
 
 
 @dataclass
@@ -408,7 +415,8 @@ def validate(cfg: Config) -> None:
                               (lc.advantage_scale, SCALES, "loss.advantage_scale"),
                               (t.old_logprobs, ("recompute", "rollout"), "train.old_logprobs"),
                               (t.packing, ("auto", "on", "off"), "train.packing"),
-                              (cfg.sentinel.action, ("warn", "stop"), "sentinel.action"),
+                              (cfg.sentinel.action, ("warn", "stop", "rollback"), "sentinel.action"),
+                              (cfg.data.long_prompts, ("skip", "fail"), "data.long_prompts"),
                               (t.cuda_graphs, ("auto", "off"), "train.cuda_graphs"),
                               (t.schedule, ("constant", "linear", "cosine"), "train.schedule"),
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),

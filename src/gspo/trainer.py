@@ -13,6 +13,7 @@ Differences from the GSPO paper's setup: none in the objective; rewards that fai
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -50,7 +51,7 @@ def resolve_device(name: str) -> torch.device:
 
 def dataset_args(cfg: Config, seed: int) -> dict[str, Any]:
     """The ``data`` section as :func:`gspo.data.build_dataset` takes it (prompt-side fields stay with the trainer)."""
-    skip = {"system_prompt", "max_prompt_tokens"}
+    skip = {"system_prompt", "max_prompt_tokens", "long_prompts"}
     return {**{k: v for k, v in vars(cfg.data).items() if v is not None and k not in skip}, "seed": seed}
 
 
@@ -123,6 +124,8 @@ class Trainer:
         fused = self.device.type == "cuda" and all(p.dtype == torch.float32 for p in self.model.parameters())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay,
                                            fused=fused or None)
+        self.lr_scale = 1.0  # lowered by each collapse-sentinel rollback
+        self.rollbacks = 0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.step = 0
         self.rollout_batch = 0
@@ -132,8 +135,9 @@ class Trainer:
         self.elapsed_before = 0.0  # wall-clock of earlier sessions of a resumed run
         self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
         self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
-        self._rewards_seen: list[float | None] = []  # reward/mean of every rollout batch of this session
+        self._rewards_seen: dict[int, float | None] = {}  # rollout batch -> reward/mean, for the collapse sentinel
         self._batch_rows: list[dict[str, Any]] = []  # metrics lines of the rollout batch being trained
+        self._rollback_pending = False
         self.hist_writer: JsonlWriter | None = None  # diagnostics sinks, open while train() runs
         self.trace_writer: JsonlWriter | None = None
         if resume:
@@ -152,6 +156,9 @@ class Trainer:
         (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
 
     def _lr_factor(self, step: int) -> float:
+        return self.lr_scale * self._schedule(step)
+
+    def _schedule(self, step: int) -> float:
         t = self.cfg.train
         if t.warmup_steps and step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
@@ -177,7 +184,6 @@ class Trainer:
         else:
             raise UserError(f"--resume found no readable checkpoint in {str(self.run_dir / 'checkpoints')!r} (all "
                             f"{len(ckpts)} failed to load); start a new run without --resume.")
-        log.info("resuming from %s (step %d)", ckpt, state["step"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -188,6 +194,9 @@ class Trainer:
         self.skipped_prompts = state.get("skipped_prompts", 0)
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
         self.elapsed_before = state.get("elapsed", 0.0)
+        self.lr_scale = min(self.lr_scale, state.get("lr_scale", 1.0))
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self._lr_factor(self.scheduler.last_epoch)
         log.info("resumed from %s at optimizer step %d", ckpt, self.step)
 
     def checkpoint(self) -> Path:
@@ -195,7 +204,7 @@ class Trainer:
                  "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "generator": self.generator.get_state(),
                  "shuffle_gen": self.shuffle_gen.get_state(), "data": self.stream.state_dict(),
                  "skipped_prompts": self.skipped_prompts, "nonfinite_steps": self.nonfinite_steps,
-                 "elapsed": time.time() - self.t_start}
+                 "elapsed": time.time() - self.t_start, "lr_scale": self.lr_scale}
         try:
             return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.tokenizer, state,
                                    self.cfg.log.keep_checkpoints)
@@ -214,6 +223,10 @@ class Trainer:
             batch = self.stream.next_batch(k - len(examples))
             for ex, p in zip(batch, encode_prompts(self.tokenizer, batch, self.cfg.data.system_prompt)):
                 if len(p) > self.cfg.data.max_prompt_tokens:
+                    if self.cfg.data.long_prompts == "fail":
+                        raise UserError(f"A prompt of {len(p)} tokens ({str(ex.prompt)[:60]!r}...) exceeds "
+                                        f"data.max_prompt_tokens = "
+                                        f"{self.cfg.data.max_prompt_tokens}; raise it, or set data.long_prompts = 'skip'.")
                     self.skipped_prompts += 1
                     continue
                 examples.append(ex)
@@ -472,15 +485,25 @@ class Trainer:
                           "advantage": float(batch.advantages[i]), "finish_reason": batch.rollout.finish_reasons[i],
                           "length": int(batch.rollout.lengths[i])})
 
+    def _open_sinks(self) -> tuple[JsonlWriter, JsonlWriter]:
+        """The run's JSONL files, without the lines written after the current step by a run that died or was rolled
+        back (they are replayed)."""
+        step, batch_no = self.step, self.rollout_batch
+        metrics = JsonlWriter(self.run_dir / "metrics.jsonl", keep=lambda row: row["step"] <= step)
+        samples = JsonlWriter(self.run_dir / "samples.jsonl", keep=lambda row: row["rollout_batch"] < batch_no)
+        self.hist_writer = JsonlWriter(self.run_dir / "histograms.jsonl", keep=lambda row: row["step"] <= step)
+        self.trace_writer = JsonlWriter(self.run_dir / "traces.jsonl", keep=lambda row: row["step"] <= step)
+        return metrics, samples
+
     def _check_collapse(self) -> None:
         """The collapse sentinel (``sentinel.*``) on the rollout batch just trained: warn, or stop the run."""
         sc, rows = self.cfg.sentinel, self._batch_rows
-        self._rewards_seen.append(rows[0].get("reward/mean"))
+        self._rewards_seen[self.rollout_batch - 1] = rows[0].get("reward/mean")
         found = []
         entropy = rows[0].get("entropy")
         if sc.entropy_min > 0 and entropy is not None and entropy < sc.entropy_min:
             found.append(f"entropy {entropy:.4f} < sentinel.entropy_min = {sc.entropy_min}")
-        rewards = [r for r in self._rewards_seen if r is not None]
+        rewards = [r for _, r in sorted(self._rewards_seen.items()) if r is not None]
         if sc.reward_drop > 0 and len(rewards) >= 2 * sc.window:
             means = [sum(rewards[i - sc.window:i]) / sc.window for i in range(sc.window, len(rewards) + 1)]
             if max(means[:-1]) - means[-1] > sc.reward_drop:
@@ -499,8 +522,29 @@ class Trainer:
         if sc.action == "warn":
             log.warning("collapse sentinel at step %d: %s", self.step, self.collapse)
             return
+        if sc.action == "rollback" and done and self.rollbacks < sc.max_rollbacks:
+            self.rollbacks += 1
+            log.warning("collapse sentinel at step %d: %s; rolling back to %s with the learning rate x %g (rollback %d "
+                        "of %d)", self.step, self.collapse, done[-1].name, sc.lr_factor, self.rollbacks, sc.max_rollbacks)
+            self.lr_scale *= sc.lr_factor
+            self._rollback_pending = True
+            return
+        if sc.action == "rollback":
+            last += f" ({self.rollbacks} rollbacks done, sentinel.max_rollbacks = {sc.max_rollbacks})"
         raise UserError(f"Collapse sentinel stopped the run at step {self.step}: {self.collapse}; {last}. Resume from it "
                         "with a lower train.lr, or loosen the sentinel.* thresholds.")
+
+    @contextlib.contextmanager
+    def _out_of_memory(self, phase: str):
+        """GPU out-of-memory in a phase of the loop ends in one line naming the knobs of that phase."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            knobs = ("rollout.prompts_per_batch x rollout.group_size or rollout.max_new_tokens" if phase == "the rollout"
+                     else "train.micro_batch_size (or turn on model.gradient_checkpointing)")
+            done = complete_checkpoints(self.run_dir / "checkpoints")
+            last = f"the last checkpoint, {done[-1].name}, is intact" if done else "no checkpoint was written yet"
+            raise UserError(f"The GPU ran out of memory in {phase} at step {self.step}; lower {knobs}; {last}.") from e
 
     def _catch_stop_signals(self):
         """SIGINT / SIGTERM finish the rollout batch being trained (its remaining minibatch steps), then the loop writes
@@ -534,23 +578,28 @@ class Trainer:
         """Run until ``train.steps`` optimizer steps; returns the run directory."""
         cfg = self.cfg
         self.t_start = time.time() - self.elapsed_before
-        # On resume, lines written after the checkpoint by the run that died are dropped: they are replayed.
-        step, batch_no = self.step, self.rollout_batch
-        metrics = JsonlWriter(self.run_dir / "metrics.jsonl", keep=lambda row: row["step"] <= step)
-        samples = JsonlWriter(self.run_dir / "samples.jsonl", keep=lambda row: row["rollout_batch"] < batch_no)
-        self.hist_writer = JsonlWriter(self.run_dir / "histograms.jsonl", keep=lambda row: row["step"] <= step)
-        self.trace_writer = JsonlWriter(self.run_dir / "traces.jsonl", keep=lambda row: row["step"] <= step)
+        metrics, samples = self._open_sinks()
         console = Console(cfg.train.steps, self.step, enabled=cfg.log.progress)
         self.model.eval()
         self.stop_signal = None
         restore = self._catch_stop_signals()
         try:
             while self.step < cfg.train.steps and self.stop_signal is None:
-                batch = self.collect()
+                with self._out_of_memory("the rollout"):
+                    batch = self.collect()
                 self._write_samples(samples, batch)
-                self.update(batch, metrics, console)
+                with self._out_of_memory("the update"):
+                    self.update(batch, metrics, console)
                 self.rollout_batch += 1
                 self._check_collapse()
+                if self._rollback_pending:
+                    self._rollback_pending = False
+                    for sink in (metrics, samples, self.hist_writer, self.trace_writer):
+                        sink.close()
+                    self._resume()  # the newest readable checkpoint, with self.lr_scale kept at its lowered value
+                    self._rewards_seen = {b: r for b, r in self._rewards_seen.items() if b < self.rollout_batch}
+                    metrics, samples = self._open_sinks()  # drops the lines written after that checkpoint
+                    continue
                 every = cfg.log.checkpoint_every
                 if every and self.rollout_batch % every == 0 and self.step < cfg.train.steps and self.stop_signal is None:
                     self.checkpoint()
