@@ -74,6 +74,11 @@ def test_malformed_toml_and_missing_file(tmp_path):
     ({"algorithm": "dapo"}, ["dapo.overlong_cache=999"], "overlong_cache"),
     ({"rewards": {"functions": [{"path": "mymodule.reward"}]}}, [], "module:function"),
     ({}, ["train.steps"], "key=value"),
+    ({}, ["sentinel.window=0"], "sentinel.window"),
+    ({}, ["sentinel.lr_factor=0"], "sentinel.lr_factor"),
+    ({}, ["sentinel.reward_drop=-1"], "sentinel thresholds"),
+    ({}, ["log.trace_every=-1"], "log.trace_every"),
+    ({}, ["sentinel.action='retry'"], "sentinel.action"),
 ])
 def test_every_guard_raises_with_the_fix(data, overrides, match):
     """Each invalid setting raises a UserError whose message names the fix."""

@@ -49,3 +49,11 @@ def test_token_trace_and_row_choice(tokenizer):
     lp = torch.zeros(3, 4)
     lp[2, 1] = -2.0
     assert pick_trace_rows(lp, torch.zeros(3, 4), torch.ones(3, 4, dtype=torch.bool), 2)[0] == 2
+
+
+def test_non_finite_log_ratios_are_counted_apart():
+    """A NaN or inf log-ratio (a skipped non-finite step) is not binned as an outlier: it is counted on its own."""
+    logp = torch.tensor([[float("nan"), 0.1], [0.0, 0.0]])
+    h = ratio_histograms(logp, torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool))
+    assert sum(h["token"]) == 3 and h["token_nonfinite"] == 1
+    assert sum(h["seq"]) == 1 and h["seq_nonfinite"] == 1

@@ -122,3 +122,17 @@ def test_probe_noise_writes_a_report_figure(tiny_dir, two_runs, tmp_path, capsys
     assert (tmp_path / "report" / "noise.png").exists() and "noise.png" in page.read_text()
     assert (run / "probe_noise.png").exists()
     (run / "probe_noise.json").unlink()  # the other tests of this module expect no probe
+
+
+def test_compare_moves_a_run_without_checkpoint_aside(tiny_dir, tmp_path, capsys):  # noqa: F811
+    """A run directory left without any checkpoint (killed early) is moved aside, not deleted, and trained again."""
+    out = tmp_path / "cmp"
+    (out / "gspo-seed1").mkdir(parents=True)
+    (out / "gspo-seed1" / "metrics.jsonl").write_text("")
+    args = ["compare", "--algos", "gspo", "--seeds", "1", "--out", str(out), f"model.name='{tiny_dir}'",
+            "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=2",
+            "train.minibatches=2", "rewards.workers=0", "log.progress=false", "log.checkpoint_every=0",
+            "rewards.functions=[{path='trainer_rewards:text_length'}]"]
+    assert main(args) == 0
+    assert "had no checkpoint; moved to" in capsys.readouterr().err
+    assert len(list(out.glob("gspo-seed1.incomplete-*"))) == 1 and (out / "gspo-seed1" / "checkpoints").exists()

@@ -208,3 +208,19 @@ def test_user_module_and_close(tmp_path, monkeypatch):
     assert not any(p.is_alive() for p in procs)
     with pytest.raises(RuntimeError, match="close"):
         runner.score(["a"], [ex(None)])
+
+
+def test_workers_survive_a_process_group_sigterm():
+    """A SIGTERM sent to the whole process group (Slurm, systemd) is the trainer's to handle: workers ignore it and keep
+    scoring the batch the trainer finishes before it checkpoints."""
+    import os
+    import signal
+    import time
+
+    with RewardRunner([RewardSpec("gspo.rewards.builtin:last_number")], workers=1, timeout_s=5.0) as runner:
+        ex = [Example("What is 1 + 1?", "2")]
+        assert runner.score(["2"], ex).total.tolist() == [1.0]  # the worker is up, its handlers set
+        os.kill(runner._workers[0].proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert runner._workers[0].proc.is_alive()
+        assert runner.score(["3"], ex).total.tolist() == [0.0]

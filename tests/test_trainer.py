@@ -416,23 +416,32 @@ def test_collapse_sentinel_warns_and_goes_on(tiny_dir, tmp_path, caplog):
     assert t.step == 4 and "collapse sentinel at step 2: entropy" in caplog.text
 
 
-def test_sentinel_rollback_reloads_the_last_checkpoint_with_a_lower_lr(tiny_dir, tmp_path, caplog):
-    """action='rollback': on a reward collapse the run reloads its last checkpoint, halves the learning rate, replays
-    from there without duplicate metrics lines, and stops in one line once max_rollbacks are used up."""
+def test_sentinel_rollback_reloads_an_earlier_checkpoint_with_a_lower_lr(tiny_dir, tmp_path, caplog):
+    """action='rollback': the reward collapses in batch 2; the run reloads the checkpoint written before batch 1 (the
+    one right before batch 2 would replay the same rollouts), halves the learning rate, logs it, replays without
+    duplicate metrics lines, and stops in one line when no older checkpoint is left."""
     import trainer_rewards
 
     trainer_rewards._CALLS.clear()
-    t = Trainer(tiny_config(tiny_dir, "train.steps=8", "sentinel.action='rollback'", "sentinel.reward_drop=0.5",
-                            "sentinel.window=1", "sentinel.max_rollbacks=2",
-                            "rewards.functions=[{path='trainer_rewards:declining'}]"), tmp_path / "run")
-    with caplog.at_level("WARNING", logger="gspo"), pytest.raises(UserError, match="2 rollbacks done"):
+    t = Trainer(tiny_config(tiny_dir, "train.steps=12", "sentinel.action='rollback'", "sentinel.reward_drop=0.5",
+                            "sentinel.window=1", "rewards.functions=[{path='trainer_rewards:declining_later'}]"),
+                tmp_path / "run")
+    with caplog.at_level("WARNING", logger="gspo"), pytest.raises(UserError, match="no checkpoint older"):
         t.train()
-    assert caplog.text.count("rolling back to step-000002") == 2
-    assert t.lr_scale == 0.25 and t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.25)
-    steps = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
-    assert steps == sorted(set(steps))  # replayed lines replaced, never duplicated
-    lrs = [r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
-    assert lrs[:2] == [1e-3, 1e-3] and lrs[-1] == pytest.approx(1e-3 * 0.25)  # the last replay ran at a quarter
+    assert caplog.text.count("rolling back to step-000002") == 1
+    assert t.lr_scale == 0.5 and t.rollbacks == 1
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # batch 1 replayed in place of its first run
+    assert [r["lr"] for r in rows] == [1e-3, 1e-3, 5e-4, 5e-4]
+
+
+def test_resume_with_a_lower_lr_uses_it(tiny_dir, tmp_path):
+    """The config's train.lr wins over the checkpoint's on --resume (and is what the metrics log)."""
+    Trainer(tiny_config(tiny_dir, "train.steps=2"), tmp_path / "run").train()
+    t = Trainer(tiny_config(tiny_dir, "train.steps=4", "train.lr=1e-4"), tmp_path / "run", resume=True)
+    assert t.optimizer.param_groups[0]["lr"] == 1e-4
+    t.train()
+    assert [r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1e-3, 1e-3, 1e-4, 1e-4]
 
 
 def test_long_prompt_fails_by_flag(tiny_dir, tmp_path):

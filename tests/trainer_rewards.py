@@ -39,3 +39,9 @@ def declining(completion, example):
     """1.0 for the first 8 calls (one rollout batch of the tiny config), 0.0 after: a reward collapse on cue."""
     _CALLS.append(1)
     return 1.0 if len(_CALLS) <= 8 else 0.0
+
+
+def declining_later(completion, example):
+    """1.0 for the first 16 calls (two rollout batches of the tiny config), 0.0 after."""
+    _CALLS.append(1)
+    return 1.0 if len(_CALLS) <= 16 else 0.0

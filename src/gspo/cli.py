@@ -5,7 +5,9 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
+import time
 from pathlib import Path
 
 from gspo.errors import UserError
@@ -40,8 +42,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, run_dir, resume=args.resume)
     out = trainer.train()
     if trainer.stop_signal is not None:
+        again = " ".join(["gspo train", *([args.config] if args.config else []), "--resume", "--run-dir", str(out),
+                          *(shlex.quote(o) for o in args.overrides)])
         print(f"stopped by {trainer.stop_signal} after {trainer.step} optimizer steps; checkpoint in {out / 'checkpoints'}; "
-              f"continue with: gspo train {args.config or ''} --resume --run-dir {out}", file=sys.stderr)
+              f"continue with: {again}", file=sys.stderr)
         return 130 if trainer.stop_signal == "SIGINT" else 143
     print(f"done: {trainer.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
     return 0
@@ -83,9 +87,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 print(f"[compare] {run_dir} is complete; kept", file=sys.stderr)
                 continue
             resume = bool(complete_checkpoints(run_dir / "checkpoints")) if run_dir.exists() else False
+            if run_dir.exists() and not resume:  # died before its first checkpoint: keep what it wrote, start again
+                aside = run_dir.with_name(f"{run_dir.name}.incomplete-{int(time.time())}")
+                run_dir.rename(aside)
+                print(f"[compare] {run_dir} had no checkpoint; moved to {aside}", file=sys.stderr)
             print(f"[compare] training {algo} seed {seed} -> {run_dir}{' (resumed)' if resume else ''}", file=sys.stderr)
             trainer = Trainer(cfg, run_dir, resume=resume)
             trainer.train()
+            if trainer.stop_signal is not None:
+                print(f"[compare] stopped by {trainer.stop_signal}; run the same command again to continue", file=sys.stderr)
+                return 130 if trainer.stop_signal == "SIGINT" else 143
             del trainer
             gc.collect()
             if torch.cuda.is_available():

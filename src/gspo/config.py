@@ -411,6 +411,16 @@ def apply_preset(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Refuse invalid combinations with a message that names the fix; warn about legal but surprising ones."""
     lc, r, t = cfg.loss, cfg.rollout, cfg.train
+    sc, lg = cfg.sentinel, cfg.log
+    for ok, key, value, fix in ((sc.window >= 1, "sentinel.window", sc.window, "use 1 or more rollout batches"),
+                                (0 < sc.lr_factor <= 1, "sentinel.lr_factor", sc.lr_factor, "use a factor in (0, 1]"),
+                                (sc.max_rollbacks >= 0, "sentinel.max_rollbacks", sc.max_rollbacks, "use 0 or more"),
+                                (min(sc.entropy_min, sc.reward_drop, sc.seq_ratio_log_max) >= 0, "sentinel thresholds",
+                                 (sc.entropy_min, sc.reward_drop, sc.seq_ratio_log_max), "use 0 (off) or a positive value"),
+                                (lg.trace_every >= 0 and lg.trace_samples >= 0, "log.trace_every / log.trace_samples",
+                                 (lg.trace_every, lg.trace_samples), "use 0 (off) or a positive count")):
+        if not ok:
+            raise UserError(f"{key} = {value} is invalid; {fix}.")
     for value, valid, key in ((lc.level, LEVELS, "loss.level"), (lc.aggregation, AGGREGATIONS, "loss.aggregation"),
                               (lc.advantage_scale, SCALES, "loss.advantage_scale"),
                               (t.old_logprobs, ("recompute", "rollout"), "train.old_logprobs"),

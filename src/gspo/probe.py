@@ -3,7 +3,7 @@ one rollout batch of the user's own model and task.
 
 The seeds argue that GRPO's per-token importance weights add noise that accumulates with response length, while
 GSPO's single sequence weight does not. On one rollout batch the probe moves the policy off-policy exactly as training
-does (the batch's ``train.minibatches`` optimizer steps), then, for a sample of responses ``i`` with non-zero advantage
+does for the batch's last minibatch (``train.minibatches - 1`` optimizer steps on it), then, for a sample of responses ``i`` with non-zero advantage
 ``A_i`` and length ``|y_i|``, compares the two objectives' gradients of that one response (before clipping):
 
     on-policy:  g_i   = (A_i / |y_i|) sum_t        grad log pi(y_t)          (what both reduce to at ratio 1)
@@ -88,7 +88,8 @@ def probe_noise(cfg, out_path: str | Path, rows: int = 48, n_bins: int = 5) -> d
             all_rows = [torch.arange(N)]
             old = trainer._frozen_logprobs(trainer.model, rollout, all_rows).cpu()  # (N, T) before the updates
             writer = JsonlWriter(Path(tmp) / "probe_metrics.jsonl")
-            trainer.update(batch, writer, Console(cfg.train.steps, enabled=False))  # the batch's minibatch steps
+            # The last minibatch of a batch trains after minibatches - 1 optimizer steps: move the policy that far.
+            trainer.update(batch, writer, Console(cfg.train.steps, enabled=False), steps=cfg.train.minibatches - 1)
             writer.close()
             trainer.graphs = None  # one response at a time below: not worth a CUDA graph per shape
             mask = rollout.completion_mask  # (N, T)

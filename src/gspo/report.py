@@ -239,7 +239,8 @@ def _pick_trace(groups) -> tuple[str, dict[str, Any]] | None:
     """The most extreme trace of the GSPO-like group if any, else of any group: the strip is about outliers."""
     order = sorted(groups, key=lambda g: (g != "gspo", g))
     for g in order:
-        traces = [t for r in groups[g] for t in r.traces if t.get("tokens")]
+        traces = [t for r in groups[g] for t in r.traces if t.get("tokens") and t.get("seq_log_ratio") is not None
+                  and all(x is not None and math.isfinite(x) for x in t["token_log_ratio"])]
         if traces:
             # A response that carries gradient (non-zero advantage) first, then the most extreme token ratio.
             return g, max(traces, key=lambda t: (t["advantage"] != 0, max(abs(x) for x in t["token_log_ratio"])))

@@ -168,8 +168,11 @@ class Trainer:
         progress = min(max(progress, 0.0), 1.0)
         return 1.0 - progress if t.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def _resume(self) -> None:
+    def _resume(self, before_batch: int | None = None) -> None:
+        """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""
         ckpts = complete_checkpoints(self.run_dir / "checkpoints")
+        if before_batch is not None:
+            ckpts = [c for c in ckpts if _checkpoint_batch(c) < before_batch]
         if not ckpts:
             raise UserError(f"--resume found no complete checkpoint in {str(self.run_dir / 'checkpoints')!r}; "
                             "start a new run without --resume.")
@@ -195,8 +198,14 @@ class Trainer:
         self.nonfinite_steps = state.get("nonfinite_steps", 0)
         self.elapsed_before = state.get("elapsed", 0.0)
         self.lr_scale = min(self.lr_scale, state.get("lr_scale", 1.0))
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-            group["lr"] = base * self._lr_factor(self.scheduler.last_epoch)
+        self.rollbacks = max(self.rollbacks, state.get("rollbacks", 0))
+        # The config's learning rate wins over the checkpoint's (resuming with a lower train.lr is how a user reacts to
+        # instability); with the same train.lr this recomputes exactly the saved value.
+        self.scheduler.base_lrs = [self.cfg.train.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.cfg.train.lr
+            group["lr"] = self.cfg.train.lr * self._lr_factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         log.info("resumed from %s at optimizer step %d", ckpt, self.step)
 
     def checkpoint(self) -> Path:
@@ -204,7 +213,7 @@ class Trainer:
                  "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "generator": self.generator.get_state(),
                  "shuffle_gen": self.shuffle_gen.get_state(), "data": self.stream.state_dict(),
                  "skipped_prompts": self.skipped_prompts, "nonfinite_steps": self.nonfinite_steps,
-                 "elapsed": time.time() - self.t_start, "lr_scale": self.lr_scale}
+                 "elapsed": time.time() - self.t_start, "lr_scale": self.lr_scale, "rollbacks": self.rollbacks}
         try:
             return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.tokenizer, state,
                                    self.cfg.log.keep_checkpoints)
@@ -365,7 +374,7 @@ class Trainer:
         model.train(was_training)
         return out
 
-    def update(self, batch: Batch, writer: JsonlWriter, console: Console) -> None:
+    def update(self, batch: Batch, writer: JsonlWriter, console: Console, steps: int | None = None) -> None:
         """``minibatches`` optimizer steps over a seeded shuffle of ``batch``; one metrics line per step."""
         cfg, t = self.cfg, self.cfg.train
         rollout = batch.rollout
@@ -394,7 +403,7 @@ class Trainer:
         adv = batch.advantages.to(dev)
         self._batch_rows: list[dict[str, Any]] = []
         self.model.train()
-        for k in range(t.minibatches):
+        for k in range(t.minibatches if steps is None else steps):
             t_step = time.perf_counter()
             rows = order[k * mb_size:(k + 1) * mb_size]
             # Denominators of the whole minibatch, so micro-batches sum to its exact loss; rows left entirely out
@@ -510,8 +519,8 @@ class Trainer:
                 found.append(f"mean reward of the last {sc.window} batches {means[-1]:.3f} is {max(means[:-1]) - means[-1]:.3f} "
                              f"below its best {max(means[:-1]):.3f} (sentinel.reward_drop = {sc.reward_drop})")
         if sc.seq_ratio_log_max > 0:
-            spread = max(max(abs(math.log(max(r.get(k) or 1.0, 1e-30))) for k in ("ratio/seq_min", "ratio/seq_max"))
-                         for r in rows)
+            values = [r.get(k) for r in rows for k in ("ratio/seq_min", "ratio/seq_max") if r.get(k) is not None]
+            spread = max((abs(math.log(v)) if v > 0 and math.isfinite(v) else math.inf for v in values), default=0.0)
             if spread > sc.seq_ratio_log_max:
                 found.append(f"|log sequence ratio| reached {spread:.3g} > sentinel.seq_ratio_log_max = {sc.seq_ratio_log_max}")
         if not found:
@@ -522,7 +531,9 @@ class Trainer:
         if sc.action == "warn":
             log.warning("collapse sentinel at step %d: %s", self.step, self.collapse)
             return
-        if sc.action == "rollback" and done and self.rollbacks < sc.max_rollbacks:
+        earlier = [c for c in done if _checkpoint_batch(c) < self.rollout_batch - 1]
+        if sc.action == "rollback" and earlier and self.rollbacks < sc.max_rollbacks:
+            done = earlier
             self.rollbacks += 1
             log.warning("collapse sentinel at step %d: %s; rolling back to %s with the learning rate x %g (rollback %d "
                         "of %d)", self.step, self.collapse, done[-1].name, sc.lr_factor, self.rollbacks, sc.max_rollbacks)
@@ -530,7 +541,9 @@ class Trainer:
             self._rollback_pending = True
             return
         if sc.action == "rollback":
-            last += f" ({self.rollbacks} rollbacks done, sentinel.max_rollbacks = {sc.max_rollbacks})"
+            last += (f" ({self.rollbacks} rollbacks done, sentinel.max_rollbacks = {sc.max_rollbacks})" if earlier else
+                     " (no checkpoint older than the batch before the trigger to roll back to; it would replay the same "
+                     "rollouts: raise log.keep_checkpoints)")
         raise UserError(f"Collapse sentinel stopped the run at step {self.step}: {self.collapse}; {last}. Resume from it "
                         "with a lower train.lr, or loosen the sentinel.* thresholds.")
 
@@ -596,7 +609,9 @@ class Trainer:
                     self._rollback_pending = False
                     for sink in (metrics, samples, self.hist_writer, self.trace_writer):
                         sink.close()
-                    self._resume()  # the newest readable checkpoint, with self.lr_scale kept at its lowered value
+                    # The newest checkpoint written before the batch that tripped the sentinel: the one right before it
+                    # would replay the same rollouts (weights, RNG and data are restored exactly) and trip it again.
+                    self._resume(before_batch=self.rollout_batch - 1)
                     self._rewards_seen = {b: r for b, r in self._rewards_seen.items() if b < self.rollout_batch}
                     metrics, samples = self._open_sinks()  # drops the lines written after that checkpoint
                     continue
@@ -617,6 +632,16 @@ class Trainer:
             self.hist_writer = self.trace_writer = None
             self.rewards.close()
         return self.run_dir
+
+
+def _checkpoint_batch(ckpt: Path) -> int:
+    """The rollout batch a checkpoint resumes at (from its state.json)."""
+    import json
+
+    try:
+        return int(json.loads((ckpt / "state.json").read_text())["rollout_batch"])
+    except (OSError, ValueError, KeyError):
+        return 1 << 30  # unreadable: never a rollback target
 
 
 def _engine_gap(engine_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -115,7 +115,10 @@ def _watch_parent() -> None:
 
 def _worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str) -> None:
     """Worker process: resolve the reward functions, then answer chunks of calls one result per call."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts the workers down
+    # Ctrl-C and a SIGTERM sent to the whole process group (Slurm, systemd) are the parent's to handle: it finishes its
+    # batch, which needs these workers, then shuts them down; a worker also exits when its parent is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.chdir(cwd)  # reward functions may open files relative to where the user started training
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     if cwd not in sys.path:
