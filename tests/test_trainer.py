@@ -459,3 +459,18 @@ def test_out_of_memory_names_the_knob(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(t, "update", oom)
     with pytest.raises(UserError, match="out of memory in the update at step 0; lower train.micro_batch_size"):
         t.train()
+
+
+def test_sentinel_reward_history_survives_a_restart(tiny_dir, tmp_path):
+    """A resumed run's reward-drop detector knows the rewards before the checkpoint (read back from metrics.jsonl), so
+    it trips on the same collapse as a run that never stopped."""
+    import trainer_rewards
+
+    trainer_rewards._CALLS.clear()
+    extra = ["sentinel.action='stop'", "sentinel.reward_drop=0.5", "sentinel.window=1",
+             "rewards.functions=[{path='trainer_rewards:declining'}]"]
+    Trainer(tiny_config(tiny_dir, "train.steps=2", *extra), tmp_path / "run").train()  # batch 0: reward 1
+    t = Trainer(tiny_config(tiny_dir, "train.steps=6", *extra), tmp_path / "run", resume=True)
+    assert t._rewards_seen == {0: 1.0}
+    with pytest.raises(UserError, match="reward_drop"):
+        t.train()  # batch 1: reward 0, a drop of 1 from the best before the restart

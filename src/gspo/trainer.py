@@ -31,7 +31,7 @@ from gspo.data import DataStream, build_dataset, default_reward
 from gspo.diagnostics import LOG_RATIO_EDGES, pick_trace_rows, ratio_histograms, token_trace
 from gspo.errors import UserError
 from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
-from gspo.metrics import Console, JsonlWriter
+from gspo.metrics import Console, JsonlWriter, read_jsonl
 from gspo.models import attention_context, disable_dropout, load_model, stop_token_ids
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner, RewardSpec
@@ -206,6 +206,10 @@ class Trainer:
             group["initial_lr"] = self.cfg.train.lr
             group["lr"] = self.cfg.train.lr * self._lr_factor(self.scheduler.last_epoch)
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        # The collapse sentinel's reward history up to the checkpoint, as the run that wrote it saw it.
+        kept = read_jsonl(self.run_dir / "metrics.jsonl") if (self.run_dir / "metrics.jsonl").exists() else []
+        self._rewards_seen = {r["rollout_batch"]: r.get("reward/mean") for r in kept
+                              if r.get("minibatch", 0) == 0 and r["rollout_batch"] < self.rollout_batch}
         log.info("resumed from %s at optimizer step %d", ckpt, self.step)
 
     def checkpoint(self) -> Path:
@@ -612,7 +616,6 @@ class Trainer:
                     # The newest checkpoint written before the batch that tripped the sentinel: the one right before it
                     # would replay the same rollouts (weights, RNG and data are restored exactly) and trip it again.
                     self._resume(before_batch=self.rollout_batch - 1)
-                    self._rewards_seen = {b: r for b, r in self._rewards_seen.items() if b < self.rollout_batch}
                     metrics, samples = self._open_sinks()  # drops the lines written after that checkpoint
                     continue
                 every = cfg.log.checkpoint_every
