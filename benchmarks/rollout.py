@@ -24,20 +24,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gspo.data.tasks import ArithmeticTask  # noqa: E402
-from gspo.models import load_model, load_tokenizer  # noqa: E402
 from gspo.prompts import encode_prompts  # noqa: E402
 from gspo.rollout.graph import GraphEngine  # noqa: E402
 from gspo.rollout.hf import HFEngine  # noqa: E402
 from gspo.types import SamplingParams  # noqa: E402
-from shapes import qwen25_05b_shape  # noqa: E402
+from shapes import bench_model  # noqa: E402
 
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
-
 
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
-
 
 def time_call(fn, device, repeats):
     times = []
@@ -48,7 +45,6 @@ def time_call(fn, device, repeats):
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,11 +62,7 @@ def main() -> None:
     a = p.parse_args()
     device = torch.device(a.device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    if a.model == "qwen2.5-0.5b-shape":
-        tok = load_tokenizer()  # SmolLM2's shipped files: any tokenizer does, ids are clamped to the vocabulary
-        model = qwen25_05b_shape()
-    else:
-        model, tok = load_model(a.model)
+    model, tok = bench_model(a.model)
     model.to(device).eval()
     card = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     bw = next((v for k, v in BANDWIDTH.items() if k in card), None)
@@ -160,7 +152,6 @@ def main() -> None:
         pct = f"{r['pct_of_bandwidth_floor']:.0f}%" if r["pct_of_bandwidth_floor"] else "-"
         print(f"| {r['path']} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | "
               f"{r['warmup_s']:.1f} | {pct} |")
-
 
 if __name__ == "__main__":
     main()

@@ -10,3 +10,13 @@ def qwen25_05b_shape():
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
                                         tie_word_embeddings=True))
+
+
+def bench_model(name: str):
+    """``(model, tokenizer)`` for a benchmark's ``--model``: ``qwen2.5-0.5b-shape`` (random init, with SmolLM2's
+    shipped tokenizer: ids are clamped to the vocabulary) or anything ``gspo.models.load_model`` takes."""
+    from gspo.models import load_model, load_tokenizer
+
+    if name == "qwen2.5-0.5b-shape":
+        return qwen25_05b_shape(), load_tokenizer()
+    return load_model(name)

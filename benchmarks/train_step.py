@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gspo import policy_loss  # noqa: E402
 from gspo.logprobs import PackedGraphs, packing_available, sequence_logprobs  # noqa: E402
 from gspo.rollout.hf import pad_prompts  # noqa: E402
-from gspo.models import attention_context, autocast_context, load_model  # noqa: E402
-from shapes import qwen25_05b_shape  # noqa: E402
+from gspo.models import attention_context, autocast_context  # noqa: E402
+from shapes import bench_model  # noqa: E402
 
 
 def make_batch(batch: int, prompt: int, completion: int, vocab: int, uniform: bool, seed: int = 0):
@@ -116,10 +116,7 @@ def main() -> None:
     a = p.parse_args()
     device = torch.device(a.device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    if a.model == "qwen2.5-0.5b-shape":
-        model = qwen25_05b_shape()
-    else:
-        model, _ = load_model(a.model)
+    model, _ = bench_model(a.model)
     model.to(device).train()
     prompts, comp, mask = make_batch(a.batch, a.prompt, a.completion, model.config.vocab_size, a.uniform)
     packed = packing_available(device, autocast)

@@ -35,8 +35,9 @@ def ratio_histograms(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Ten
     """Counts of token log-ratios (one per completion token) and sequence log-ratios (one per sequence with at least
     one token) in the bins of ``LOG_RATIO_EDGES``; non-finite ones (a skipped non-finite step) are counted apart."""
     mask = mask.bool()
-    token_lr = token_log_ratio(logp.float(), old_logp.float(), mask)[mask]  # (M,)
-    seq_lr = sequence_log_ratio(token_log_ratio(logp.float(), old_logp.float(), mask), mask)[mask.any(-1)]  # (B',)
+    full = token_log_ratio(logp.float(), old_logp.float(), mask)  # (B, T)
+    token_lr = full[mask]  # (M,)
+    seq_lr = sequence_log_ratio(full, mask)[mask.any(-1)]  # (B',)
     tok_ok, seq_ok = torch.isfinite(token_lr), torch.isfinite(seq_lr)
     return {"token": bin_counts(token_lr[tok_ok]), "seq": bin_counts(seq_lr[seq_ok]),
             "token_nonfinite": int((~tok_ok).sum()), "seq_nonfinite": int((~seq_ok).sum())}

@@ -222,8 +222,8 @@ class Trainer:
             return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self.tokenizer, state,
                                    self.cfg.log.keep_checkpoints)
         except OSError as e:  # no space, read-only or vanished directory: the previous checkpoints are untouched
-            done = complete_checkpoints(self.run_dir / "checkpoints")
-            kept = f"the last complete one, {done[-1].name}, is intact" if done else "no earlier checkpoint exists"
+            newest = self._newest_checkpoint()
+            kept = f"the last complete one, {newest}, is intact" if newest else "no earlier checkpoint exists"
             raise UserError(f"Writing the checkpoint of step {self.step} to {str(self.run_dir / 'checkpoints')!r} failed "
                             f"({e.strerror or e}); {kept}. Free disk space or fix the directory, then --resume.") from e
 
@@ -498,6 +498,11 @@ class Trainer:
                           "advantage": float(batch.advantages[i]), "finish_reason": batch.rollout.finish_reasons[i],
                           "length": int(batch.rollout.lengths[i])})
 
+    def _newest_checkpoint(self) -> str | None:
+        """Name of the newest complete checkpoint (for messages that say what is intact), or None."""
+        done = complete_checkpoints(self.run_dir / "checkpoints")
+        return done[-1].name if done else None
+
     def _open_sinks(self) -> tuple[JsonlWriter, JsonlWriter]:
         """The run's JSONL files, without the lines written after the current step by a run that died or was rolled
         back (they are replayed)."""
@@ -531,7 +536,8 @@ class Trainer:
             return
         self.collapse = "; ".join(found)
         done = complete_checkpoints(self.run_dir / "checkpoints")
-        last = f"the last checkpoint is {done[-1].name}" if done else "no checkpoint was written yet"
+        newest = self._newest_checkpoint()
+        last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
         if sc.action == "warn":
             log.warning("collapse sentinel at step %d: %s", self.step, self.collapse)
             return
@@ -559,8 +565,8 @@ class Trainer:
         except torch.OutOfMemoryError as e:
             knobs = ("rollout.prompts_per_batch x rollout.group_size or rollout.max_new_tokens" if phase == "the rollout"
                      else "train.micro_batch_size (or turn on model.gradient_checkpointing)")
-            done = complete_checkpoints(self.run_dir / "checkpoints")
-            last = f"the last checkpoint, {done[-1].name}, is intact" if done else "no checkpoint was written yet"
+            newest = self._newest_checkpoint()
+            last = f"the last checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
             raise UserError(f"The GPU ran out of memory in {phase} at step {self.step}; lower {knobs}; {last}.") from e
 
     def _catch_stop_signals(self):
