@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import importlib.util
 import logging
 import tomllib
 import types
@@ -218,6 +219,16 @@ class LogConfig:
     minibatch to traces.jsonl; 0 = never."""
     trace_samples: int = 2
     """Responses per trace: the one with the most extreme token ratio, then others spread over the minibatch."""
+    tensorboard: bool = False
+    """Also write every metric to TensorBoard event files in ``<run_dir>/tensorboard/`` (``pip install
+    'gspo[tensorboard]'``)."""
+    wandb: bool = False
+    """Also log every metric to a Weights & Biases run (``pip install 'gspo[wandb]'``), continued on ``--resume`` (its
+    id is kept in ``<run_dir>/wandb_id.txt``); ``WANDB_MODE=offline`` logs without a network."""
+    wandb_project: str = "gspo"
+    """W&B project of the run."""
+    wandb_entity: str = ""
+    """W&B entity (user or team); empty = your default one."""
 
 
 @dataclass
@@ -408,6 +419,13 @@ def apply_preset(cfg: Config) -> None:
             setattr(obj, name, value)
 
 
+def _installed(package: str) -> bool:
+    """Whether ``package`` is importable, found without importing it (a stray ``./wandb`` folder of W&B runs is a
+    namespace package without an origin, not the package)."""
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None
+
+
 def validate(cfg: Config) -> None:
     """Refuse invalid combinations with a message that names the fix; warn about legal but surprising ones."""
     lc, r, t = cfg.loss, cfg.rollout, cfg.train
@@ -421,6 +439,12 @@ def validate(cfg: Config) -> None:
                                  (lg.trace_every, lg.trace_samples), "use 0 (off) or a positive count")):
         if not ok:
             raise UserError(f"{key} = {value} is invalid; {fix}.")
+    for key, on, package in (("log.tensorboard", lg.tensorboard, "tensorboard"), ("log.wandb", lg.wandb, "wandb")):
+        if on and not _installed(package):
+            raise UserError(f"{key} = true but the {package} package is not installed; pip install 'gspo[{package}]', "
+                            f"or set {key} = false.")
+    if lg.wandb and not lg.wandb_project:
+        raise UserError("log.wandb_project is empty; name the W&B project, e.g. log.wandb_project = 'gspo'.")
     for value, valid, key in ((lc.level, LEVELS, "loss.level"), (lc.aggregation, AGGREGATIONS, "loss.aggregation"),
                               (lc.advantage_scale, SCALES, "loss.advantage_scale"),
                               (t.old_logprobs, ("recompute", "rollout"), "train.old_logprobs"),

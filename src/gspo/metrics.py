@@ -1,4 +1,5 @@
 """Metric sinks: ``metrics.jsonl`` (the source of truth, one line per optimizer step), ``samples.jsonl`` and the console.
+The optional TensorBoard and W&B sinks are in :mod:`gspo.sinks`.
 
 The metric names are a public interface documented in the README; keep them stable.
 """

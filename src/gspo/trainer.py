@@ -17,6 +17,7 @@ import contextlib
 import copy
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from gspo.models import attention_context, disable_dropout, load_model, stop_tok
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import make_engine
+from gspo.sinks import MetricSinks, open_sinks
 from gspo.types import FINISH_LENGTH, Example, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
@@ -140,6 +142,7 @@ class Trainer:
         self._rollback_pending = False
         self.hist_writer: JsonlWriter | None = None  # diagnostics sinks, open while train() runs
         self.trace_writer: JsonlWriter | None = None
+        self.sinks = MetricSinks()  # TensorBoard / W&B when asked for, open while train() runs
         if resume:
             self._resume()
 
@@ -449,6 +452,7 @@ class Trainer:
                    "time/update": dt, "throughput/train_tok_s": trained_tokens / max(dt, 1e-9),
                    "time/elapsed": time.time() - self.t_start}
             writer.write(row)
+            self.sinks.log(row)
             self._batch_rows.append(row)
             console.update(self.step, row, end_of_batch=(k == t.minibatches - 1))
         self.model.eval()
@@ -607,12 +611,14 @@ class Trainer:
         self.stop_signal = None
         restore = self._catch_stop_signals()
         try:
+            self.sinks = open_sinks(cfg.to_dict(), self.run_dir, self.step)
             while self.step < cfg.train.steps and self.stop_signal is None:
                 with self._out_of_memory("the rollout"):
                     batch = self.collect()
                 self._write_samples(samples, batch)
                 with self._out_of_memory("the update"):
                     self.update(batch, metrics, console)
+                self.sinks.flush()
                 self.rollout_batch += 1
                 self._check_collapse()
                 if self._rollback_pending:
@@ -623,6 +629,7 @@ class Trainer:
                     # would replay the same rollouts (weights, RNG and data are restored exactly) and trip it again.
                     self._resume(before_batch=self.rollout_batch - 1)
                     metrics, samples = self._open_sinks()  # drops the lines written after that checkpoint
+                    self.sinks.rewind(self.step)
                     continue
                 every = cfg.log.checkpoint_every
                 if every and self.rollout_batch % every == 0 and self.step < cfg.train.steps and self.stop_signal is None:
@@ -639,6 +646,7 @@ class Trainer:
             self.hist_writer.close()
             self.trace_writer.close()
             self.hist_writer = self.trace_writer = None
+            self.sinks.close(failed=sys.exc_info()[0] is not None)
             self.rewards.close()
         return self.run_dir
 
