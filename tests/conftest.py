@@ -4,8 +4,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (it must be chosen before a kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Lets the tests run from a plain checkout, before `pip install -e .`.
 _SRC = Path(__file__).resolve().parents[1] / "src"

@@ -78,7 +78,8 @@ def test_flash_decode_agrees_with_the_trainer(tokenizer):
     cuda = torch.device("cuda")
     gaps = {}
     for flash in (True, False):
-        engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, flash_decode=flash)
+        engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, flash_decode=flash,
+                             fused=False)
         r = engine.generate(prompts, 4, params, generator=torch.Generator(device=cuda).manual_seed(0))
         with torch.no_grad():
             logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=r.pad_id,
@@ -147,3 +148,29 @@ def test_cuda_graphed_packed_passes_match_eager(tokenizer):
     _, twice = run(True, backward_times=2)
     for x, y in zip(once, twice):
         assert (2 * x - y).norm() <= 1e-3 * x.norm() + 1e-6
+
+
+def test_fused_decode_agrees_with_the_trainer_and_warms_up_fast(tokenizer):
+    """The fused decode step (Triton kernels, captured in a CUDA graph) is on by default for a bf16 Llama on CUDA,
+    captures in well under 15 s (Triton compiles included), and gives the trainer's log-probs as closely as the HF-module
+    step does."""
+    from gspo.logprobs import sequence_logprobs
+    from gspo.rollout.graph import GraphEngine
+    from gspo.types import SamplingParams
+
+    model = tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).cuda()
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a long story about a cat and a dog."]]
+    params = SamplingParams(max_new_tokens=40, temperature=1.0)
+    cuda = torch.device("cuda")
+    gaps = {}
+    for fused in (True, False):
+        engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, fused=fused)
+        r = engine.generate(prompts, 4, params, generator=torch.Generator(device=cuda).manual_seed(0))
+        if fused:
+            assert engine.warmup_s < 15
+        with torch.no_grad():
+            logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=r.pad_id,
+                                        autocast_dtype=torch.bfloat16)
+        gaps[fused] = (logp.cpu() - r.logprobs)[r.completion_mask].abs()
+    assert GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16).fused is not None
+    assert gaps[True].mean() < 2 * gaps[False].mean() + 1e-3 and gaps[True].max() < 0.1

@@ -36,6 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from gspo.errors import UserError
 from gspo.logprobs import final_logits
 from gspo.models import attention_context, autocast_context, stop_token_ids
+from gspo.rollout.fused import FusedDecoder, fused_unsupported
 from gspo.rollout.hf import check_request, filter_logits, pad_prompts
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
@@ -145,16 +146,25 @@ class ShadowWeights:
     Norm and embedding weights stay fp32, as autocast leaves them.
     """
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, storage=()):
+        # ``storage``: (module, name, tensor) triples giving the copy's memory for those parameters -- the fused
+        # decoder's packed weights -- which are kept whatever the master's dtype (they must be refreshed).
+        given = {(id(m), name): t for m, name, t in storage}
         self.slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]] = []
         for module in model.modules():
             if not isinstance(module, torch.nn.Linear):
                 continue
             for name in ("weight", "bias"):
                 master = module._parameters.get(name)
-                if master is not None and master.dtype == torch.float32:
+                if master is None:
+                    continue
+                if (id(module), name) in given:
+                    copy = torch.nn.Parameter(given[(id(module), name)], requires_grad=False)
+                elif master.dtype == torch.float32 and dtype != torch.float32:
                     copy = torch.nn.Parameter(torch.empty_like(master, dtype=dtype), requires_grad=False)
-                    self.slots.append((module, name, master, copy))
+                else:
+                    continue
+                self.slots.append((module, name, master, copy))
 
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for *_, c in self.slots)
@@ -195,6 +205,8 @@ class _Bucket:
         self.out_tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, T) grown per call
         self.out_logp = torch.zeros(batch, 1, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        # The fused step, unless a sliding window is shorter than this bucket's cache.
+        self.fused = engine.fused is not None and fused_unsupported(engine.model, length) is None
 
 
 class GraphEngine:
@@ -203,12 +215,15 @@ class GraphEngine:
     ``max_batch`` caps the rows of one batch bucket; a request with more rows (or more than fit in free GPU memory)
     is generated in several calls of whole prompts. ``shadow_weights`` (default: on under autocast with fp32
     weights) keeps bf16 copies of the Linear weights, refreshed at every call; ``flash_decode`` (default: on when
-    flash attention runs on this GPU) makes decode attention read live cache slots only.
+    flash attention runs on this GPU) makes decode attention read live cache slots only; ``fused`` (default: on for
+    CUDA, 16-bit caches and the models :func:`gspo.rollout.fused.fused_unsupported` accepts) runs each decode layer as
+    4 GEMMs and 5 Triton kernels (:mod:`gspo.rollout.fused`) instead of the HF modules.
     """
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, device=None,
                  autocast_dtype: torch.dtype | None = None, sync_every: int = 4, use_graphs: bool | None = None,
-                 max_batch: int | None = None, shadow_weights: bool | None = None, flash_decode: bool | None = None):
+                 max_batch: int | None = None, shadow_weights: bool | None = None, flash_decode: bool | None = None,
+                 fused: bool | None = None):
         if not supports(model):
             raise UserError(f"The graph rollout engine does not support model_type {model.config.model_type!r} "
                             f"(supported: {', '.join(SUPPORTED)}); set rollout.engine = 'hf'.")
@@ -231,7 +246,18 @@ class GraphEngine:
         fp32 = next(model.parameters()).dtype == torch.float32
         if shadow_weights is None:
             shadow_weights = autocast_dtype is not None and fp32
-        self.shadow = ShadowWeights(model, autocast_dtype) if shadow_weights and autocast_dtype is not None else None
+        why_not = fused_unsupported(model)
+        if fused is None:
+            fused = self.device.type == "cuda" and self.cache_dtype in (torch.float16, torch.bfloat16) and why_not is None
+        elif fused and why_not is not None:
+            raise UserError(f"The fused decode step cannot run this model: {why_not}; leave fused unset.")
+        self.fused = FusedDecoder(model, self.cache_dtype, self.device) if fused else None
+        if self.fused is not None:  # its packed weights are the low-precision copies, refreshed at every call
+            self.shadow = ShadowWeights(model, self.cache_dtype, storage=self.fused.copies())
+        elif shadow_weights and autocast_dtype is not None:
+            self.shadow = ShadowWeights(model, autocast_dtype)
+        else:
+            self.shadow = None
         if flash_decode is None:
             flash_decode = self.device.type == "cuda" and _flash_decode_works(self.device, self.cache_dtype, model.config)
         self.flash_decode = flash_decode
@@ -273,12 +299,15 @@ class GraphEngine:
 
     def _step(self, b: _Bucket, params: SamplingParams) -> None:
         """One decode step on the bucket's static buffers: everything in it may be captured in a graph."""
-        b.cache.slots = b.cur
-        b.cache.rows = b.batch
-        b.valid.index_fill_(1, b.cur, True)
         b.used += 1
-        live = (b.starts, b.used, b.cu_q) if self.flash_decode else None
-        hidden = self._forward(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache, live)  # (B, H)
+        if b.fused:
+            hidden = self.fused.forward(b.tok, b.pos, b.cache, b.cur, b.starts, b.used)  # (B, H)
+        else:
+            b.cache.slots = b.cur
+            b.cache.rows = b.batch
+            b.valid.index_fill_(1, b.cur, True)
+            live = (b.starts, b.used, b.cu_q) if self.flash_decode else None
+            hidden = self._forward(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache, live)  # (B, H)
         tok, logp = self._sample(self._logits(hidden), params)  # (B,), (B,)
         tok = torch.where(b.done, torch.full_like(tok, self.pad_id), tok)
         logp = torch.where(b.done, torch.zeros_like(logp), logp)

@@ -1,0 +1,149 @@
+"""The graph engine's fused decode step for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3).
+
+A decode layer becomes 4 GEMMs over packed low-precision copies of the layer's weights (q|k|v, o, gate|up, down) and
+5 Triton kernels (:mod:`gspo.rollout.kernels`): residual add + RMSNorm, rotary + K/V cache write, grouped-query
+attention over live slots, SiLU-and-multiply, and the next residual add + RMSNorm. It reads the same weights as the
+module path (the copies are refreshed from the trainer's parameters at every ``generate``; the norm weights are read
+in place) and rounds like HF's modules under autocast, so it samples the same distribution; a GPU test checks its
+tokens and log-probs against the module path, and the CPU tests run the kernels in Triton's interpreter.
+
+Anything this path does not cover (other activations, sliding windows, odd head sizes, no Triton) makes
+:func:`fused_unsupported` say why, and the engine keeps the module path.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def fused_unsupported(model, length: int | None = None) -> str | None:
+    """Why the fused step cannot run this model (with ``length`` cache slots), or None when it can."""
+    cfg = model.config
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if getattr(cfg, "model_type", None) not in FAMILY:
+        return f"model_type {cfg.model_type!r} is not one of {', '.join(FAMILY)}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} is not silu"
+    heads = cfg.num_attention_heads
+    kv_heads = cfg.num_key_value_heads or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    if heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} KV heads"
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", True) and (length is None or length > window):
+        return f"sliding_window {window} is shorter than the cache"
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    needed = [(attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))]
+    if not all(isinstance(getattr(m, n, None), torch.nn.Linear) for m, names in needed for n in names):
+        return "the layer's projections are not plain nn.Linear modules (quantised or adapted?)"
+    if not hasattr(layer.input_layernorm, "variance_epsilon"):
+        return "the layer norms are not RMSNorm"
+    return None
+
+
+class _Layer:
+    """One decoder layer's packed weights (views into the engine's low-precision copies) and its norms."""
+
+    def __init__(self, layer, dtype, device):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv_parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.gate_up_parts = [mlp.gate_proj, mlp.up_proj]
+        self.w_qkv = _packed([m.weight for m in self.qkv_parts], dtype, device)
+        self.b_qkv = _packed_bias(self.qkv_parts, dtype, device)
+        self.w_gate_up = _packed([m.weight for m in self.gate_up_parts], dtype, device)
+        self.b_gate_up = _packed_bias(self.gate_up_parts, dtype, device)
+        self.o, self.down = attn.o_proj, mlp.down_proj
+        self.w_o = torch.empty_like(self.o.weight, dtype=dtype)
+        self.b_o = None if self.o.bias is None else torch.empty_like(self.o.bias, dtype=dtype)
+        self.w_down = torch.empty_like(self.down.weight, dtype=dtype)
+        self.b_down = None if self.down.bias is None else torch.empty_like(self.down.bias, dtype=dtype)
+        self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.scale = float(attn.scaling)
+
+    def copies(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+        """(module, parameter name, low-precision storage) for every weight and bias this layer packs."""
+        out = []
+        for parts, w, bias in ((self.qkv_parts, self.w_qkv, self.b_qkv), (self.gate_up_parts, self.w_gate_up, self.b_gate_up)):
+            row = 0
+            for m in parts:
+                n = m.weight.shape[0]
+                out.append((m, "weight", w[row:row + n]))
+                if m.bias is not None:
+                    out.append((m, "bias", bias[row:row + n]))
+                row += n
+        for m, w, b in ((self.o, self.w_o, self.b_o), (self.down, self.w_down, self.b_down)):
+            out.append((m, "weight", w))
+            if b is not None:
+                out.append((m, "bias", b))
+        return out
+
+
+def _packed(weights: list[torch.Tensor], dtype, device) -> torch.Tensor:
+    return torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1], dtype=dtype, device=device)
+
+
+def _packed_bias(parts: list[torch.nn.Linear], dtype, device) -> torch.Tensor | None:
+    if all(m.bias is None for m in parts):
+        return None
+    # A missing bias among biased siblings is zero; its slice is never synced, so it stays zero.
+    return torch.zeros(sum(m.weight.shape[0] for m in parts), dtype=dtype, device=device)
+
+
+class FusedDecoder:
+    """The fused decode forward for one model. Its packed weights are the engine's low-precision copies: ``copies()``
+    lists them, so :class:`gspo.rollout.graph.ShadowWeights` refreshes them and swaps them into the modules for the
+    prefill (no second copy of the weights)."""
+
+    def __init__(self, model, dtype: torch.dtype, device):
+        cfg = model.config
+        self.model = model
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.layers = [_Layer(layer, dtype, device) for layer in model.model.layers[: cfg.num_hidden_layers]]
+        self.norm = model.model.norm
+        self.dtype = dtype
+
+    def copies(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+        return [c for layer in self.layers for c in layer.copies()]
+
+    def forward(self, tok: torch.Tensor, pos: torch.Tensor, cache, slot: torch.Tensor, starts: torch.Tensor,
+                used: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden state (B, H) of one new token per row: tok (B,), pos (B, 1); writes the token's K/V
+        to ``cache`` (:class:`~gspo.rollout.graph.StaticKV`) at ``slot`` and attends each row's live slots."""
+        from gspo.rollout import kernels
+
+        inner = self.model.model
+        B = tok.shape[0]
+        res = inner.embed_tokens(tok)  # (B, H): the residual stream, in the embedding's dtype (as HF's)
+        cos, sin = inner.rotary_emb(res[:, None], pos)  # (B, 1, D) each
+        cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
+        x = torch.empty(B, res.shape[1], dtype=self.dtype, device=res.device)  # the normed input of each block
+        q = torch.empty(B, self.heads, self.head_dim, dtype=cache.k[0].dtype, device=res.device)
+        attn = torch.empty_like(q)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            kernels.add_rmsnorm(res, delta, layer.in_norm.weight, layer.in_norm.variance_epsilon, x)
+            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # (B, (Hq + 2 Hkv) D)
+            kernels.rope_cache(qkv, cos, sin, q, cache.k[i], cache.v[i], slot, self.heads, self.kv_heads, self.head_dim,
+                               None if layer.q_norm is None else layer.q_norm.weight,
+                               None if layer.k_norm is None else layer.k_norm.weight,
+                               0.0 if layer.q_norm is None else layer.q_norm.variance_epsilon)
+            kernels.decode_attention(q, cache.k[i], cache.v[i], starts, used, layer.scale, attn)
+            o = F.linear(attn.view(B, -1).to(self.dtype), layer.w_o, layer.b_o)  # (B, H)
+            kernels.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
+            gate_up = F.linear(x, layer.w_gate_up, layer.b_gate_up)  # (B, 2I)
+            act = torch.empty(B, gate_up.shape[1] // 2, dtype=gate_up.dtype, device=res.device)
+            kernels.silu_mul(gate_up, act)
+            delta = F.linear(act, layer.w_down, layer.b_down)  # (B, H)
+        out = torch.empty(B, res.shape[1], dtype=self.dtype, device=res.device)
+        return kernels.add_rmsnorm(res, delta, self.norm.weight, self.norm.variance_epsilon, out)

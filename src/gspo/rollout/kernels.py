@@ -1,0 +1,210 @@
+"""Triton kernels for the graph engine's fused decode step (:class:`gspo.rollout.fused.FusedDecoder`).
+
+Why hand-written: a decode step of a small model at a few hundred rows is bound by the number of kernels, not by
+bytes (``benchmarks/results/rollout/README.md``): HF's Llama layer launches ~33 kernels per layer (RMSNorm alone is
+six, rotary ten, each cache write one), each a few microseconds of mostly idle GPU. ``torch.compile`` of the step
+fuses them but takes ~40 s to compile and copies the whole static cache at every write. These kernels fuse exactly
+what a decode step needs -- residual add + RMSNorm, rotary embedding + the K/V cache write, grouped-query attention
+over each row's live slots, SiLU-and-multiply -- so that a layer is 4 GEMMs and 5 kernels. No library ships these
+for an HF model's own weights without taking over the model (vLLM, SGLang, FlashInfer need their own runtimes).
+
+Each kernel rounds like the HF modules under autocast: fp32 arithmetic, and a cast to the storage dtype wherever the
+HF code casts, so its output matches the module path up to the order of floating-point sums. The tests run these
+kernels in Triton's interpreter (``TRITON_INTERPRET=1``) on a CPU against the HF modules, and on CUDA for real.
+
+Importing this module needs ``triton``; :func:`available` says whether it can be imported.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+# Triton's interpreter (the CPU tests) truncates float32 -> bfloat16 casts, even when asked to round; the GPU rounds to
+# nearest even, as torch does. Under the interpreter the rounding is done by hand on the bits, so the CPU tests check
+# the same numbers the GPU computes.
+_ROUND_BY_HAND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    # x (float32) to ``dtype``, rounding to nearest even as torch's casts do.
+    if dtype == tl.float32:
+        return x
+    elif _ROUND_BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _add_rmsnorm(res_ptr, delta_ptr, w_ptr, out_ptr, N, eps,
+                 HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row: res <- res + delta (in res's dtype, as HF's residual add), out <- w * rmsnorm(res).
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    x = tl.load(res_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        x += tl.load(delta_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
+        x = _round(x, res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * N + offs, x, mask=m)
+        x = x.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / N
+    y = _round(x * tl.rsqrt(var + eps), res_ptr.dtype.element_ty).to(tl.float32)  # HF: .to(input_dtype)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, _round(w * y, out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_cache(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, qn_ptr, kn_ptr, eps, L,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
+    # Program (b, h): h < HQ rotates query head h into q; else rotates key head h - HQ and writes it and its value
+    # head to the cache at slot *slot_ptr of row b. qkv row layout: [HQ*D queries | HKV*D keys | HKV*D values].
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    half = tl.arange(0, D // 2)
+    W = (HQ + 2 * HKV) * D
+    src = qkv_ptr + b * W + h * D
+    x1 = tl.load(src + half).to(tl.float32)
+    x2 = tl.load(src + D // 2 + half).to(tl.float32)
+    if QK_NORM:  # Qwen3: an RMSNorm over each head before the rotation; its output is weight * x.to(input dtype)
+        var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D
+        r = tl.rsqrt(var + eps)
+        if h < HQ:
+            w1 = tl.load(qn_ptr + half).to(tl.float32)
+            w2 = tl.load(qn_ptr + D // 2 + half).to(tl.float32)
+        else:
+            w1 = tl.load(kn_ptr + half).to(tl.float32)
+            w2 = tl.load(kn_ptr + D // 2 + half).to(tl.float32)
+        x1 = _round(x1 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w1
+        x2 = _round(x2 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w2
+    c1 = tl.load(cos_ptr + b * D + half).to(tl.float32)
+    c2 = tl.load(cos_ptr + b * D + D // 2 + half).to(tl.float32)
+    s1 = tl.load(sin_ptr + b * D + half).to(tl.float32)
+    s2 = tl.load(sin_ptr + b * D + D // 2 + half).to(tl.float32)
+    o1 = x1 * c1 - x2 * s1  # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+    o2 = x2 * c2 + x1 * s2
+    if h < HQ:
+        dst = q_ptr + (b * HQ + h) * D
+        tl.store(dst + half, _round(o1, q_ptr.dtype.element_ty))
+        tl.store(dst + D // 2 + half, _round(o2, q_ptr.dtype.element_ty))
+    else:
+        kvh = h - HQ
+        slot = tl.load(slot_ptr)
+        off = ((b * L + slot) * HKV + kvh) * D
+        tl.store(k_cache + off + half, _round(o1, k_cache.dtype.element_ty))
+        tl.store(k_cache + off + D // 2 + half, _round(o2, k_cache.dtype.element_ty))
+        d = tl.arange(0, D)
+        v = tl.load(qkv_ptr + b * W + (HQ + HKV + kvh) * D + d)
+        tl.store(v_cache + off + d, v.to(v_cache.dtype.element_ty))  # the same dtype: a copy
+
+
+@triton.jit
+def _decode_attention(q_ptr, k_cache, v_cache, starts_ptr, used_ptr, out_ptr, L, scale,
+                      HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                      D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    # Program (b, kv head): the G query heads sharing that KV head attend row b's live slots
+    # starts[b] - b*L .. + used[b] - 1 with an online softmax (fp32), reading each K/V block once for all G heads.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    gm = g < G
+    q = tl.load(q_ptr + (b * HQ + kvh * G + g[:, None]) * D + d[None, :], mask=gm[:, None], other=0.0)  # (BG, D)
+    first = tl.load(starts_ptr + b) - b * L
+    used = tl.load(used_ptr + b)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for n0 in range(0, used, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < used
+        off = ((b * L + first + n) * HKV + kvh) * D  # (BN,)
+        k = tl.load(k_cache + off[:, None] + d[None, :], mask=nm[:, None], other=0.0)  # (BN, D)
+        if UPCAST:  # fp32 products in full precision (not TF32); also Triton's interpreter multiplies 16-bit floats
+            # wrongly in tl.dot, and their products are exact in fp32
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # (BG, BN)
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale  # (BG, BN) fp32
+        s = tl.where(nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache + off[:, None] + d[None, :], mask=nm[:, None], other=0.0)  # (BN, D)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(_round(p, v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(_round(p, v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (b * HQ + kvh * G + g[:, None]) * D + d[None, :], _round(out, out_ptr.dtype.element_ty),
+             mask=gm[:, None])
+
+
+@triton.jit
+def _silu_mul(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    # x row = [gate | up] (2I); out = silu(gate) * up, with silu(gate) rounded to the storage dtype first (HF computes
+    # act_fn(gate) as its own op).
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = col < I
+    gate = tl.load(x_ptr + row * 2 * I + col, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * I + I + col, mask=m, other=0.0).to(tl.float32)
+    act = _round(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * I + col, _round(act * up, out_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def add_rmsnorm(res: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                out: torch.Tensor) -> torch.Tensor:
+    """``res += delta`` in place (when given), then ``out = weight * rmsnorm(res)``: res (B, N), delta (B, N)."""
+    B, N = res.shape
+    _add_rmsnorm[(B,)](res, delta if delta is not None else res, weight, out, N, eps,
+                       HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N))
+    return out
+
+
+def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slot: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0) -> None:
+    """Rotate the queries of ``qkv`` (B, (Hq + 2 Hkv) D) into ``q_out`` (B, Hq, D) and write the rotated keys and
+    the values to ``k_cache`` / ``v_cache`` (B, L, Hkv, D) at slot ``slot`` (1,) of every row; cos/sin (B, D)."""
+    B = qkv.shape[0]
+    _rope_cache[(B, heads + kv_heads)](qkv, cos, sin, q_out, k_cache, v_cache, slot,
+                                       q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
+                                       eps, k_cache.shape[1], HQ=heads, HKV=kv_heads, D=head_dim,
+                                       QK_NORM=q_norm is not None)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,
+                     used: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """One query per row and head, q (B, Hq, D), against the live slots of the cache (B, L, Hkv, D): row b's are
+    ``starts[b] - b * L`` .. ``+ used[b] - 1``. Writes and returns out (B, Hq, D)."""
+    B, heads, D = q.shape
+    L, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    G = heads // kv_heads
+    _decode_attention[(B, kv_heads)](q, k_cache, v_cache, starts, used, out, L, scale, HQ=heads, HKV=kv_heads,
+                                     G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
+                                     UPCAST=_interpreted() or q.dtype == torch.float32)
+    return out
+
+
+def silu_mul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = silu(x[:, :I]) * x[:, I:]`` for x (B, 2I)."""
+    B, I = out.shape
+    block = min(1024, triton.next_power_of_2(I))
+    _silu_mul[(B, triton.cdiv(I, block))](x, out, I, BLOCK=block)
+    return out

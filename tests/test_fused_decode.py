@@ -1,0 +1,139 @@
+"""The fused decode step (``gspo.rollout.fused`` + ``gspo.rollout.kernels``): each Triton kernel against the HF
+operation it replaces, and the engine's fused path against its module path. Without a GPU the kernels run in Triton's
+interpreter (conftest sets TRITON_INTERPRET); with one, these same tests run the compiled kernels on it."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from conftest import tiny_llama
+from gspo.errors import UserError
+from gspo.rollout.graph import GraphEngine
+from gspo.types import SamplingParams
+
+pytest.importorskip("triton")
+
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def kernels():
+    """The Triton kernels: compiled on a GPU, run by Triton's interpreter on a CPU (conftest sets TRITON_INTERPRET)."""
+    from gspo.rollout import kernels as module
+
+    return module
+
+
+def test_add_rmsnorm_is_hf_residual_add_then_rmsnorm(kernels):
+    torch.manual_seed(0)
+    res, delta, weight = torch.randn(5, 96, device=DEV), torch.randn(5, 96, device=DEV).bfloat16(), torch.randn(96, device=DEV)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(DEV)
+    norm.weight.data.copy_(weight)
+    out = torch.empty(5, 96, dtype=torch.bfloat16, device=DEV)
+    summed = res.clone()
+    kernels.add_rmsnorm(summed, delta, weight, 1e-5, out)
+    assert torch.equal(summed, res + delta)
+    expected = norm(res + delta).detach().bfloat16()
+    torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=2 ** -7)  # at most one bf16 rounding step
+    plain = torch.empty_like(out)
+    kernels.add_rmsnorm(res.clone(), None, weight, 1e-5, plain)
+    torch.testing.assert_close(plain.float(), norm(res).detach().bfloat16().float(), atol=0, rtol=2 ** -7)
+
+
+def test_rope_cache_rotates_like_hf_and_writes_one_slot(kernels):
+    torch.manual_seed(1)
+    B, H, Hkv, D, L = 3, 4, 2, 16, 12
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, device=DEV).bfloat16()
+    cos, sin = torch.randn(B, D, device=DEV), torch.randn(B, D, device=DEV)
+    q = torch.empty(B, H, D, dtype=torch.bfloat16, device=DEV)
+    k_cache, v_cache = (torch.zeros(B, L, Hkv, D, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    kernels.rope_cache(qkv, cos, sin, q, k_cache, v_cache, torch.tensor([7], device=DEV), H, Hkv, D)
+    q_ref, k_ref = apply_rotary_pos_emb(qkv[:, : H * D].view(B, 1, H, D).transpose(1, 2),
+                                        qkv[:, H * D:(H + Hkv) * D].view(B, 1, Hkv, D).transpose(1, 2),
+                                        cos[:, None], sin[:, None])
+    torch.testing.assert_close(q.float(), q_ref[:, :, 0].bfloat16().float(), atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(k_cache[:, 7].float(), k_ref[:, :, 0].bfloat16().float(), atol=0, rtol=2 ** -7)
+    assert torch.equal(v_cache[:, 7], qkv[:, (H + Hkv) * D:].view(B, Hkv, D))
+    assert k_cache[:, :7].abs().sum() == 0 and k_cache[:, 8:].abs().sum() == 0 and v_cache[:, 8:].abs().sum() == 0
+
+
+def test_decode_attention_reads_each_rows_live_slots_only(kernels):
+    """Grouped-query attention of one query per head over slots first[b] .. first[b] + used[b] - 1, equal to SDPA
+    over exactly those slots; garbage in the other slots is never read."""
+    torch.manual_seed(2)
+    B, H, Hkv, D, L = 5, 6, 2, 16, 80
+    k_cache, v_cache = (torch.randn(B, L, Hkv, D, device=DEV).bfloat16() for _ in range(2))
+    first, used = torch.tensor([3, 0, 10, 7, 0]), torch.tensor([1, 5, 20, 70, 80], dtype=torch.int32)
+    for b in range(B):  # NaN outside the live slots would poison any read of them
+        k_cache[b, : int(first[b])] = float("nan")
+        k_cache[b, int(first[b] + used[b]):] = float("nan")
+    starts = torch.zeros(B + 1, dtype=torch.int32)
+    starts[:B] = torch.arange(B) * L + first
+    q = torch.randn(B, H, D, device=DEV).bfloat16()
+    out = kernels.decode_attention(q, k_cache, v_cache, starts.to(DEV), used.to(DEV), D ** -0.5, torch.empty_like(q))
+    for b in range(B):
+        s, u = int(first[b]), int(used[b])
+        k = k_cache[b, s:s + u].float().repeat_interleave(H // Hkv, 1).transpose(0, 1)  # (H, u, D)
+        v = v_cache[b, s:s + u].float().repeat_interleave(H // Hkv, 1).transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[b].float()[:, None], k, v)[:, 0]
+        torch.testing.assert_close(out[b].float(), ref, atol=2e-2, rtol=2e-2)  # p is rounded to bf16, as in flash
+
+
+def test_silu_mul_rounds_like_the_hf_mlp(kernels):
+    x = torch.randn(4, 2 * 50, device=DEV).bfloat16()
+    out = kernels.silu_mul(x, torch.empty(4, 50, dtype=torch.bfloat16, device=DEV))
+    torch.testing.assert_close(out.float(), (F.silu(x[:, :50]) * x[:, 50:]).float(), atol=0, rtol=2 ** -7)
+
+
+def _models(vocab):
+    torch.manual_seed(0)
+    small = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, initializer_range=0.1, tie_word_embeddings=True)
+    return {"llama": tiny_llama(vocab_size=vocab, seed=4, init_std=0.1),
+            "qwen2 (qkv bias)": Qwen2ForCausalLM(Qwen2Config(**small)).eval(),
+            "qwen3 (q/k norms)": Qwen3ForCausalLM(Qwen3Config(head_dim=32, **small)).eval()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2 (qkv bias)", "qwen3 (q/k norms)"])
+def test_fused_step_samples_like_the_module_step(kernels, tokenizer, arch):
+    """fp32: the fused engine's tokens and log-probs equal the module path's (1e-4). bf16 autocast: the same tokens,
+    and log-probs within bf16 rounding of the module path's."""
+    model = _models(len(tokenizer))[arch].to(DEV)
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat and a dog."]]
+    params = SamplingParams(max_new_tokens=8, temperature=0.8)
+    for dtype, tol in ((None, 1e-4), (torch.bfloat16, 0.05)):
+        out = {}
+        for fused in (True, False):
+            engine = GraphEngine(model, tokenizer, stop_ids=[2], autocast_dtype=dtype, fused=fused, device=DEV)
+            assert (engine.fused is not None) == fused
+            out[fused] = engine.generate(prompts, 2, params, generator=torch.Generator(device=DEV).manual_seed(1))
+        a, b = out[True], out[False]
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert (a.logprobs - b.logprobs)[a.completion_mask].abs().max() < tol
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters are back in the model
+
+
+def test_fused_step_sees_in_place_weight_updates(kernels, tokenizer):
+    """The packed weight copies are refreshed at every generate: after an in-place update the fused engine samples
+    what a fresh engine samples."""
+    model = tiny_llama(vocab_size=len(tokenizer), seed=5, init_std=0.1).to(DEV)
+    prompts = [tokenizer.encode("What is 2 + 3?")]
+    params = SamplingParams(max_new_tokens=6, greedy=True)
+    engine = GraphEngine(model, tokenizer, stop_ids=[2], fused=True, device=DEV)
+    engine.generate(prompts, 2, params)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    after = engine.generate(prompts, 2, params)
+    fresh = GraphEngine(model, tokenizer, stop_ids=[2], fused=False, device=DEV).generate(prompts, 2, params)
+    assert torch.equal(after.completion_ids, fresh.completion_ids)
+
+
+def test_fused_step_refuses_what_it_does_not_cover(tokenizer):
+    model = tiny_llama(vocab_size=len(tokenizer))
+    model.config.hidden_act = "gelu"
+    with pytest.raises(UserError, match="hidden_act 'gelu' is not silu; leave fused unset"):
+        GraphEngine(model, tokenizer, fused=True)
+    assert GraphEngine(model, tokenizer).fused is None  # by default: the module path
