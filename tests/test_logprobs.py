@@ -181,3 +181,18 @@ def test_packing_refuses_sliding_window_models():
     assert packing_unsupported(Qwen2Config(use_sliding_window=False)) is None
     assert "sliding" in packing_unsupported(Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))
     assert "sliding" in packing_unsupported(MistralConfig(sliding_window=4096))
+
+
+def test_graph_budget_refuses_what_would_not_fit():
+    """A packed CUDA graph keeps its activations for the run: one more is captured only under the shape and token caps
+    and with twice its estimated memory (measured bytes per token x bucket) free; before any measurement, only the
+    caps apply."""
+    from gspo.logprobs import graph_fits
+
+    GiB = 1 << 30
+    assert graph_fits(8192, 0, 8, 65536, 0.0, 1 * GiB)  # first capture: nothing measured yet
+    assert not graph_fits(98304, 0, 8, 65536, 0.0, 100 * GiB)  # past the token cap: eager
+    assert not graph_fits(1024, 8, 8, 65536, 0.0, 100 * GiB)  # past the shape cap: eager
+    per_token = 200e3  # ~200 KB per token, as measured for SmolLM2-135M
+    assert graph_fits(16384, 1, 8, 65536, per_token, 7 * GiB)  # needs 3.3 GB, twice that is 6.6 GB: fits in 7
+    assert not graph_fits(16384, 1, 8, 65536, per_token, 6 * GiB)

@@ -162,16 +162,23 @@ class PackedGraphs:
     warm-up passes, then capture), all buckets sharing one memory pool. Parameters are read in place, so optimizer
     steps are seen. Gradients reach ``param.grad`` through autograd as usual: ``.grad`` is allocated before a graphed
     backward, so that accumulation adds into it instead of keeping a view of the graph's gradient buffer (which the
-    next replay would overwrite). Each graph keeps its own gradient buffers, so at most ``max_graphs`` shapes are
-    graphed (others run eagerly). Any capture failure turns the graphs off for the run (with a warning).
+    next replay would overwrite). Each graph keeps its own gradient buffers and the activations its backward reads
+    (about 1 MB per token for a 135M model), for the life of the run, so a shape is graphed only while that fits
+    (:func:`graph_fits`): at most ``max_graphs`` shapes, buckets of at most ``max_tokens`` tokens (past that the GPU
+    work dwarfs the host overhead a graph saves), and only with room to spare in free GPU memory for the estimated
+    size, measured on the first capture. Other shapes run eagerly. Any capture failure turns the graphs off for the
+    run (with a warning).
     """
 
-    def __init__(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None, max_graphs: int = 8):
+    def __init__(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None, max_graphs: int = 8,
+                 max_tokens: int = 65536):
         self.decoder = model.get_decoder()
         self.autocast_dtype = autocast_dtype
         self.graphed: dict[tuple[int, int], torch.nn.Module] = {}
         self.params = [p for p in self.decoder.parameters() if p.requires_grad]
         self.max_graphs = max_graphs
+        self.max_tokens = max_tokens
+        self.bytes_per_token = 0.0  # GPU memory a captured graph keeps per bucket token, measured at each capture
         self.pool = torch.cuda.graph_pool_handle()
         self.enabled = True
         self.warmup_s = 0.0  # seconds spent capturing, cumulative
@@ -195,8 +202,9 @@ class PackedGraphs:
         pos_b = torch.cat([pos, torch.arange(pad, device=pos.device)[None]], 1)  # (1, size)
         cu_b = torch.cat([cu, cu.new_full((1,), size)])  # (N+2,)
         key = (size, cu_b.numel())
-        if key not in self.graphed and len(self.graphed) >= self.max_graphs:
-            return None  # each graph keeps its own gradient buffers (a model-sized fp32 copy): bounded, then eager
+        if key not in self.graphed and not graph_fits(size, len(self.graphed), self.max_graphs, self.max_tokens,
+                                                      self.bytes_per_token, _free_gpu_bytes(ids.device)):
+            return None
         if torch.is_grad_enabled():
             # The backward hands autograd views of the graph's gradient buffers; a parameter whose .grad is None would
             # keep such a view as its .grad, and the next replay would then overwrite it and be added to itself.
@@ -207,11 +215,14 @@ class PackedGraphs:
             import time
 
             t0 = time.perf_counter()
+            reserved = torch.cuda.memory_reserved(ids.device)
             try:
                 module = _GraphableDecoder(self.decoder, size, self.autocast_dtype)
                 module.training = True  # the graphed forward runs while this flag matches; the decoder's own modes stay
                 with torch.enable_grad():  # the first use may be a no-grad pass; the backward graph is captured too
                     self.graphed[key] = torch.cuda.make_graphed_callables(module, (ids_b, pos_b, cu_b), pool=self.pool)
+                grown = torch.cuda.memory_reserved(ids.device) - reserved
+                self.bytes_per_token = max(self.bytes_per_token, grown / size)
             except Exception as e:  # capture can fail in many ways (a host sync in a model's forward, memory)
                 import logging
 
@@ -222,6 +233,21 @@ class PackedGraphs:
             finally:
                 self.warmup_s += time.perf_counter() - t0
         return self.graphed[key](ids_b, pos_b, cu_b)[:, :S]
+
+
+def graph_fits(size: int, graphs: int, max_graphs: int, max_tokens: int, bytes_per_token: float, free_bytes: int) -> bool:
+    """Whether :class:`PackedGraphs` may capture one more graph, of a ``size``-token bucket, with ``graphs`` captured
+    so far. Its estimated memory (``bytes_per_token`` as measured on earlier captures; 0 before the first) must leave
+    at least as much again free for the eager passes and the next rollout."""
+    if graphs >= max_graphs or size > max_tokens:
+        return False
+    return 2 * bytes_per_token * size <= free_bytes
+
+
+def _free_gpu_bytes(device: torch.device) -> int:
+    """Free GPU memory, counting what PyTorch's allocator holds reserved but unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
