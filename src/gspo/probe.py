@@ -88,8 +88,8 @@ def probe_noise(cfg, out_path: str | Path, rows: int = 48, n_bins: int = 5) -> d
             # Micro-batches of the update's size: the whole batch in one pass could hold far more memory (GSM8K at
             # 512 new tokens: 256 rows of ~700 tokens).
             size = cfg.train.micro_batch_size or max(1, N // cfg.train.minibatches)
-            rows = [torch.arange(i, min(N, i + size)) for i in range(0, N, size)]
-            old = trainer._frozen_logprobs(trainer.model, rollout, rows).cpu()  # (N, T) before the updates
+            micro = [torch.arange(i, min(N, i + size)) for i in range(0, N, size)]
+            old = trainer._frozen_logprobs(trainer.model, rollout, micro).cpu()  # (N, T) before the updates
             writer = JsonlWriter(Path(tmp) / "probe_metrics.jsonl")
             # The last minibatch of a batch trains after minibatches - 1 optimizer steps: move the policy that far.
             trainer.update(batch, writer, Console(cfg.train.steps, enabled=False), steps=cfg.train.minibatches - 1)
