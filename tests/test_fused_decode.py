@@ -137,3 +137,14 @@ def test_fused_step_refuses_what_it_does_not_cover(tokenizer):
     with pytest.raises(UserError, match="hidden_act 'gelu' is not silu; leave fused unset"):
         GraphEngine(model, tokenizer, fused=True)
     assert GraphEngine(model, tokenizer).fused is None  # by default: the module path
+
+
+def test_sliding_window_keeps_the_module_step_only_past_the_window(tokenizer):
+    """The fused attention has no sliding window: a bucket whose cache is longer than an active window uses the module
+    step, a shorter one the fused step."""
+    from gspo.rollout.fused import fused_unsupported
+
+    model = tiny_llama(vocab_size=len(tokenizer))
+    model.config.sliding_window = 128
+    assert fused_unsupported(model) is None and fused_unsupported(model, 128) is None
+    assert "sliding_window 128" in fused_unsupported(model, 192)

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def fused_unsupported(model, length: int | None = None) -> str | None:
-    """Why the fused step cannot run this model (with ``length`` cache slots), or None when it can."""
+def fused_unsupported(model, length: int = 0) -> str | None:
+    """Why the fused step cannot run this model with ``length`` cache slots (0: any short enough), or None when it can.
+    The fused attention has no sliding window, so a cache longer than an active window keeps the module step."""
     cfg = model.config
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
@@ -37,13 +38,15 @@ def fused_unsupported(model, length: int | None = None) -> str | None:
     if heads % kv_heads:
         return f"{heads} query heads are not a multiple of {kv_heads} KV heads"
     window = getattr(cfg, "sliding_window", None)
-    if window is not None and getattr(cfg, "use_sliding_window", True) and (length is None or length > window):
+    if window is not None and getattr(cfg, "use_sliding_window", True) and length > window:
         return f"sliding_window {window} is shorter than the cache"
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     needed = [(attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))]
     if not all(isinstance(getattr(m, n, None), torch.nn.Linear) for m, names in needed for n in names):
         return "the layer's projections are not plain nn.Linear modules (quantised or adapted?)"
+    if not hasattr(attn, "scaling"):
+        return "the attention module has no scaling attribute"
     if not hasattr(layer.input_layernorm, "variance_epsilon"):
         return "the layer norms are not RMSNorm"
     return None
