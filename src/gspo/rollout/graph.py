@@ -7,9 +7,10 @@ How one ``generate`` runs:
 
 1. the unique prompts are prefilled once (eager) into a static cache, and their K/V copied to their ``n`` rows;
 2. the first completion token is sampled from the prefill logits;
-3. each later token is one replay of a CUDA graph that embeds the last token, runs every decoder layer of the HF
-   model (its own modules: attention, MLP, norms, rotary embedding) against the static cache with a boolean mask of
-   the valid slots, applies the LM head, samples (temperature, top-k, top-p via Gumbel-max) and records the token's
+3. each later token is one replay of a CUDA graph that embeds the last token, runs every decoder layer -- on CUDA for
+   Llama-family models the fused step of :mod:`gspo.rollout.fused` (4 GEMMs and 5 Triton kernels a layer), else the
+   HF model's own modules (attention, MLP, norms, rotary embedding) against the static cache with a boolean mask of
+   the valid slots -- applies the LM head, samples (temperature, top-k, top-p via Gumbel-max) and records the token's
    log-probability under softmax(logits / temperature), then advances every position counter on the device;
 4. the host checks for "every row ended" only every ``sync_every`` steps, so there is no host synchronisation per
    token.
