@@ -196,3 +196,32 @@ def test_graph_budget_refuses_what_would_not_fit():
     per_token = 200e3  # ~200 KB per token, as measured for SmolLM2-135M
     assert graph_fits(16384, 1, 8, 65536, per_token, 7 * GiB)  # needs 3.3 GB, twice that is 6.6 GB: fits in 7
     assert not graph_fits(16384, 1, 8, 65536, per_token, 6 * GiB)
+
+
+@pytest.mark.parametrize("model_kind", ["llama", "qwen3"])
+def test_fused_norms_compute_hf_rmsnorm(make_tiny_model, model_kind):
+    """Inside fused_norms the decoder's fp32 RMSNorms run as torch's rms_norm: the same hidden states and gradients
+    (fp32, 1e-5), every norm restored afterwards; Qwen3's per-head norms on other dtypes keep HF's code."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from gspo.logprobs import fused_norms
+
+    if model_kind == "llama":
+        model = make_tiny_model(seed=0, vocab_size=128)
+    else:
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=32)).eval()
+    ids = torch.randint(0, 128, (2, 9))
+    decoder = model.get_decoder()
+    out = {}
+    for fused in (False, True):
+        model.zero_grad(set_to_none=True)
+        with fused_norms(decoder, fused):
+            hidden = decoder(input_ids=ids).last_hidden_state
+        hidden.pow(2).sum().backward()
+        out[fused] = (hidden.detach(), [p.grad.clone() for p in decoder.parameters()])
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert not any("forward" in vars(m) for m in decoder.modules())

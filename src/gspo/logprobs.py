@@ -18,6 +18,7 @@ never exist at once, neither in the forward nor as saved activations (the backwa
 """
 from __future__ import annotations
 
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -128,10 +129,42 @@ def _packed_decoder_forward(decoder, ids, pos, cu, max_length: int) -> torch.Ten
     saved = config._attn_implementation
     config._attn_implementation = "gspo_packed"  # read by every attention module at each call
     try:
-        return decoder(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                       max_length_q=max_length, max_length_k=max_length).last_hidden_state
+        with fused_norms(decoder, ids.device.type == "cuda"):
+            return decoder(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                           max_length_q=max_length, max_length_k=max_length).last_hidden_state
     finally:
         config._attn_implementation = saved
+
+
+# RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)), which torch's rms_norm computes too.
+_PLAIN_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+@contextlib.contextmanager
+def fused_norms(decoder: torch.nn.Module, enabled: bool = True):
+    """While active, the decoder's RMSNorms over fp32 inputs run as torch's ``rms_norm`` (on CUDA one fused kernel
+    forward and one backward) instead of HF's six elementwise and reduction kernels each way.
+
+    With the update's host overhead gone (CUDA graphs), a packed forward and backward is bound by the GPU's many small
+    memory-bound kernels, the norms' among the most numerous. Same formula in fp32; inputs of other dtypes (Qwen3's
+    per-head norms see bf16 under autocast) keep HF's code, whose casts differ."""
+    patched = []
+    if enabled:
+        for module in decoder.modules():
+            if type(module).__name__ in _PLAIN_RMS_NORMS and hasattr(module, "variance_epsilon"):
+                module.forward = _fused_rms_forward.__get__(module)
+                patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward  # back to the class's forward
+
+
+def _fused_rms_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    if hidden.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        return F.rms_norm(hidden, (hidden.shape[-1],), self.weight, self.variance_epsilon)
+    return type(self).forward(self, hidden)
 
 
 class _GraphableDecoder(torch.nn.Module):
