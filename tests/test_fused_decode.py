@@ -61,11 +61,11 @@ def test_rope_cache_rotates_like_hf_and_writes_one_slot(kernels):
 
 def test_decode_attention_reads_each_rows_live_slots_only(kernels):
     """Grouped-query attention of one query per head over slots first[b] .. first[b] + used[b] - 1, equal to SDPA
-    over exactly those slots; garbage in the other slots is never read."""
+    over exactly those slots; garbage in the other slots is never read; a row with used = 0 gets zeros."""
     torch.manual_seed(2)
-    B, H, Hkv, D, L = 5, 6, 2, 16, 80
+    B, H, Hkv, D, L = 6, 6, 2, 16, 80
     k_cache, v_cache = (torch.randn(B, L, Hkv, D, device=DEV).bfloat16() for _ in range(2))
-    first, used = torch.tensor([3, 0, 10, 7, 0]), torch.tensor([1, 5, 20, 70, 80], dtype=torch.int32)
+    first, used = torch.tensor([3, 0, 10, 7, 0, 4]), torch.tensor([1, 5, 20, 70, 80, 0], dtype=torch.int32)
     for b in range(B):  # NaN outside the live slots would poison any read of them
         k_cache[b, : int(first[b])] = float("nan")
         k_cache[b, int(first[b] + used[b]):] = float("nan")
@@ -73,7 +73,8 @@ def test_decode_attention_reads_each_rows_live_slots_only(kernels):
     starts[:B] = torch.arange(B) * L + first
     q = torch.randn(B, H, D, device=DEV).bfloat16()
     out = kernels.decode_attention(q, k_cache, v_cache, starts.to(DEV), used.to(DEV), D ** -0.5, torch.empty_like(q))
-    for b in range(B):
+    assert out[B - 1].abs().sum() == 0  # used = 0, an ended row: nothing read, zeros written
+    for b in range(B - 1):
         s, u = int(first[b]), int(used[b])
         k = k_cache[b, s:s + u].float().repeat_interleave(H // Hkv, 1).transpose(0, 1)  # (H, u, D)
         v = v_cache[b, s:s + u].float().repeat_interleave(H // Hkv, 1).transpose(0, 1)

@@ -300,10 +300,12 @@ class GraphEngine:
 
     def _step(self, b: _Bucket, params: SamplingParams) -> None:
         """One decode step on the bucket's static buffers: everything in it may be captured in a graph."""
-        b.used += 1
         if b.fused:
+            # A row that has ended attends no slots at all (its output is masked): ended rows stop costing attention.
+            torch.where(b.done, torch.zeros_like(b.used), b.used + 1, out=b.used)
             hidden = self.fused.forward(b.tok, b.pos, b.cache, b.cur, b.starts, b.used)  # (B, H)
         else:
+            b.used += 1
             b.cache.slots = b.cur
             b.cache.rows = b.batch
             b.valid.index_fill_(1, b.cur, True)

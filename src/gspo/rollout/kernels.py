@@ -111,6 +111,7 @@ def _decode_attention(q_ptr, k_cache, v_cache, starts_ptr, used_ptr, out_ptr, L,
                       D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     # Program (b, kv head): the G query heads sharing that KV head attend row b's live slots
     # starts[b] - b*L .. + used[b] - 1 with an online softmax (fp32), reading each K/V block once for all G heads.
+    # used[b] = 0 (an ended row) reads nothing and writes zeros.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -143,7 +144,7 @@ def _decode_attention(q_ptr, k_cache, v_cache, starts_ptr, used_ptr, out_ptr, L,
         else:
             acc = acc * alpha[:, None] + tl.dot(_round(p, v.dtype), v)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a row with no live slot (it has ended) gets zeros, not 0 / 0
     tl.store(out_ptr + (b * HQ + kvh * G + g[:, None]) * D + d[None, :], _round(out, out_ptr.dtype.element_ty),
              mask=gm[:, None])
 
