@@ -135,7 +135,7 @@ def test_fused_step_sees_in_place_weight_updates(kernels, tokenizer):
 def test_fused_step_refuses_what_it_does_not_cover(tokenizer):
     model = tiny_llama(vocab_size=len(tokenizer))
     model.config.hidden_act = "gelu"
-    with pytest.raises(UserError, match="hidden_act 'gelu' is not silu; leave fused unset"):
+    with pytest.raises(UserError, match="hidden_act 'gelu' is not silu; leave fused unset"):  # asked for explicitly
         GraphEngine(model, tokenizer, fused=True)
     assert GraphEngine(model, tokenizer).fused is None  # by default: the module path
 
@@ -149,3 +149,15 @@ def test_sliding_window_keeps_the_module_step_only_past_the_window(tokenizer):
     model.config.sliding_window = 128
     assert fused_unsupported(model) is None and fused_unsupported(model, 128) is None
     assert "sliding_window 128" in fused_unsupported(model, 192)
+
+
+def test_config_can_turn_the_fused_step_off(tokenizer):
+    """rollout.fused_step = "off" reaches the graph engine; a misspelt value is refused naming the field."""
+    from gspo.config import build_config
+    from gspo.rollout import make_engine
+
+    model = tiny_llama(vocab_size=len(tokenizer))
+    engine = make_engine("graph", model, tokenizer, stop_ids=[2], device=torch.device("cpu"), fused_step="off")
+    assert engine.fused is None
+    with pytest.raises(UserError, match="rollout.fused_step = 'no' is not one of auto, off"):
+        build_config(None, ["rollout.fused_step=no"])

@@ -89,6 +89,9 @@ class RolloutConfig:
     """Top-k sampling (0 disables it)."""
     engine: str = "auto"
     """``graph`` (static KV cache + CUDA graphs), ``hf`` (simple, any model) or ``auto`` (graph on CUDA if supported)."""
+    fused_step: str = "auto"
+    """The graph engine's decode step: ``auto`` (fused Triton kernels on CUDA for Llama / Mistral / Qwen2 / Qwen3 with a
+    16-bit cache, else the HF modules) or ``off`` (always the HF modules)."""
 
 
 @dataclass
@@ -454,7 +457,8 @@ def validate(cfg: Config) -> None:
                               (t.cuda_graphs, ("auto", "off"), "train.cuda_graphs"),
                               (t.schedule, ("constant", "linear", "cosine"), "train.schedule"),
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),
-                              (r.engine, ("auto", "graph", "hf"), "rollout.engine")):
+                              (r.engine, ("auto", "graph", "hf"), "rollout.engine"),
+                              (r.fused_step, ("auto", "off"), "rollout.fused_step")):
         if value not in valid:
             raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:

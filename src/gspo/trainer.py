@@ -101,7 +101,7 @@ class Trainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
         self.engine = make_engine(cfg.rollout.engine, self.model, self.tokenizer, stop_ids=self.stop_ids, device=self.device,
-                                  autocast_dtype=self.autocast)
+                                  autocast_dtype=self.autocast, fused_step=cfg.rollout.fused_step)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)

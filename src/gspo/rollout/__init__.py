@@ -22,14 +22,16 @@ class RolloutEngine(Protocol):
 
 
 def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: torch.device,
-                autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
-    """The engine ``rollout.engine`` names: ``graph``, ``hf``, or ``auto`` (graph on CUDA when the model is supported)."""
+                autocast_dtype: torch.dtype | None = None, fused_step: str = "auto") -> RolloutEngine:
+    """The engine ``rollout.engine`` names: ``graph``, ``hf``, or ``auto`` (graph on CUDA when the model is supported);
+    ``fused_step = "off"`` keeps the graph engine on the HF modules' decode step."""
     from gspo.rollout import graph
 
     if kind == "auto":
         kind = "graph" if device.type == "cuda" and graph.supports(model) else "hf"
     if kind == "graph":
-        return graph.GraphEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype)
+        return graph.GraphEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
+                                 fused=False if fused_step == "off" else None)
     return HFEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype)
 
 

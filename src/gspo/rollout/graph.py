@@ -251,7 +251,8 @@ class GraphEngine:
         if fused is None:
             fused = self.device.type == "cuda" and self.cache_dtype in (torch.float16, torch.bfloat16) and why_not is None
         elif fused and why_not is not None:
-            raise UserError(f"The fused decode step cannot run this model: {why_not}; leave fused unset.")
+            raise UserError(f"The fused decode step cannot run this model: {why_not}; leave fused unset (it falls back "
+                            "to the HF modules' step).")
         self.fused = FusedDecoder(model, self.cache_dtype, self.device) if fused else None
         if self.fused is not None:  # its packed weights are the low-precision copies, refreshed at every call
             self.shadow = ShadowWeights(model, self.cache_dtype, storage=self.fused.copies())
