@@ -12,7 +12,7 @@ Each kernel rounds like the HF modules under autocast: fp32 arithmetic, and a ca
 HF code casts, so its output matches the module path up to the order of floating-point sums. The tests run these
 kernels in Triton's interpreter (``TRITON_INTERPRET=1``) on a CPU against the HF modules, and on CUDA for real.
 
-Importing this module needs ``triton``; :func:`available` says whether it can be imported.
+Importing this module needs ``triton``; :func:`gspo.rollout.fused.fused_unsupported` checks that it is installed.
 """
 from __future__ import annotations
 
