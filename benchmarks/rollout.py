@@ -111,7 +111,7 @@ def main() -> None:
                 first = time.perf_counter() - t0
                 secs = time_call(lambda: engine.generate(prompts, 1, params_for(new), generator=gen), device, a.repeats)
                 record(path, batch, new, secs, max(first - secs, engine.warmup_s - before), new)
-        del engine
+        engine = None  # frees its caches and graphs before the next variant
     b, new = a.baseline_batch, int(a.new.split(",")[0])
     prompts = prompts_all[:b]
     if "hf" in a.baselines:
