@@ -65,27 +65,32 @@ def test_graph_engine_sees_optimizer_updates_under_bf16(tokenizer):
     assert torch.equal(after, fresh.completion_ids)
 
 
-def test_flash_decode_agrees_with_the_trainer(tokenizer):
-    """Decode attention over live slots only (flash, variable length) gives the trainer's log-probs as closely as the
-    masked SDPA path over every slot does; a wrong slot range would miss by far more."""
+def _engine_vs_trainer(model, tokenizer, **engine_kwargs):
+    """A bf16 graph engine (``engine_kwargs`` pick its paths) samples 4 completions of 3 prompts; returns the engine and
+    |engine log-prob - trainer's recomputation| per completion token."""
     from gspo.logprobs import sequence_logprobs
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams
 
-    model = tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).cuda()
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a long story about a cat and a dog."]]
     params = SamplingParams(max_new_tokens=40, temperature=1.0)
     cuda = torch.device("cuda")
-    gaps = {}
-    for flash in (True, False):
-        engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, flash_decode=flash,
-                             fused=False)
-        r = engine.generate(prompts, 4, params, generator=torch.Generator(device=cuda).manual_seed(0))
-        with torch.no_grad():
-            logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=r.pad_id,
-                                        autocast_dtype=torch.bfloat16)
-        gaps[flash] = (logp.cpu() - r.logprobs)[r.completion_mask].abs()
-    assert GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16).flash_decode
+    engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, **engine_kwargs)
+    r = engine.generate(prompts, 4, params, generator=torch.Generator(device=cuda).manual_seed(0))
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=r.pad_id,
+                                    autocast_dtype=torch.bfloat16)
+    return engine, (logp.cpu() - r.logprobs)[r.completion_mask].abs()
+
+
+def test_flash_decode_agrees_with_the_trainer(tokenizer):
+    """Decode attention over live slots only (flash, variable length) gives the trainer's log-probs as closely as the
+    masked SDPA path over every slot does; a wrong slot range would miss by far more."""
+    from gspo.rollout.graph import GraphEngine
+
+    model = tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).cuda()
+    gaps = {flash: _engine_vs_trainer(model, tokenizer, flash_decode=flash, fused=False)[1] for flash in (True, False)}
+    assert GraphEngine(model, tokenizer, stop_ids=[2], device=torch.device("cuda"), autocast_dtype=torch.bfloat16).flash_decode
     assert gaps[True].mean() < 2 * gaps[False].mean() + 1e-3 and gaps[True].max() < 0.1
 
 
@@ -154,23 +159,12 @@ def test_fused_decode_agrees_with_the_trainer_and_warms_up_fast(tokenizer):
     """The fused decode step (Triton kernels, captured in a CUDA graph) is on by default for a bf16 Llama on CUDA,
     captures in well under 15 s (Triton compiles included), and gives the trainer's log-probs as closely as the HF-module
     step does."""
-    from gspo.logprobs import sequence_logprobs
     from gspo.rollout.graph import GraphEngine
-    from gspo.types import SamplingParams
 
     model = tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).cuda()
-    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a long story about a cat and a dog."]]
-    params = SamplingParams(max_new_tokens=40, temperature=1.0)
-    cuda = torch.device("cuda")
-    gaps = {}
-    for fused in (True, False):
-        engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, fused=fused)
-        r = engine.generate(prompts, 4, params, generator=torch.Generator(device=cuda).manual_seed(0))
-        if fused:
-            assert engine.warmup_s < 15
-        with torch.no_grad():
-            logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=r.pad_id,
-                                        autocast_dtype=torch.bfloat16)
-        gaps[fused] = (logp.cpu() - r.logprobs)[r.completion_mask].abs()
-    assert GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16).fused is not None
-    assert gaps[True].mean() < 2 * gaps[False].mean() + 1e-3 and gaps[True].max() < 0.1
+    engine, fused_gap = _engine_vs_trainer(model, tokenizer, fused=True)
+    assert engine.warmup_s < 15
+    _, module_gap = _engine_vs_trainer(model, tokenizer, fused=False)
+    assert GraphEngine(model, tokenizer, stop_ids=[2], device=torch.device("cuda"),
+                       autocast_dtype=torch.bfloat16).fused is not None
+    assert fused_gap.mean() < 2 * module_gap.mean() + 1e-3 and fused_gap.max() < 0.1

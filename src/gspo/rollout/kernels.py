@@ -26,7 +26,8 @@ import triton.language as tl
 # Triton's interpreter (the CPU tests) truncates float32 -> bfloat16 casts, even when asked to round; the GPU rounds to
 # nearest even, as torch does. Under the interpreter the rounding is done by hand on the bits, so the CPU tests check
 # the same numbers the GPU computes.
-_ROUND_BY_HAND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton reads it when a kernel is defined, as here
+_ROUND_BY_HAND = tl.constexpr(_INTERPRETED)
 
 
 @triton.jit
@@ -165,10 +166,6 @@ def _silu_mul(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
 # ---------------------------------------------------------------------------------------------- launchers
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def add_rmsnorm(res: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                 out: torch.Tensor) -> torch.Tensor:
     """``res += delta`` in place (when given), then ``out = weight * rmsnorm(res)``: res (B, N), delta (B, N)."""
@@ -199,7 +196,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     G = heads // kv_heads
     _decode_attention[(B, kv_heads)](q, k_cache, v_cache, starts, used, out, L, scale, HQ=heads, HKV=kv_heads,
                                      G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
-                                     UPCAST=_interpreted() or q.dtype == torch.float32)
+                                     UPCAST=_INTERPRETED or q.dtype == torch.float32)
     return out
 
 
