@@ -45,3 +45,13 @@ def declining_later(completion, example):
     """1.0 for the first 16 calls (two rollout batches of the tiny config), 0.0 after."""
     _CALLS.append(1)
     return 1.0 if len(_CALLS) <= 16 else 0.0
+
+
+def dyadic_length(completion, example):
+    """Length in units of 1/128: exact in binary floating point, so group statistics have no rounding to disagree on."""
+    return len(completion) / 128.0
+
+
+def even_a_dyadic(completion, example):
+    """1.0 for every completion of a prompt whose first operand is even (a zero-variance group), else dyadic length."""
+    return 1.0 if example.meta["a"] % 2 == 0 else len(completion) / 128.0

@@ -1,0 +1,105 @@
+"""The refactor guard: fixed-seed CPU runs of a tiny model give the metrics recorded from an earlier version of the code.
+
+Each run below was recorded into ``tests/fixtures/equivalence/<name>.jsonl`` (its metrics.jsonl, then its samples.jsonl
+lines) by ``python tests/test_equivalence.py --record``. A refactor must reproduce every key of every line to 1e-6
+relative (``time/*`` and ``throughput/*`` excepted: they measure the machine). Re-record only for a change that is meant
+to move the numbers, and say which in the commit message.
+
+The runs cover the update's branches: recomputed and engine old log-probs, a reference model (beta > 0), micro-batches,
+packed sequences, both engines, dynamic sampling with refill and padding, overlong filtering and punishment, and
+checkpoints. Rewards are multiples of 1/128 so that group statistics are exact at any float width.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+FIXTURES = HERE / "fixtures" / "equivalence"
+
+COMMON = ["rollout.prompts_per_batch=4", "rollout.group_size=4", "rollout.max_new_tokens=8", "train.lr=1e-3",
+          "rewards.workers=0", "log.progress=false", "log.trace_every=1", "model.device='cpu'", "seed=3"]
+RUNS = {
+    "gspo_ref_kl": ["algorithm='gspo'", "train.steps=8", "train.minibatches=4", "loss.beta=0.05",
+                    "log.checkpoint_every=1", "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
+    "grpo_engine_logprobs_packed": ["algorithm='grpo'", "loss.eps_low=0.2", "loss.eps_high=0.2", "train.steps=6",
+                                    "train.minibatches=2", "train.micro_batch_size=2", "train.old_logprobs='rollout'",
+                                    "train.packing='on'", "rollout.engine='graph'",
+                                    "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
+    "dapo_dynamic_sampling": ["algorithm='dapo'", "train.steps=4", "train.minibatches=2", "dapo.max_resample_rounds=1",
+                              "dapo.overlong_cache=4", "loss.mask_truncated=false",
+                              "rewards.functions=[{path='trainer_rewards:even_a_dyadic'}]"],
+}
+SKIP_PREFIXES = ("time/", "throughput/")
+
+
+def build_tiny_model(folder: Path) -> Path:
+    """The tiny random Llama of the runs (seed 0, init std 0.02) with the real SmolLM2 tokenizer."""
+    from conftest import ASSETS, tiny_llama
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    tiny_llama(vocab_size=len(tok), seed=0, init_std=0.02).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def run_lines(name: str, model_dir: Path, run_dir: Path) -> list[dict]:
+    """Train run ``name`` through the command line; its metrics lines, then its samples lines (tagged)."""
+    from gspo.cli import main
+
+    assert main(["train", "--run-dir", str(run_dir), f"model.name='{model_dir}'", *COMMON, *RUNS[name]]) == 0
+    metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    samples = [{"sample": True, **json.loads(ln)} for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return metrics + samples
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        if a is None or b is None:
+            return a is b
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+    return a == b
+
+
+def differences(expected: list[dict], got: list[dict]) -> list[str]:
+    """Every key that moved, as 'line i key: expected -> got'."""
+    out = [f"{len(expected)} lines expected, {len(got)} written"] if len(expected) != len(got) else []
+    for i, (e, g) in enumerate(zip(expected, got)):
+        keys = {k for k in (*e, *g) if not k.startswith(SKIP_PREFIXES)}
+        for k in sorted(keys):
+            if k not in e or k not in g:
+                out.append(f"line {i} key {k}: {'missing now' if k not in g else 'new'}")
+            elif not _same(e[k], g[k]):
+                out.append(f"line {i} key {k}: {e[k]!r} -> {g[k]!r}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-equivalence"))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_fixed_seed_run_reproduces_the_recorded_metrics(name, model_dir, tmp_path):
+    """The run writes the recorded metrics and samples: every key of every line to 1e-6 relative."""
+    expected = [json.loads(ln) for ln in (FIXTURES / f"{name}.jsonl").read_text().splitlines()]
+    moved = differences(expected, run_lines(name, model_dir, tmp_path / "run"))
+    assert not moved, "\n".join(moved[:40])
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+    import tempfile
+
+    sys.path.insert(0, str(HERE))
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model(Path(tmp) / "model")
+        for run in RUNS:
+            lines = run_lines(run, model, Path(tmp) / run)
+            (FIXTURES / f"{run}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+            print(f"recorded {run}: {len(lines)} lines")
