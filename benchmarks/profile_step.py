@@ -1,7 +1,7 @@
 """Where a graph-engine rollout spends its time: one whole ``generate`` call (every row decodes ``--new`` tokens)
 under the profiler, kernels by GPU time per decode step, after a warm-up call that captures the graphs.
 
-  python benchmarks/profile_step.py --model /root/smollm2/model.gguf --batch 512 [--no-fused] [--no-flash] [--no-shadow]
+  python benchmarks/profile_step.py --model /root/smollm2/model.gguf --batch 512 [--no-fused] [--no-flash] [--fp32-weights]
 """
 import argparse
 import sys
@@ -22,14 +22,14 @@ p.add_argument("--model", default="smollm2-135m-instruct")
 p.add_argument("--batch", type=int, default=512)
 p.add_argument("--new", type=int, default=128)
 p.add_argument("--no-flash", action="store_true")
-p.add_argument("--no-shadow", action="store_true")
+p.add_argument("--fp32-weights", action="store_true", help="fp32 weight copies cast at every step (no bf16 copies)")
 p.add_argument("--no-fused", action="store_true", help="the HF modules' decode step instead of the fused one")
 a = p.parse_args()
 model, tok = load_model(a.model)
 model.cuda().eval()
 dev = torch.device("cuda")
 engine = GraphEngine(model, tok, stop_ids=[model.config.vocab_size + 1], device=dev, autocast_dtype=torch.bfloat16,
-                     flash_decode=False if a.no_flash else None, shadow_weights=not a.no_shadow,
+                     flash_decode=False if a.no_flash else None, low_precision_weights=not a.fp32_weights,
                      fused=False if a.no_fused else None)
 task = ArithmeticTask(seed=0)
 prompts = encode_prompts(tok, [task[i] for i in range(a.batch)])
@@ -43,7 +43,7 @@ t0 = time.perf_counter()
 engine.generate(prompts, 1, params)
 torch.cuda.synchronize()
 wall = time.perf_counter() - t0
-print(f"fused={engine.fused is not None} flash_decode={engine.flash_decode} shadow={engine.shadow is not None}: {a.batch} x {a.new} "
+print(f"fused={engine.fused is not None} flash_decode={engine.flash_decode} bf16_weights={not a.fp32_weights}: {a.batch} x {a.new} "
       f"in {wall:.3f} s, {a.batch * a.new / wall:,.0f} tokens/s, {1000 * wall / a.new:.2f} ms/step, warm-up {first - wall:.1f} s")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
     engine.generate(prompts, 1, params)

@@ -20,8 +20,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from gspo.config import build_config, load_toml  # noqa: E402
-from gspo.metrics import Console, JsonlWriter  # noqa: E402
-from gspo.trainer import Trainer  # noqa: E402
+from gspo.runlog import RunLog  # noqa: E402
+from gspo.train import Trainer  # noqa: E402
 
 T_IMPORT = time.perf_counter() - T0
 
@@ -39,15 +39,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         trainer = Trainer(cfg, Path(tmp) / "run")
-        lines.append(f"Trainer(): {time.perf_counter() - t0:.2f} s on {trainer.device}")
+        device = trainer.runtime.device
+        lines.append(f"Trainer(): {time.perf_counter() - t0:.2f} s on {device}")
         trainer.t_start = time.time()
-        writer = JsonlWriter(Path(tmp) / "m.jsonl")
-        console = Console(cfg.train.steps, enabled=False)
+        runlog = RunLog(Path(tmp) / "run", cfg, step=0, rollout_batch=0)
 
         def batches(n: int) -> None:
             for _ in range(n):
-                trainer.update(trainer.collect(), writer, console)
-            if trainer.device.type == "cuda":
+                trainer.engine.sync_weights(trainer.actor.weights())
+                trainer.update(trainer.collector.collect(), runlog)
+            if device.type == "cuda":
                 torch.cuda.synchronize()
 
         t0 = time.perf_counter()
@@ -64,14 +65,14 @@ def main() -> None:
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats(key).print_stats(n)
             lines.append(s.getvalue())
-        if trainer.device.type == "cuda":
+        if device.type == "cuda":
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=acts) as tp:
                 batches(a.batches)
             ka = tp.key_averages()
             lines.append(ka.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70))
             lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=70))
-        writer.close()
+        runlog.close()
         trainer.rewards.close()
     text = "\n".join(lines)
     Path(a.out).write_text(text)

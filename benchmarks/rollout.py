@@ -119,7 +119,7 @@ def main() -> None:
         secs = time_call(lambda: simple.generate(prompts, 1, params_for(new), generator=gen), device, 1)
         record("gspo simple engine (eager, dynamic cache)", b, new, secs, 0.0, new)
     if "generate" in a.baselines:
-        from gspo.rollout.hf import pad_prompts
+        from gspo.models import pad_prompts
 
         ids, mask = pad_prompts(prompts, tok.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
@@ -132,7 +132,7 @@ def main() -> None:
         secs = time_call(hf_generate, device, 1)
         record("model.generate (eager, dynamic cache)", b, new, secs, 0.0, new)
     if "compile" in a.baselines:
-        from gspo.rollout.hf import pad_prompts
+        from gspo.models import pad_prompts
 
         b = a.compile_batch
         ids, mask = pad_prompts(prompts_all[:b], tok.pad_token_id)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gspo import policy_loss  # noqa: E402
 from gspo.logprobs import PackedGraphs, packing_available, sequence_logprobs  # noqa: E402
-from gspo.rollout.hf import pad_prompts  # noqa: E402
+from gspo.models import pad_prompts  # noqa: E402
 from gspo.models import attention_context, autocast_context  # noqa: E402
 from shapes import bench_model  # noqa: E402
 

@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from conftest import tiny_llama
 from gspo.errors import UserError
+from gspo.models import named_weights
 from gspo.rollout.graph import GraphEngine
 from gspo.types import SamplingParams
 
@@ -113,12 +114,12 @@ def test_fused_step_samples_like_the_module_step(kernels, tokenizer, arch):
         a, b = out[True], out[False]
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert (a.logprobs - b.logprobs)[a.completion_mask].abs().max() < tol
-    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters are back in the model
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the trainer's masters are untouched
 
 
-def test_fused_step_sees_in_place_weight_updates(kernels, tokenizer):
-    """The packed weight copies are refreshed at every generate: after an in-place update the fused engine samples
-    what a fresh engine samples."""
+def test_fused_step_sees_synced_weight_updates(kernels, tokenizer):
+    """sync_weights refreshes the packed weights: after an update and a sync the fused engine samples what a fresh
+    engine samples."""
     model = tiny_llama(vocab_size=len(tokenizer), seed=5, init_std=0.1).to(DEV)
     prompts = [tokenizer.encode("What is 2 + 3?")]
     params = SamplingParams(max_new_tokens=6, greedy=True)
@@ -127,6 +128,7 @@ def test_fused_step_sees_in_place_weight_updates(kernels, tokenizer):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+    engine.sync_weights(named_weights(model))
     after = engine.generate(prompts, 2, params)
     fresh = GraphEngine(model, tokenizer, stop_ids=[2], fused=False, device=DEV).generate(prompts, 2, params)
     assert torch.equal(after.completion_ids, fresh.completion_ids)

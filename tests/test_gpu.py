@@ -4,7 +4,7 @@ import torch
 
 from gspo.config import build_config
 from gspo.metrics import read_jsonl
-from gspo.trainer import Trainer
+from gspo.train import Trainer
 
 from conftest import tiny_llama
 
@@ -20,7 +20,7 @@ def test_bf16_training_on_cuda(tmp_path, tokenizer):
                             "rollout.max_new_tokens=8", "train.steps=2", "train.minibatches=2", "rewards.workers=0",
                             "rewards.functions=[{path='trainer_rewards:text_length'}]", "log.progress=false"], device="cuda")
     trainer = Trainer(cfg, tmp_path / "run")
-    assert trainer.autocast == torch.bfloat16
+    assert trainer.runtime.autocast == torch.bfloat16
     trainer.train()
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert all(r["loss"] is not None for r in rows)
@@ -44,9 +44,10 @@ def test_graph_engine_on_cuda_matches_the_simple_engine(tokenizer):
     assert graph.warmup_s < 15
 
 
-def test_graph_engine_sees_optimizer_updates_under_bf16(tokenizer):
-    """Under bf16 autocast the captured graph casts the live fp32 weights: after an in-place update its greedy
-    output equals that of a freshly built engine (a stale or freed weight copy would not)."""
+def test_graph_engine_sees_synced_updates_under_bf16(tokenizer):
+    """Under bf16 autocast the captured graph reads the engine's own copy in place: after an update and sync_weights
+    its greedy output equals that of a freshly built engine (a stale copy or a re-allocated one would not)."""
+    from gspo.models import named_weights
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams
 
@@ -59,6 +60,8 @@ def test_graph_engine_sees_optimizer_updates_under_bf16(tokenizer):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
+    assert torch.equal(engine.generate(prompts, 2, params).completion_ids, before)  # no sync yet: the old weights
+    engine.sync_weights(named_weights(model))
     after = engine.generate(prompts, 2, params).completion_ids
     fresh = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16).generate(prompts, 2, params)
     assert not torch.equal(before, after)

@@ -1,11 +1,12 @@
 """The CUDA-graph engine's own properties (its step runs eagerly on a CPU): other architectures, log-prob agreement
-with the trainer, in-place weight updates, unsupported models."""
+with the trainer, the weight seam (sync_weights), unsupported models."""
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from gspo.errors import UserError
 from gspo.logprobs import sequence_logprobs
+from gspo.models import named_weights
 from gspo.rollout.graph import GraphEngine
 from gspo.types import SamplingParams
 
@@ -41,8 +42,9 @@ def test_engine_logprobs_match_the_trainers(make_tiny_model, tokenizer, prompts)
     assert diff.max() < 1e-4
 
 
-def test_in_place_weight_update_is_seen(make_tiny_model, tokenizer, prompts):
-    """An in-place parameter change (what the optimizer does) changes the next rollout without rebuilding the engine."""
+def test_weights_reach_the_engine_only_through_sync_weights(make_tiny_model, tokenizer, prompts):
+    """The engine samples from its own copy: an in-place change of the trainer's parameters (what the optimizer does)
+    changes nothing until sync_weights, after which the engine samples what a freshly built one samples."""
     model = make_tiny_model(seed=1, init_std=0.3)
     engine = GraphEngine(model, tokenizer, stop_ids=[STOP])
     params = SamplingParams(max_new_tokens=6, greedy=True)
@@ -50,29 +52,46 @@ def test_in_place_weight_update_is_seen(make_tiny_model, tokenizer, prompts):
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1.0)
+    assert torch.equal(engine.generate(prompts, 1, params).completion_ids, before)
+    engine.sync_weights(named_weights(model))
     after = engine.generate(prompts, 1, params).completion_ids
     assert not torch.equal(before, after)
+    assert torch.equal(after, GraphEngine(model, tokenizer, stop_ids=[STOP]).generate(prompts, 1, params).completion_ids)
+    assert all(p.data_ptr() not in {q.data_ptr() for q in model.parameters()} for p in engine.model.parameters())
 
 
-def test_shadow_weights_sample_exactly_like_autocast(make_tiny_model, tokenizer, prompts):
-    """Under bf16 autocast the engine's bf16 weight copies give bit-identical tokens and log-probs to casting the fp32
-    weights at every step, and an in-place update of the fp32 weights reaches the copies at the next call."""
+def test_sync_weights_refuses_a_partial_or_foreign_set(make_tiny_model, tokenizer):
+    """Every engine weight must be given once: a missing one or a name the model lacks is refused naming the fix."""
+    model = make_tiny_model(seed=1)
+    engine = GraphEngine(model, tokenizer, stop_ids=[STOP])
+    weights = list(named_weights(model))
+    with pytest.raises(UserError, match="was not given 1 of the engine's weights"):
+        engine.sync_weights(weights[1:])
+    with pytest.raises(UserError, match="'nope' but the engine's model has no such parameter"):
+        engine.sync_weights([*weights, ("nope", weights[0][1])])
+
+
+def test_low_precision_weights_sample_exactly_like_autocast(make_tiny_model, tokenizer, prompts):
+    """Under bf16 autocast the engine's bf16 weight copies give bit-identical tokens and log-probs to casting fp32
+    copies at every step, and a synced update of the fp32 weights reaches them."""
     model = make_tiny_model(seed=4, init_std=0.3)
     params = SamplingParams(max_new_tokens=10, temperature=0.9)
 
-    def run(shadow: bool, seed: int = 0):
-        engine = GraphEngine(model, tokenizer, stop_ids=[STOP], autocast_dtype=torch.bfloat16, shadow_weights=shadow)
+    def run(low: bool, seed: int = 0):
+        engine = GraphEngine(model, tokenizer, stop_ids=[STOP], autocast_dtype=torch.bfloat16, low_precision_weights=low)
         return engine, engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(seed))
 
-    shadow_engine, a = run(True)
+    low_engine, a = run(True)
     _, b = run(False)
-    assert shadow_engine.shadow is not None and shadow_engine.shadow.nbytes() > 0
+    assert low_engine.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert low_engine.model.model.norm.weight.dtype == torch.float32  # autocast leaves norms in fp32, so does the copy
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
-    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters are back in the model
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the trainer's masters are untouched
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    after = shadow_engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(0))
+    low_engine.sync_weights(named_weights(model))
+    after = low_engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(0))
     _, fresh = run(False)
     assert torch.equal(after.completion_ids, fresh.completion_ids) and torch.equal(after.logprobs, fresh.logprobs)
 

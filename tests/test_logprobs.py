@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from gspo.errors import UserError
-from gspo.logprobs import final_logits, sequence_logprobs
+from gspo.logprobs import sequence_logprobs
+from gspo.models import final_logits
 from gspo.rollout import HFEngine
 from gspo.types import SamplingParams
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gspo import policy_loss
-from gspo.algorithms.losses import aggregate, importance_ratio
+from gspo.algorithms.losses import aggregate, importance_ratio, ratio_metrics
 from gspo.errors import UserError
 
 PAD = 0.0
@@ -192,13 +192,27 @@ def test_kl_to_reference_adds_beta_times_k3():
     assert m["kl/ref"] == pytest.approx(math.exp(0.1) - 0.1 - 1, abs=1e-9)
 
 
-def test_metrics_are_detached_floats():
-    """Every metric is a plain float, so logging never holds the graph."""
+def test_metrics_are_detached_zero_dim_tensors():
+    """Every metric is a detached 0-dim tensor (no host sync, no graph held until the step's one reduce)."""
     _, _, m = run("sequence", 3e-4, 4e-4)
-    assert all(isinstance(v, float) for v in m.values())
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad for v in m.values())
     for key in ("clip/token_low", "clip/token_high", "clip/token_total", "clip/seq_low", "clip/seq_high",
                 "clip/seq_total", "ratio/token_mean", "ratio/seq_mean", "ratio/token_max", "ratio/seq_min", "kl/old_new"):
         assert key in m
+
+
+def test_masked_statistics_match_boolean_indexing():
+    """The ratio statistics computed under a mask equal those of the selected values (what the metrics used to index)."""
+    torch.manual_seed(0)
+    logp, old = torch.randn(5, 7) * 0.1, torch.randn(5, 7) * 0.1
+    mask = torch.rand(5, 7) > 0.4
+    mask[3] = False  # a row without tokens
+    m = ratio_metrics(logp, old, mask)
+    w = torch.exp(logp - old)[mask]
+    for name, value in (("mean", w.mean()), ("std", w.std(unbiased=False)), ("min", w.min()), ("max", w.max())):
+        assert m[f"ratio/token_{name}"].item() == pytest.approx(value.item(), rel=1e-6)
+    empty = ratio_metrics(logp, old, torch.zeros_like(mask))
+    assert math.isnan(empty["ratio/token_mean"].item()) and math.isnan(empty["ratio/seq_max"].item())
 
 
 def test_rows_without_loss_tokens_do_not_count_as_sequences():

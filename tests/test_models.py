@@ -10,7 +10,7 @@ import torch
 from conftest import ASSETS, tiny_llama
 from transformers import AutoTokenizer
 
-from gspo import models
+from gspo.models import load as models
 from gspo.errors import UserError
 from gspo.models import load_model, load_tokenizer, stop_token_ids
 from gspo.rollout import HFEngine

@@ -10,7 +10,7 @@ from gspo.report import Run, key_metrics, write_report
 
 from test_trainer import tiny_config  # noqa: F401  (the tiny model fixture lives there too)
 from test_trainer import tiny_dir  # noqa: F401
-from gspo.trainer import Trainer
+from gspo.train import Trainer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FIGURES = ["reward.png", "clipping.png", "ratios.png", "token_strip.png", "length_entropy.png"]

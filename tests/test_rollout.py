@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gspo.errors import UserError
-from gspo.rollout import HFEngine, pad_prompts, sample_next
+from gspo.models import named_weights, pad_prompts
+from gspo.rollout import HFEngine, sample_next
 from gspo.rollout.graph import GraphEngine
 from gspo.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
@@ -26,11 +27,12 @@ def prompts(tokenizer):
 
 
 def force_token(model, token_id: int, bias: float) -> None:
-    """Add an LM-head bias on ``token_id`` (the head is tied to the embeddings, so its weights stay untouched)."""
-    vocab = model.lm_head.weight.shape[0]
-    b = torch.zeros(vocab)
-    b[token_id] = bias
-    model.lm_head.bias = torch.nn.Parameter(b)
+    """Set an LM-head bias on ``token_id`` (the head is tied to the embeddings, so its weights stay untouched); the bias
+    parameter is added the first time, then changed in place (as an optimizer step changes a parameter)."""
+    if model.lm_head.bias is None:
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.weight.shape[0]))
+    with torch.no_grad():
+        model.lm_head.bias[token_id] = bias
 
 
 def test_pad_prompts_left_pads():
@@ -168,8 +170,9 @@ def test_top_p_keeps_smallest_sufficient_set():
     assert set(token.tolist()) == {0, 1}
 
 
-def test_model_mode_restored_and_weights_shared(Engine, tiny_model, tokenizer, prompts):
-    """Generation restores every module's train/eval mode and sees in-place weight updates at once."""
+def test_model_mode_restored_and_weights_synced(Engine, tiny_model, tokenizer, prompts):
+    """Generation leaves every module's train/eval mode as it was, and an update is sampled after sync_weights."""
+    force_token(tiny_model, STOP, 0.0)  # the parameter the "update" below changes
     engine = Engine(tiny_model, tokenizer, stop_ids=[STOP])
     tiny_model.train()
     tiny_model.model.layers[0].eval()  # a mixed state must come back as it was
@@ -177,6 +180,7 @@ def test_model_mode_restored_and_weights_shared(Engine, tiny_model, tokenizer, p
     assert tiny_model.training and tiny_model.model.layers[1].training
     assert not tiny_model.model.layers[0].training and not tiny_model.model.layers[0].mlp.training
     force_token(tiny_model, STOP, 100.0)  # an "update" made after the engine was built
+    engine.sync_weights(named_weights(tiny_model))
     rollout = engine.generate(prompts, 1, SamplingParams(max_new_tokens=3, greedy=True))
     assert rollout.completion_ids.tolist() == [[STOP]] * 3
 

@@ -10,7 +10,7 @@ from gspo.config import build_config
 from gspo.errors import UserError
 from gspo.metrics import read_jsonl
 from gspo.sinks import TensorBoardSink
-from gspo.trainer import Trainer
+from gspo.train import Trainer
 
 from test_trainer import tiny_config  # noqa: F401  (the tiny model fixture lives there too)
 from test_trainer import tiny_dir  # noqa: F401
@@ -90,7 +90,7 @@ def test_broken_tensorboard_install_stops_before_training(tiny_dir, tmp_path, mo
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(UserError, match=r"importing tensorboard failed .*pip install 'gspo\[tensorboard\]'"):
         t.train()
-    assert t.step == 0 and read_jsonl(tmp_path / "run" / "metrics.jsonl") == []
+    assert t.state.step == 0 and read_jsonl(tmp_path / "run" / "metrics.jsonl") == []
 
 
 def test_failing_sink_warns_once_and_the_run_completes(tiny_dir, tmp_path, monkeypatch, caplog):
@@ -106,7 +106,7 @@ def test_failing_sink_warns_once_and_the_run_completes(tiny_dir, tmp_path, monke
     t = Trainer(tiny_config(tiny_dir, "train.steps=4", "log.tensorboard=true"), tmp_path / "run")
     with caplog.at_level("WARNING", logger="gspo"):
         t.train()
-    assert t.step == 4 and calls == [1]
+    assert t.state.step == 4 and calls == [1]
     assert caplog.text.count("TensorBoard sink failed (OSError") == 1
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 

@@ -8,7 +8,7 @@ from gspo.cli import main
 from gspo.config import build_config
 from gspo.errors import UserError
 from gspo.metrics import read_jsonl
-from gspo.trainer import Trainer
+from gspo.train import Trainer
 
 from conftest import tiny_llama
 
@@ -50,9 +50,9 @@ def _params(model):
 def test_two_steps_change_parameters_and_log_every_key(tiny_dir, tmp_path):
     """Two optimizer steps change the weights, and every metrics line carries every documented key."""
     trainer = Trainer(tiny_config(tiny_dir), tmp_path / "run")
-    before = _params(trainer.model)
+    before = _params(trainer.actor.model)
     trainer.train()
-    after = _params(trainer.model)
+    after = _params(trainer.actor.model)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
@@ -89,10 +89,10 @@ def test_resume_continues_the_step_count(tiny_dir, tmp_path):
     run = tmp_path / "run"
     first = Trainer(tiny_config(tiny_dir), run)
     first.train()
-    saved = _params(first.model)
+    saved = _params(first.actor.model)
     resumed = Trainer(tiny_config(tiny_dir, "train.steps=4"), run, resume=True)
-    assert resumed.step == 2
-    assert all(torch.equal(saved[k], v) for k, v in _params(resumed.model).items())
+    assert resumed.state.step == 2
+    assert all(torch.equal(saved[k], v) for k, v in _params(resumed.actor.model).items())
     resumed.train()
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
 
@@ -154,7 +154,7 @@ def test_failed_rewards_are_counted_and_get_zero_advantage(tiny_dir, tmp_path):
     """Completions whose reward raises are NaN, counted in reward/failures, and get advantage 0."""
     trainer = Trainer(tiny_config(tiny_dir, "rewards.functions=[{path='trainer_rewards:flaky'}]", "rewards.workers=1"), tmp_path / "run")
     try:
-        batch = trainer.collect()
+        batch = trainer.collector.collect()
     finally:
         trainer.rewards.close()
     failed = ~torch.isfinite(batch.rewards)
@@ -170,7 +170,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(tiny_dir, tmp_p
                                   "rollout.prompts_per_batch=4", "dapo.max_resample_rounds=20", "dapo.overlong_cache=4",
                                   "loss.mask_truncated=false"), tmp_path / "run")
     try:
-        batch = trainer.collect()
+        batch = trainer.collector.collect()
     finally:
         trainer.rewards.close()
     G = 4
@@ -196,7 +196,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_dir, tmp_path):
     for i, gc in enumerate(("false", "true")):
         trainer = Trainer(tiny_config(tiny_dir, f"model.gradient_checkpointing={gc}"), tmp_path / f"run{i}")
         trainer.train()
-        runs.append((read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl"), _params(trainer.model)))
+        runs.append((read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl"), _params(trainer.actor.model)))
     assert [r["loss"] for r in runs[0][0]] == pytest.approx([r["loss"] for r in runs[1][0]], abs=1e-6)
     for k, v in runs[0][1].items():
         torch.testing.assert_close(v, runs[1][1][k], atol=1e-6, rtol=1e-5)
@@ -208,9 +208,9 @@ def test_packed_update_gives_the_padded_update(tiny_dir, tmp_path):
     runs = []
     for i, packing in enumerate(("off", "on")):
         trainer = Trainer(tiny_config(tiny_dir, f"train.packing='{packing}'"), tmp_path / f"run{i}")
-        assert trainer.packed == (packing == "on")
+        assert trainer.actor.packed == (packing == "on")
         trainer.train()
-        runs.append((read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl"), _params(trainer.model)))
+        runs.append((read_jsonl(tmp_path / f"run{i}" / "metrics.jsonl"), _params(trainer.actor.model)))
     assert runs[1][0][0]["ratio/token_min"] == runs[1][0][0]["ratio/token_max"] == 1.0
     assert [r["loss"] for r in runs[0][0]] == pytest.approx([r["loss"] for r in runs[1][0]], abs=1e-6)
     for k, v in runs[0][1].items():  # Adam divides float32 gradient noise by ~|g|: 1e-5 is 0.5% of one step at lr 1e-3
@@ -231,7 +231,7 @@ def test_dropout_is_disabled_so_the_on_policy_ratio_is_one(tmp_path, tokenizer):
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)
     trainer = Trainer(tiny_config(d), tmp_path / "run")
-    assert trainer.model.config.attention_dropout == 0.0
+    assert trainer.actor.model.config.attention_dropout == 0.0
     trainer.train()
     first = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
     assert first["ratio/token_min"] == first["ratio/token_max"] == 1.0
@@ -264,21 +264,21 @@ def test_graph_engine_trains_on_cpu(tiny_dir, tmp_path):
 def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_dir, tmp_path, monkeypatch):
     """A loss that turns NaN is not applied: the weights stay as they were, the step is counted, and the run stops
     with a message once train.max_nonfinite_steps happen in a row."""
-    import gspo.trainer
+    import gspo.train.actor
     from gspo.errors import UserError
 
-    real = gspo.trainer.policy_loss
+    real = gspo.train.actor.policy_loss
 
     def nan_loss(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
         return loss * float("nan"), metrics
 
-    monkeypatch.setattr(gspo.trainer, "policy_loss", nan_loss)
+    monkeypatch.setattr(gspo.train.actor, "policy_loss", nan_loss)
     trainer = Trainer(tiny_config(tiny_dir, "train.steps=8", "train.max_nonfinite_steps=2"), tmp_path / "run")
-    before = _params(trainer.model)
+    before = _params(trainer.actor.model)
     with pytest.raises(UserError, match="non-finite"):
         trainer.train()
-    assert all(torch.equal(before[k], v) for k, v in _params(trainer.model).items())
+    assert all(torch.equal(before[k], v) for k, v in _params(trainer.actor.model).items())
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["nonfinite_steps"] for r in rows] == [1.0]  # the second in a row stops the run before its line
 
@@ -293,10 +293,10 @@ def test_resume_is_bit_identical_to_a_straight_run(tiny_dir, tmp_path):
     a.train()
     Trainer(tiny_config(tiny_dir, "train.steps=3", "train.minibatches=1"), tmp_path / "b").train()
     b = Trainer(tiny_config(tiny_dir, "train.steps=6", "train.minibatches=1"), tmp_path / "b", resume=True)
-    assert b.step == 3
+    assert b.state.step == 3
     b.train()
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
-    for (name, x), y in zip(a.model.named_parameters(), b.model.parameters()):
+    for (name, x), y in zip(a.actor.model.named_parameters(), b.actor.model.parameters()):
         assert torch.equal(x, y), name
 
 
@@ -310,7 +310,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tiny_dir, tmp_path
         f.write_bytes(b"not a safetensors file")
     with caplog.at_level("WARNING", logger="gspo"):
         t = Trainer(tiny_config(tiny_dir, "train.steps=6"), run, resume=True)
-    assert t.step == 2 and "cannot be read" in caplog.text
+    assert t.state.step == 2 and "cannot be read" in caplog.text
     t.train()
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
@@ -350,14 +350,14 @@ def test_failed_checkpoint_write_keeps_the_previous_and_says_so(tiny_dir, tmp_pa
     monkeypatch.undo()
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert "step-000002" in names and "step-000004" not in names
-    assert Trainer(tiny_config(tiny_dir, "train.steps=4"), run, resume=True).step == 2
+    assert Trainer(tiny_config(tiny_dir, "train.steps=4"), run, resume=True).state.step == 2
 
 
 KILL_DURING_SAVE = """
 import os, signal, sys, torch
 sys.path.insert(0, {tests!r})
 from gspo.config import build_config
-from gspo.trainer import Trainer
+from gspo.train import Trainer
 from test_trainer import tiny_config
 t = Trainer(tiny_config({tiny!r}, "train.steps=4"), {run!r}, resume=True)
 real = torch.save
@@ -384,7 +384,7 @@ def test_kill_9_during_a_checkpoint_write_then_resume(tiny_dir, tmp_path):
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert "step-000004.tmp" in names and "step-000004" not in names
     t = Trainer(tiny_config(tiny_dir, "train.steps=4"), run, resume=True)
-    assert t.step == 2
+    assert t.state.step == 2
     t.train()
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step-000004"
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
@@ -404,16 +404,16 @@ def test_collapse_sentinel_detectors_stop_the_run(tiny_dir, tmp_path, detector):
     key = detector.split("=")[0].replace(".", r"\.")
     with pytest.raises(UserError, match=key + ".*(last checkpoint is step-|no checkpoint was written yet)"):
         t.train()
-    assert t.step < 6 and t.collapse
+    assert t.state.step < 6 and t.collapse
     written = [p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")] if (tmp_path / "run" / "checkpoints").exists() else []
-    assert f"step-{t.step:06d}" not in written  # the collapsed state is not checkpointed
+    assert f"step-{t.state.step:06d}" not in written  # the collapsed state is not checkpointed
 
 
 def test_collapse_sentinel_warns_and_goes_on(tiny_dir, tmp_path, caplog):
     t = Trainer(tiny_config(tiny_dir, "train.steps=4", "sentinel.entropy_min=100.0"), tmp_path / "run")
     with caplog.at_level("WARNING", logger="gspo"):
         t.train()
-    assert t.step == 4 and "collapse sentinel at step 2: entropy" in caplog.text
+    assert t.state.step == 4 and "collapse sentinel at step 2: entropy" in caplog.text
 
 
 def test_sentinel_rollback_reloads_an_earlier_checkpoint_with_a_lower_lr(tiny_dir, tmp_path, caplog):
@@ -429,7 +429,7 @@ def test_sentinel_rollback_reloads_an_earlier_checkpoint_with_a_lower_lr(tiny_di
     with caplog.at_level("WARNING", logger="gspo"), pytest.raises(UserError, match="no checkpoint older"):
         t.train()
     assert caplog.text.count("rolling back to step-000002") == 1
-    assert t.lr_scale == 0.5 and t.rollbacks == 1
+    assert t.actor.lr_scale == 0.5 and t.state.rollbacks == 1
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # batch 1 replayed in place of its first run
     assert [r["lr"] for r in rows] == [1e-3, 1e-3, 5e-4, 5e-4]
@@ -439,7 +439,7 @@ def test_resume_with_a_lower_lr_uses_it(tiny_dir, tmp_path):
     """The config's train.lr wins over the checkpoint's on --resume (and is what the metrics log)."""
     Trainer(tiny_config(tiny_dir, "train.steps=2"), tmp_path / "run").train()
     t = Trainer(tiny_config(tiny_dir, "train.steps=4", "train.lr=1e-4"), tmp_path / "run", resume=True)
-    assert t.optimizer.param_groups[0]["lr"] == 1e-4
+    assert t.actor.optimizer.param_groups[0]["lr"] == 1e-4
     t.train()
     assert [r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1e-3, 1e-3, 1e-4, 1e-4]
 
@@ -471,6 +471,6 @@ def test_sentinel_reward_history_survives_a_restart(tiny_dir, tmp_path):
              "rewards.functions=[{path='trainer_rewards:declining'}]"]
     Trainer(tiny_config(tiny_dir, "train.steps=2", *extra), tmp_path / "run").train()  # batch 0: reward 1
     t = Trainer(tiny_config(tiny_dir, "train.steps=6", *extra), tmp_path / "run", resume=True)
-    assert t._rewards_seen == {0: 1.0}
+    assert t.rewards_seen == {0: 1.0}
     with pytest.raises(UserError, match="reward_drop"):
         t.train()  # batch 1: reward 0, a drop of 1 from the best before the restart

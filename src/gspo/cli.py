@@ -27,7 +27,7 @@ EPILOG = """examples:
 def _config(path: str | None, overrides: list[str]):
     """Build the config twice: first to learn model.device, then with that device's ``[overrides.<type>]`` table."""
     from gspo.config import build_config, load_toml
-    from gspo.trainer import resolve_device
+    from gspo.runtime import resolve_device
 
     data = load_toml(path) if path else {}
     device = resolve_device(build_config(data, overrides).model.device).type
@@ -35,7 +35,7 @@ def _config(path: str | None, overrides: list[str]):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gspo.trainer import Trainer
+    from gspo.train import Trainer
 
     cfg = _config(args.config, args.overrides)
     run_dir = args.run_dir or cfg.log.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
@@ -44,10 +44,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.stop_signal is not None:
         again = " ".join(["gspo train", *([args.config] if args.config else []), "--resume", "--run-dir", str(out),
                           *(shlex.quote(o) for o in args.overrides)])
-        print(f"stopped by {trainer.stop_signal} after {trainer.step} optimizer steps; checkpoint in {out / 'checkpoints'}; "
+        print(f"stopped by {trainer.stop_signal} after {trainer.state.step} optimizer steps; checkpoint in {out / 'checkpoints'}; "
               f"continue with: {again}", file=sys.stderr)
         return 130 if trainer.stop_signal == "SIGINT" else 143
-    print(f"done: {trainer.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
+    print(f"done: {trainer.state.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
     return 0
 
 
@@ -71,7 +71,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from gspo.checkpoint import complete_checkpoints
     from gspo.metrics import read_jsonl
     from gspo.report import group_means, key_metrics, load_run, metrics_table, write_report
-    from gspo.trainer import Trainer
+    from gspo.train import Trainer
 
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     seeds = _int_list(args.seeds, "--seeds")

@@ -52,7 +52,7 @@ def token_trace(tokenizer, completion_ids: torch.Tensor, logp: torch.Tensor, old
     """
     mask = mask.bool()
     ids = completion_ids[mask].tolist()
-    lr = (logp.float() - old_logp.float())[mask]  # (n,)
+    lr = token_log_ratio(logp.float(), old_logp.float(), mask)[mask]  # (n,)
     return {"tokens": [tokenizer.decode([t]) for t in ids], "token_log_ratio": lr.tolist(),
             "seq_log_ratio": float(lr.mean()) if lr.numel() else 0.0, "advantage": float(advantage)}
 
@@ -63,7 +63,7 @@ def pick_trace_rows(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
     valid = mask.any(-1).nonzero().squeeze(-1).tolist()
     if not valid or k <= 0:
         return []
-    lr = torch.where(mask, (logp.float() - old_logp.float()).abs(), torch.zeros((), device=logp.device))
+    lr = token_log_ratio(logp.float(), old_logp.float(), mask).abs()  # (B, T), 0 on padding
     extreme = int(lr.amax(-1).argmax())
     rest = [r for r in valid if r != extreme]
     step = max(1, math.ceil(len(rest) / max(k - 1, 1)))

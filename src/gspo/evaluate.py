@@ -7,12 +7,12 @@ from typing import Any
 import torch
 
 from gspo.config import Config
-from gspo.data import build_dataset, default_reward
+from gspo.data import build_dataset, dataset_args, default_reward
 from gspo.models import load_model, stop_token_ids
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import make_engine
-from gspo.trainer import dataset_args, resolve_device
+from gspo.runtime import Runtime
 from gspo.types import SamplingParams
 
 
@@ -21,13 +21,13 @@ def evaluate(cfg: Config, *, model_name: str | None = None, n: int = 200, sample
 
     A completion counts as correct when the first reward function gives it >= 1.
     """
-    device = resolve_device(cfg.model.device)
-    autocast = torch.bfloat16 if device.type == "cuda" and cfg.model.precision != "fp32" else None
+    runtime = Runtime.from_config(cfg.model)  # the same device and precision rule as training
+    device = runtime.device
     model, tok = load_model(model_name or cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(device))
     model.to(device).eval()
-    engine = make_engine(cfg.rollout.engine, model, tok, stop_ids=stop_token_ids(tok, model), device=device, autocast_dtype=autocast,
-                         fused_step=cfg.rollout.fused_step)
-    dataset = build_dataset(dataset_args(cfg, cfg.seed + 10_000))  # generated tasks: other items than training saw
+    engine = make_engine(cfg.rollout.engine, model, tok, stop_ids=stop_token_ids(tok, model), device=device,
+                         autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step)
+    dataset = build_dataset(dataset_args(cfg.data, cfg.seed + 10_000))  # generated tasks: other items than training saw
     examples = [dataset[i] for i in range(min(n, len(dataset)))]
     spec = [RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions[:1]] or [RewardSpec(default_reward(cfg.data.task))]
     gen = torch.Generator(device=device).manual_seed(cfg.seed)

@@ -26,8 +26,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
 from gspo.errors import UserError
-from gspo.models import attention_context, autocast_context
-from gspo.rollout.hf import pad_prompts, positions_from_mask
+from gspo.models import (attention_context, attention_implementation, autocast_context, final_logits, pad_prompts,
+                         positions_from_mask)
 
 
 def sequence_logprobs(
@@ -125,15 +125,9 @@ def _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_
 
 def _packed_decoder_forward(decoder, ids, pos, cu, max_length: int) -> torch.Tensor:
     """The decoder over one packed row with the packed attention: ``(1, S, H)``."""
-    config = decoder.config
-    saved = config._attn_implementation
-    config._attn_implementation = "gspo_packed"  # read by every attention module at each call
-    try:
-        with fused_norms(decoder, ids.device.type == "cuda"):
-            return decoder(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                           max_length_q=max_length, max_length_k=max_length).last_hidden_state
-    finally:
-        config._attn_implementation = saved
+    with attention_implementation(decoder.config, "gspo_packed"), fused_norms(decoder, ids.device.type == "cuda"):
+        return decoder(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=max_length, max_length_k=max_length).last_hidden_state
 
 
 # RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)), which torch's rms_norm computes too.
@@ -351,18 +345,3 @@ def _chunk(hidden, targets, head, config, temperature, with_entropy, device, aut
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)  # (C,)
     return logp, entropy
-
-
-def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
-    """Apply the output transforms some architectures put after the LM head (their forward does it too)."""
-    scale = getattr(config, "logit_scale", None)  # Cohere multiplies
-    if scale is not None:
-        logits = logits * scale
-    scaling = getattr(config, "logits_scaling", None)  # Granite divides
-    if scaling is not None:
-        logits = logits / scaling
-    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2/3 squash with tanh
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-

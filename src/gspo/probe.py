@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -73,55 +72,54 @@ def summarize_bins(records: list[dict[str, Any]], n_bins: int) -> dict[str, list
 
 def probe_noise(cfg, out_path: str | Path, rows: int = 48, n_bins: int = 5) -> dict[str, Any]:
     """Run the probe for ``cfg`` (its model, data, rollout and train settings) and write ``out_path``."""
-    from gspo.metrics import Console, JsonlWriter
-    from gspo.trainer import Trainer
+    from gspo.algorithms import token_log_ratio
+    from gspo.runtime import Runtime
+    from gspo.train import build
 
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg, Path(tmp) / "run")
-        try:
-            import time
-
-            trainer.t_start = time.time()
-            batch = trainer.collect()
-            rollout = batch.rollout
-            N = rollout.completion_ids.shape[0]
-            # Micro-batches of the update's size: the whole batch in one pass could hold far more memory (GSM8K at
-            # 512 new tokens: 256 rows of ~700 tokens).
-            size = cfg.train.micro_batch_size or max(1, N // cfg.train.minibatches)
-            micro = [torch.arange(i, min(N, i + size)) for i in range(0, N, size)]
-            old = trainer._frozen_logprobs(trainer.model, rollout, micro).cpu()  # (N, T) before the updates
-            writer = JsonlWriter(Path(tmp) / "probe_metrics.jsonl")
-            # The last minibatch of a batch trains after minibatches - 1 optimizer steps: move the policy that far.
-            trainer.update(batch, writer, Console(cfg.train.steps, enabled=False), steps=cfg.train.minibatches - 1)
-            writer.close()
-            trainer.graphs = None  # one response at a time below: not worth a CUDA graph per shape
-            mask = rollout.completion_mask  # (N, T)
-            adv = batch.advantages.cpu()
-            candidates = [i for i in range(N) if adv[i] != 0 and mask[i].any()]
-            g = torch.Generator().manual_seed(cfg.seed)
-            pick = [candidates[j] for j in torch.randperm(len(candidates), generator=g)[:rows].tolist()]
-            records = []
-            trainer.model.train()
-            for i in pick:
-                logp, _ = trainer._logprobs(trainer.model, rollout, torch.tensor([i]))  # (1, T), differentiable
-                m = mask[i].to(logp.device)
-                lp = logp[0][m]  # (n,)
-                lr = (lp.detach().cpu() - old[i][mask[i]]).clamp(-20, 20)  # (n,) token log-ratios
-                n = lr.numel()
-                r = lr.exp().to(lp.device)
-                s = float(lr.mean().exp())
-                base = float(adv[i]) / n
-                on = _grad_norm(trainer.model, lp, torch.full_like(lp, base))
-                rec = {"row": i, "length": n, "advantage": float(adv[i]),
-                       "grpo_weights": r.tolist(), "gspo_weights": [s] * n,
-                       "grpo_grad_norm": _grad_norm(trainer.model, lp, base * r),
-                       "gspo_grad_norm": _grad_norm(trainer.model, lp, torch.full_like(lp, base * s)),
-                       "grpo_is_noise": _grad_norm(trainer.model, lp, base * (r - 1)) / max(on, 1e-12),
-                       "gspo_is_noise": _grad_norm(trainer.model, lp, torch.full_like(lp, base * (s - 1))) / max(on, 1e-12)}
-                records.append(rec)
-            trainer.model.eval()
-        finally:
-            trainer.rewards.close()
+    parts = build(cfg, Runtime.from_config(cfg.model))
+    actor = parts.actor
+    try:
+        batch = parts.collector.collect()
+        rollout = batch.rollout
+        N = rollout.completion_ids.shape[0]
+        # Micro-batches of the update's size: the whole batch in one pass could hold far more memory (GSM8K at 512 new
+        # tokens: 256 rows of ~700 tokens).
+        size = cfg.train.micro_batch_size or max(1, N // cfg.train.minibatches)
+        micro = [torch.arange(i, min(N, i + size)) for i in range(0, N, size)]
+        old = actor.frozen_logprobs(rollout, micro).cpu()  # (N, T) before the updates
+        # The last minibatch of a batch trains after minibatches - 1 optimizer steps: move the policy that far.
+        plan = actor.plan(N)
+        actor.prepare(batch, plan)
+        for k in range(cfg.train.minibatches - 1):
+            actor.step(batch, plan, k, k)
+        mask = rollout.completion_mask  # (N, T)
+        adv = batch.advantages.cpu()
+        candidates = [i for i in range(N) if adv[i] != 0 and mask[i].any()]
+        g = torch.Generator().manual_seed(cfg.seed)
+        pick = [candidates[j] for j in torch.randperm(len(candidates), generator=g)[:rows].tolist()]
+        records = []
+        actor.model.train()
+        for i in pick:
+            # One response at a time: not worth a CUDA graph per shape.
+            logp, _ = actor.logprobs(rollout, torch.tensor([i]), graphs=False)  # (1, T), differentiable
+            m = mask[i].to(logp.device)
+            lp = logp[0][m]  # (n,)
+            lr = token_log_ratio(logp[0].detach().cpu(), old[i], mask[i])[mask[i]]  # (n,) token log-ratios
+            n = lr.numel()
+            r = lr.exp().to(lp.device)
+            s = float(lr.mean().exp())
+            base = float(adv[i]) / n
+            model = actor.model
+            on = _grad_norm(model, lp, torch.full_like(lp, base))
+            records.append({"row": i, "length": n, "advantage": float(adv[i]),
+                            "grpo_weights": r.tolist(), "gspo_weights": [s] * n,
+                            "grpo_grad_norm": _grad_norm(model, lp, base * r),
+                            "gspo_grad_norm": _grad_norm(model, lp, torch.full_like(lp, base * s)),
+                            "grpo_is_noise": _grad_norm(model, lp, base * (r - 1)) / max(on, 1e-12),
+                            "gspo_is_noise": _grad_norm(model, lp, torch.full_like(lp, base * (s - 1))) / max(on, 1e-12)})
+        actor.model.eval()
+    finally:
+        parts.rewards.close()
     result = {"model": cfg.model.name, "algorithm_of_the_updates": cfg.algorithm, "minibatches": cfg.train.minibatches,
               "responses": len(records), "by_algorithm": summarize_bins(records, n_bins),
               "per_response": [{k: v for k, v in r.items() if not k.endswith("_weights")} for r in records]}

@@ -4,6 +4,7 @@ Shape legend: ``N`` completions in a rollout batch (prompts x group size), ``T``
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +38,70 @@ FINISH_STOP = "stop"  # ended on EOS or the chat template's end-of-turn token (t
 FINISH_LENGTH = "length"  # reached max_new_tokens without a stop token
 
 
+def _select(value: Any, rows: list[int], idx: torch.Tensor) -> Any:
+    """Rows ``rows`` of one field: a list, a tensor indexed on its first dimension, a dict of such, a row container;
+    anything else (a pad id, None) is not per row and is kept."""
+    if isinstance(value, list):
+        return [value[i] for i in rows]
+    if isinstance(value, torch.Tensor):
+        return value[idx.to(value.device)]
+    if isinstance(value, dict):
+        return {k: _select(v, rows, idx) for k, v in value.items()}
+    if isinstance(value, RowFields):
+        return value.select(rows)
+    return value
+
+
+def _concat(values: list[Any], pad: Any) -> Any:
+    """One field of several containers, rows in order; per-token (N, T) tensors are right-padded with ``pad``."""
+    first = values[0]
+    if isinstance(first, list):
+        return [x for v in values for x in v]
+    if isinstance(first, torch.Tensor):
+        if pad is None:
+            return torch.cat(values)
+        T = max(v.shape[1] for v in values)
+        return torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1]), value=pad) for v in values])
+    if isinstance(first, dict):
+        return {k: _concat([v[k] for v in values], pad) for k in first}
+    if isinstance(first, RowFields):
+        return type(first).concat(values)
+    return first
+
+
+class RowFields:
+    """Row-wise ``select`` and ``concat`` that follow the dataclass's fields, so a new per-row field (expert routes, a
+    trainable mask, values) is one line in the class. A field's ``metadata["pad"]`` marks a per-token ``(N, T)``
+    tensor and gives the value that pads it on concatenation (``"pad_id"``: the container's ``pad_id``)."""
+
+    def select(self, rows: list[int]):
+        """The rows ``rows`` (in that order)."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        return type(self)(**{f.name: _select(getattr(self, f.name), rows, idx) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def concat(cls, parts: list):
+        """Rows of several containers, in order, per-token fields padded to the longest."""
+        if len(parts) == 1:
+            return parts[0]
+        out = {}
+        for f in dataclasses.fields(cls):
+            pad = f.metadata.get("pad")
+            if pad == "pad_id":
+                pad = parts[0].pad_id
+            values = [getattr(p, f.name) for p in parts]
+            out[f.name] = None if values[0] is None else _concat(values, pad)
+        return cls(**out)
+
+
 @dataclass
-class Rollout:
+class Rollout(RowFields):
     """Completions of a batch of prompts. Row ``i`` belongs to prompt ``i // n`` when ``n`` samples are drawn each."""
 
     prompt_ids: list[list[int]]  # N lists of prompt token ids (no padding)
-    completion_ids: torch.Tensor  # (N, T) int64, right-padded with pad_id
-    completion_mask: torch.Tensor  # (N, T) bool, True on generated tokens (the stop token included)
-    logprobs: torch.Tensor  # (N, T) float32, log pi(sampled token) under softmax(logits / temperature); 0 on padding
+    completion_ids: torch.Tensor = field(metadata={"pad": "pad_id"})  # (N, T) int64, right-padded with pad_id
+    completion_mask: torch.Tensor = field(metadata={"pad": False})  # (N, T) bool, True on generated tokens (stop included)
+    logprobs: torch.Tensor = field(metadata={"pad": 0.0})  # (N, T) float32, log pi(token) under softmax(logits / temp)
     finish_reasons: list[str]  # N of FINISH_STOP | FINISH_LENGTH
     texts: list[str]  # N decoded completions, special tokens removed
     pad_id: int = 0
@@ -53,33 +110,33 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)  # (N,)
 
-    def select(self, rows: list[int]) -> "Rollout":
-        """The rollout restricted to ``rows`` (in that order)."""
-        idx = torch.tensor(rows, dtype=torch.long)
-        return Rollout(
-            prompt_ids=[self.prompt_ids[i] for i in rows],
-            completion_ids=self.completion_ids[idx],
-            completion_mask=self.completion_mask[idx],
-            logprobs=self.logprobs[idx],
-            finish_reasons=[self.finish_reasons[i] for i in rows],
-            texts=[self.texts[i] for i in rows],
-            pad_id=self.pad_id,
-        )
 
-    @staticmethod
-    def concat(parts: list["Rollout"]) -> "Rollout":
-        """Rows of several rollouts, in order, padded to the longest completion."""
-        if len(parts) == 1:
-            return parts[0]
-        T = max(p.completion_ids.shape[1] for p in parts)
+@dataclass
+class Groups(RowFields):
+    """Scored groups of the collect stage: ``G`` completions per prompt, rows of a group contiguous.  N rows."""
 
-        def pad(x: torch.Tensor, value) -> torch.Tensor:
-            return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+    rollout: Rollout
+    examples: list[Example]  # N, the example of each row
+    rewards: torch.Tensor  # (N,) float32 weighted total, NaN where a reward function failed
+    per_function: dict[str, torch.Tensor]  # name -> (N,) each function's raw reward
 
-        pad_id = parts[0].pad_id
-        return Rollout(prompt_ids=[ids for p in parts for ids in p.prompt_ids],
-                       completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
-                       completion_mask=torch.cat([pad(p.completion_mask, False) for p in parts]),
-                       logprobs=torch.cat([pad(p.logprobs, 0.0) for p in parts]),
-                       finish_reasons=[f for p in parts for f in p.finish_reasons],
-                       texts=[t for p in parts for t in p.texts], pad_id=pad_id)
+    def groups(self, picked: list[int], group_size: int) -> "Groups":
+        """The groups ``picked`` (indices of groups, not rows), in that order."""
+        return self.select([g * group_size + j for g in picked for j in range(group_size)])
+
+
+@dataclass
+class Batch:
+    """One rollout batch ready for the update.  N = P x G rows, groups contiguous.
+
+    ``old_logprobs`` and ``ref_logprobs`` are filled by the actor before the first optimizer step (minibatch 0's old
+    log-probs during it, from its own forward)."""
+
+    rollout: Rollout
+    examples: list[Example]  # N, the example of each row
+    rewards: torch.Tensor  # (N,) total reward, NaN where a reward function failed
+    advantages: torch.Tensor  # (N,)
+    loss_mask: torch.Tensor  # (N, T) bool: completion tokens that enter the loss
+    metrics: dict[str, Any]  # the rollout batch's metrics (floats or 0-dim tensors)
+    old_logprobs: torch.Tensor | None = None  # (N, T) on the training device
+    ref_logprobs: torch.Tensor | None = None  # (N, T) on the training device, with loss.beta > 0

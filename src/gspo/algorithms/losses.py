@@ -113,8 +113,8 @@ def aggregate(
     mode: str,
     *,
     max_length: int | None = None,
-    num_seqs: float | None = None,
-    num_tokens: float | None = None,
+    num_seqs: float | Tensor | None = None,
+    num_tokens: float | Tensor | None = None,
 ) -> Tensor:
     """Reduce a per-position loss (B, T) to a scalar.
 
@@ -123,53 +123,80 @@ def aggregate(
     - ``seq-mean-token-sum-norm``: sum_{i,t} l_{i,t} / (B * max_length)         (Dr. GRPO)
 
     ``num_seqs`` / ``num_tokens`` replace B / sum |y_i| so that micro-batches of one optimizer step can be summed
-    into exactly the full-batch value (by default B counts only rows with at least one loss token); ``max_length``
-    defaults to T.
+    into exactly the full-batch value (by default B counts only rows with at least one loss token); they may be
+    floats or 0-dim tensors (a count left on the device needs no host sync). ``max_length`` defaults to T.
     """
     _check_choice(mode, AGGREGATIONS, "loss aggregation")
     zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
     loss_mat = torch.where(mask, loss_mat, zero)  # (B, T)
     T = loss_mat.shape[1]
     # A row with no loss token (e.g. a truncated completion under overlong filtering) is not a sequence of the mean.
-    n_seq = float(mask.any(-1).sum()) if num_seqs is None else float(num_seqs)
+    n_seq = _count(mask.any(-1).sum() if num_seqs is None else num_seqs, loss_mat)
     if mode == "seq-mean-token-mean":
         per_seq = loss_mat.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
-        return per_seq.sum() / max(n_seq, 1.0)
+        return per_seq.sum() / n_seq
     if mode == "token-mean":
-        n_tok = float(mask.sum()) if num_tokens is None else float(num_tokens)
-        return loss_mat.sum() / max(n_tok, 1.0)
-    return loss_mat.sum() / (max(n_seq, 1.0) * float(max_length if max_length is not None else T))
+        return loss_mat.sum() / _count(mask.sum() if num_tokens is None else num_tokens, loss_mat)
+    return loss_mat.sum() / (n_seq * float(max_length if max_length is not None else T))
+
+
+def _count(n: float | Tensor, like: Tensor) -> Tensor:
+    """A denominator: at least 1, in the loss's dtype (counts are exact there), on its device."""
+    return torch.as_tensor(n, dtype=like.dtype, device=like.device).clamp(min=1.0)
 
 
 # --------------------------------------------------------------------------------------------- the loss
 
 
+def _masked_stats(values: Tensor, mask: Tensor, prefix: str) -> dict[str, Tensor]:
+    """Mean, population std, min and max of ``values`` where ``mask`` is True, as 0-dim tensors (NaN when nothing is
+    selected), two-pass in the values' dtype (as ``Tensor.std`` computes them) without boolean indexing, which would
+    wait for the device."""
+    x = values
+    count = mask.sum()
+    n = count.clamp(min=1)
+    mean = torch.where(mask, x, 0.0).sum() / n
+    std = (torch.where(mask, (x - mean) ** 2, 0.0).sum() / n).sqrt()
+    nan = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
+    empty = count == 0
+    return {f"{prefix}_mean": torch.where(empty, nan, mean), f"{prefix}_std": torch.where(empty, nan, std),
+            f"{prefix}_min": torch.where(empty, nan, torch.where(mask, x, float("inf")).amin()),
+            f"{prefix}_max": torch.where(empty, nan, torch.where(mask, x, float("-inf")).amax())}
+
+
 @torch.no_grad()
-def ratio_metrics(logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, float]:
-    """Token- and sequence-level ratio statistics and an approximate KL(old || new), whatever the level trained.
+def ratio_metrics(logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Token- and sequence-level ratio statistics and an approximate KL(old || new), whatever the level trained, as
+    0-dim tensors (NaN where no token or sequence is selected).
 
     ``kl/old_new`` is the k3 estimator  E_old[(w - 1) - log w]  averaged over tokens.
     """
     token_lr = token_log_ratio(_at_least_fp32(logp), _at_least_fp32(old_logp), mask)  # (B, T)
     seq_lr = sequence_log_ratio(token_lr, mask)  # (B,)
-    w = torch.exp(token_lr)[mask]
-    s = torch.exp(seq_lr)[mask.any(-1)]
-    out: dict[str, float] = {}
-    for name, v in (("ratio/token", w), ("ratio/seq", s)):
-        if v.numel() == 0:
-            continue
-        out[f"{name}_mean"] = v.mean().item()
-        out[f"{name}_std"] = v.std(unbiased=False).item()
-        out[f"{name}_min"] = v.min().item()
-        out[f"{name}_max"] = v.max().item()
+    has_tokens = mask.any(-1)  # (B,)
+    out = {**_masked_stats(torch.exp(token_lr), mask, "ratio/token"), **_masked_stats(torch.exp(seq_lr), has_tokens, "ratio/seq")}
     # Unclipped product of token ratios per sequence: token-level clipping does not bound it (the seeds' point).
-    prod_lr = torch.where(mask, token_lr, torch.zeros_like(token_lr)).sum(-1)[mask.any(-1)]
-    if prod_lr.numel():
-        out["ratio/seq_product_log_min"] = prod_lr.min().item()
-        out["ratio/seq_product_log_max"] = prod_lr.max().item()
+    prod_lr = torch.where(mask, token_lr, torch.zeros_like(token_lr)).sum(-1)  # (B,)
+    stats = _masked_stats(prod_lr, has_tokens, "ratio/seq_product_log")
+    out["ratio/seq_product_log_min"], out["ratio/seq_product_log_max"] = stats["ratio/seq_product_log_min"], stats["ratio/seq_product_log_max"]
     kl = torch.exp(token_lr) - 1.0 - token_lr
-    out["kl/old_new"] = masked_mean(kl, mask).item()
+    out["kl/old_new"] = masked_mean(kl, mask)
     return out
+
+
+@torch.no_grad()
+def logprob_gap(engine_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far an inference engine's log-probs are from the trainer's for the same tokens, as 0-dim tensors: the
+    absolute token log-ratio |log pi_engine - log pi_trainer| (mean and max over tokens) and the absolute GSPO sequence
+    log-ratio |(1/|y|) sum_t ...| (mean and max over sequences); 0 when nothing is selected."""
+    token_lr = token_log_ratio(_at_least_fp32(engine_logp), _at_least_fp32(trainer_logp), mask)  # (B, T)
+    seq = sequence_log_ratio(token_lr, mask).abs()  # (B,)
+    has_tokens = mask.any(-1)  # (B,)
+    tok = token_lr.abs()
+    return {"logprob/engine_diff_mean": masked_mean(tok, mask),
+            "logprob/engine_diff_max": torch.where(mask, tok, 0.0).amax() if mask.numel() else tok.new_zeros(()),
+            "logprob/engine_seq_diff_mean": torch.where(has_tokens, seq, 0.0).sum() / has_tokens.sum().clamp(min=1),
+            "logprob/engine_seq_diff_max": torch.where(has_tokens, seq, 0.0).amax() if seq.numel() else seq.new_zeros(())}
 
 
 def policy_loss(
@@ -185,9 +212,10 @@ def policy_loss(
     ref_logp: Tensor | None = None,
     beta: float = 0.0,
     max_length: int | None = None,
-    num_seqs: float | None = None,
-    num_tokens: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+    num_seqs: float | Tensor | None = None,
+    num_tokens: float | Tensor | None = None,
+    with_metrics: bool = True,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped GSPO / GSPO-token / GRPO objective (to minimise) and its diagnostics.
 
     J(theta) = E[ agg_{i,t} min(r_{i,t} A_{i,t}, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t}) ] - beta KL
@@ -202,7 +230,7 @@ def policy_loss(
         ref_logp, beta: optional k3 KL penalty to a frozen reference policy, added per token.
         max_length, num_seqs, num_tokens: see :func:`aggregate`.
 
-    Returns ``(loss, metrics)``; metrics are detached floats: clip fractions low/high/total counted per token
+    Returns ``(loss, metrics)``; metrics (empty unless ``with_metrics``) are detached 0-dim tensors: clip fractions low/high/total counted per token
     (``clip/token_*``: clipped tokens / tokens) and per sequence (``clip/seq_*``: mean over sequences of the
     fraction of the sequence's tokens clipped, which for ``sequence`` level is the fraction of sequences clipped),
     ratio statistics at both levels and ``kl/old_new``.
@@ -231,13 +259,17 @@ def policy_loss(
         per_token = per_token + beta * kl_term
     agg = dict(max_length=max_length, num_seqs=num_seqs, num_tokens=num_tokens)
     loss = aggregate(per_token, mask, aggregation, **agg)
+    if not with_metrics:
+        return loss, {}
 
     with torch.no_grad():
         metrics = ratio_metrics(logp, old_logp, mask)
+        has_tokens = mask.any(-1)  # (B,)
         for name, hit in (("low", clipped_low & mask), ("high", clipped_high & mask), ("total", (clipped_low | clipped_high) & mask)):
-            metrics[f"clip/token_{name}"] = (hit.sum() / mask.sum().clamp(min=1)).item()
-            metrics[f"clip/seq_{name}"] = masked_mean(hit.float(), mask, dim=-1)[mask.any(-1)].mean().nan_to_num(0.0).item()
+            metrics[f"clip/token_{name}"] = hit.sum() / mask.sum().clamp(min=1)
+            per_seq = masked_mean(hit.float(), mask, dim=-1)  # (B,)
+            metrics[f"clip/seq_{name}"] = torch.where(has_tokens, per_seq, 0.0).sum() / has_tokens.sum().clamp(min=1)
         if kl_term is not None:
-            metrics["kl/ref"] = masked_mean(kl_term, mask).item()
+            metrics["kl/ref"] = masked_mean(kl_term, mask)
     return loss, metrics
 

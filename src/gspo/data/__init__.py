@@ -35,6 +35,7 @@ __all__ = [
     "DataStream",
     "TASKS",
     "build_dataset",
+    "dataset_args",
     "default_reward",
     "gsm8k",
     "last_boxed",
@@ -94,6 +95,12 @@ def build_dataset(cfg: dict[str, Any]) -> Sequence[Example]:
     if not cfg.get("path"):
         raise UserError("task 'hf' needs a dataset name; set path to it, e.g. 'openai/gsm8k'.")
     return load_hf_dataset(cfg["path"], split, **fields)
+
+
+def dataset_args(data_cfg, seed: int) -> dict[str, Any]:
+    """The ``[data]`` section as :func:`build_dataset` takes it (the prompt-side fields stay with the collect stage)."""
+    skip = {"system_prompt", "max_prompt_tokens", "long_prompts"}
+    return {**{k: v for k, v in vars(data_cfg).items() if v is not None and k not in skip}, "seed": seed}
 
 
 def default_reward(task: str) -> str:

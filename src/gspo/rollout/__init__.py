@@ -1,16 +1,28 @@
-"""Rollout engines: anything with ``generate(prompts, n, params, generator) -> Rollout`` can feed the trainer."""
+"""Rollout engines: anything with ``generate(...)`` and ``sync_weights(...)`` can feed the trainer.
+
+The weight seam: before every rollout batch the training loop calls ``engine.sync_weights(actor.weights())`` with the
+policy's ``(name, tensor)`` pairs. What an engine does with them is its own business: the simple engine samples from
+the trainer's model object and ignores them; the graph engine copies them into its own low-precision buffers (which
+its captured CUDA graphs read in place); an engine in another process or library loads them. No engine may rely on
+reading the trainer's parameters between two calls of ``sync_weights``.
+"""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
 
-from gspo.rollout.hf import HFEngine, pad_prompts, positions_from_mask, sample_next
+from gspo.rollout.hf import HFEngine, sample_next
 from gspo.types import Rollout, SamplingParams
+
+ENGINES = ("auto", "graph", "hf")
+FUSED_STEPS = ("auto", "off")
 
 
 class RolloutEngine(Protocol):
-    """What the trainer needs from an engine: ``n`` completions per token-id prompt, row ``i`` for prompt ``i // n``."""
+    """What the trainer needs from an engine: ``n`` completions per token-id prompt, row ``i`` for prompt ``i // n``,
+    sampled from the weights last given to ``sync_weights``."""
 
     def generate(
         self,
@@ -20,11 +32,14 @@ class RolloutEngine(Protocol):
         generator: torch.Generator | None = None,
     ) -> Rollout: ...
 
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
 
 def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: torch.device,
                 autocast_dtype: torch.dtype | None = None, fused_step: str = "auto") -> RolloutEngine:
     """The engine ``rollout.engine`` names: ``graph``, ``hf``, or ``auto`` (graph on CUDA when the model is supported);
-    ``fused_step = "off"`` keeps the graph engine on the HF modules' decode step."""
+    ``fused_step = "off"`` keeps the graph engine on the HF modules' decode step. ``model`` gives the architecture and
+    the first weights."""
     from gspo.rollout import graph
 
     if kind == "auto":
@@ -35,4 +50,4 @@ def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: tor
     return HFEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype)
 
 
-__all__ = ["HFEngine", "RolloutEngine", "make_engine", "pad_prompts", "positions_from_mask", "sample_next"]
+__all__ = ["ENGINES", "FUSED_STEPS", "HFEngine", "RolloutEngine", "make_engine", "sample_next"]

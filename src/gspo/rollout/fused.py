@@ -3,8 +3,8 @@
 A decode layer becomes 4 GEMMs over packed low-precision copies of the layer's weights (q|k|v, o, gate|up, down) and
 5 Triton kernels (:mod:`gspo.rollout.kernels`): residual add + RMSNorm, rotary + K/V cache write, grouped-query
 attention over live slots, SiLU-and-multiply, and the next residual add + RMSNorm. It reads the same weights as the
-module path (the copies are refreshed from the trainer's parameters at every ``generate``; the norm weights are read
-in place) and rounds like HF's modules under autocast, so it samples the same distribution; a GPU test checks its
+module path (the packed weights are the graph engine's own copy, refreshed by its ``sync_weights``; the norm weights
+are read from that copy in place) and rounds like HF's modules under autocast, so it samples the same distribution; a GPU test checks its
 tokens and log-probs against the module path, and the CPU tests run the kernels in Triton's interpreter.
 
 Anything this path does not cover (other activations, sliding windows, odd head sizes, no Triton) makes
@@ -16,6 +16,8 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+
+from gspo.models import head_dim, kv_heads
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -30,13 +32,11 @@ def fused_unsupported(model, length: int = 0) -> str | None:
         return f"model_type {cfg.model_type!r} is not one of {', '.join(FAMILY)}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} is not silu"
-    heads = cfg.num_attention_heads
-    kv_heads = cfg.num_key_value_heads or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        return f"head_dim {head_dim} is not a power of two >= 16"
-    if heads % kv_heads:
-        return f"{heads} query heads are not a multiple of {kv_heads} KV heads"
+    heads, groups, width = cfg.num_attention_heads, kv_heads(cfg), head_dim(cfg)
+    if width < 16 or width & (width - 1):
+        return f"head_dim {width} is not a power of two >= 16"
+    if heads % groups:
+        return f"{heads} query heads are not a multiple of {groups} KV heads"
     window = getattr(cfg, "sliding_window", None)
     if window is not None and getattr(cfg, "use_sliding_window", True) and length > window:
         return f"sliding_window {window} is shorter than the cache"
@@ -102,16 +102,14 @@ def _packed_bias(parts: list[torch.nn.Linear], dtype, device) -> torch.Tensor | 
 
 
 class FusedDecoder:
-    """The fused decode forward for one model. Its packed weights are the engine's low-precision copies: ``copies()``
-    lists them, so :class:`gspo.rollout.graph.ShadowWeights` refreshes them and swaps them into the modules for the
-    prefill (no second copy of the weights)."""
+    """The fused decode forward for the graph engine's copy of the model. ``copies()`` lists its packed weights, which
+    :class:`gspo.rollout.graph.EngineWeights` makes the storage of that copy's Linear modules: the prefill's module path
+    and the fused step read the same tensors, and ``sync_weights`` fills them (no second copy of the weights)."""
 
     def __init__(self, model, dtype: torch.dtype, device):
         cfg = model.config
         self.model = model
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, kv_heads(cfg), head_dim(cfg)
         self.layers = [_Layer(layer, dtype, device) for layer in model.model.layers[: cfg.num_hidden_layers]]
         self.norm = model.model.norm
         self.dtype = dtype

@@ -15,8 +15,8 @@ How one ``generate`` runs:
 4. the host checks for "every row ended" only every ``sync_every`` steps, so there is no host synchronisation per
    token.
 
-The graph reads the trainer's parameters in place (the optimizer updates them in place), so an optimizer step is
-visible to the next rollout without any copy. Caches and graphs are kept per shape bucket and reused across calls.
+The graph reads the engine's own copy of the weights in place; ``sync_weights`` refreshes it from the trainer's
+parameters before each rollout batch, so an optimizer step is seen by the next rollout and the graphs stay valid. Caches and graphs are kept per shape bucket and reused across calls.
 On a CPU the same step runs eagerly: the CPU tests check this engine token for token against ``model.generate``.
 
 Differences from the simple engine (``hf.py``): sampling uses Gumbel-max instead of ``torch.multinomial`` (the same
@@ -25,7 +25,7 @@ or the next host check (their output is masked); attention reads all ``L`` slots
 """
 from __future__ import annotations
 
-import inspect
+import copy
 import time
 
 import torch
@@ -35,10 +35,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gspo.errors import UserError
-from gspo.logprobs import final_logits
-from gspo.models import attention_context, autocast_context, stop_token_ids
+from gspo.models import (attention_context, attention_implementation, autocast_context, cache_kwarg, final_logits,
+                         head_dim, kv_heads, named_weights, pad_prompts, pad_token_id, stop_token_ids)
 from gspo.rollout.fused import FusedDecoder, fused_unsupported
-from gspo.rollout.hf import check_request, filter_logits, pad_prompts
+from gspo.rollout.hf import check_request, filter_logits
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
@@ -68,19 +68,19 @@ def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     B, H, S, D = query.shape
     if gspo_live is not None and S == 1:
         starts, used, cu_q = gspo_live  # (B+1,), (B,), (B+1,) int32
-        L, kv_heads = key.shape[2], key.shape[1]
-        k = key.transpose(1, 2).reshape(B * L, kv_heads, D)  # the cache's (B, L, Hkv, D) storage: a view
-        v = value.transpose(1, 2).reshape(B * L, kv_heads, D)
+        L, Hkv = key.shape[2], key.shape[1]
+        k = key.transpose(1, 2).reshape(B * L, Hkv, D)  # the cache's (B, L, Hkv, D) storage: a view
+        v = value.transpose(1, 2).reshape(B * L, Hkv, D)
         # Under autocast the rotary embedding leaves the query in float32 (SDPA would be cast by autocast; this op isn't).
         q = query.reshape(B, H, D).to(k.dtype)
         out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, starts, 1, L, 0.0, False, False, scale=scaling,
                                                       seqused_k=used)[0]  # (B, H, D)
         return out.view(B, 1, H, D), None
-    kv_heads = key.shape[1]
-    if S != 1 or kv_heads == H:
+    Hkv = key.shape[1]
+    if S != 1 or Hkv == H:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    G = H // kv_heads
-    q = query.reshape(B, kv_heads, G, D)  # head h = kv * G + g, the layout repeat_kv assumes
+    G = H // Hkv
+    q = query.reshape(B, Hkv, G, D)  # head h = kv * G + g, the layout repeat_kv assumes
     mask = attention_mask.expand(B, 1, G, attention_mask.shape[-1])  # (B, 1, G, L), one mask row per query head
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # (B, Hkv, G, D)
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
@@ -91,14 +91,12 @@ AttentionInterface.register("gspo_decode", _decode_attention)
 
 def _flash_decode_works(device: torch.device, dtype: torch.dtype, config) -> bool:
     """Whether flash attention's variable-length path (with ``seqused_k``) runs here for this head layout."""
-    heads = config.num_attention_heads
-    kv_heads = config.num_key_value_heads or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, groups, width = config.num_attention_heads, kv_heads(config), head_dim(config)
     if dtype not in (torch.float16, torch.bfloat16) or not torch.backends.cuda.flash_sdp_enabled():
         return False
     try:
-        q = torch.zeros(2, heads, head_dim, dtype=dtype, device=device)
-        kv = torch.zeros(2 * 4, kv_heads, head_dim, dtype=dtype, device=device)
+        q = torch.zeros(2, heads, width, dtype=dtype, device=device)
+        kv = torch.zeros(2 * 4, groups, width, dtype=dtype, device=device)
         cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
         starts = torch.tensor([1, 4, 8], dtype=torch.int32, device=device)
         used = torch.tensor([3, 2], dtype=torch.int32, device=device)
@@ -116,8 +114,8 @@ class StaticKV:
     ``update`` returns ``(B, Hkv, L, D)`` views of it, the layout HF attention functions expect.
     """
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype, device):
-        shape = (batch, length, kv_heads, head_dim)
+    def __init__(self, layers: int, batch: int, groups: int, length: int, width: int, dtype, device):
+        shape = (batch, length, groups, width)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]  # (B, L, Hkv, D) each
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.slots = torch.zeros(1, dtype=torch.long, device=device)  # (S,) slots written by the current forward
@@ -137,51 +135,71 @@ class StaticKV:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-class ShadowWeights:
-    """Low-precision copies of the trainer's fp32 Linear weights (and biases) for the engine's forward passes.
+class EngineWeights:
+    """The engine's own copy of the policy: a second instance of the model's modules (buffers such as rotary frequencies
+    copied with them) whose parameters have storage of their own, so the engine never reads the trainer's parameters.
 
-    Under autocast every decode step would cast each fp32 weight to bf16 again (inside a CUDA graph it must: see
-    ``autocast_context``), one extra kernel per weight and ~1.5x the weight bytes moved per token. The copies are
-    refreshed with one ``_foreach_copy_`` at the start of every ``generate`` call, so the engine always samples from
-    the trainer's current weights, and they round exactly as autocast's cast does: the same numbers, bit for bit.
-    Norm and embedding weights stay fp32, as autocast leaves them.
+    Linear weights and biases are kept in ``linear_dtype`` (bf16 under autocast: each decode step would otherwise cast
+    every fp32 weight again -- inside a CUDA graph it must, see ``autocast_context`` -- one extra kernel per weight and
+    ~1.5x the weight bytes moved per token). Norm and embedding weights keep the trainer's dtype, as autocast leaves
+    them; a tied LM head gets its own copy (it is a Linear). The copies round exactly as autocast's casts do: the same
+    numbers, bit for bit. ``storage`` gives the memory of some of them -- the fused decoder's packed weights -- so one
+    copy serves both decode paths. ``load`` copies named tensors in with one ``_foreach_copy_``, in place, so CUDA
+    graphs captured over the copies stay valid.
     """
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, storage=()):
-        # ``storage``: (module, name, tensor) triples giving the copy's memory for those parameters -- the fused
-        # decoder's packed weights -- which are kept whatever the master's dtype (they must be refreshed).
-        given = {(id(m), name): t for m, name, t in storage}
-        self.slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]] = []
-        for module in model.modules():
-            if not isinstance(module, torch.nn.Linear):
-                continue
-            for name in ("weight", "bias"):
-                master = module._parameters.get(name)
-                if master is None:
+    def __init__(self, model: torch.nn.Module, linear_dtype: torch.dtype, device: torch.device):
+        source = dict(model.named_parameters(remove_duplicate=False))
+        # A structural copy (modules, config, buffers) whose parameters are placeholders on the meta device: nothing of
+        # the size of the weights is copied here, and every parameter the model has -- described by its config or not --
+        # gets a slot below.
+        memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                for p in model.parameters()}
+        replica = copy.deepcopy(model, memo)
+        for prefix, module in replica.named_modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+            for name, param in list(module._parameters.items()):
+                if param is None:
                     continue
-                if (id(module), name) in given:
-                    copy = torch.nn.Parameter(given[(id(module), name)], requires_grad=False)
-                elif master.dtype == torch.float32 and dtype != torch.float32:
-                    copy = torch.nn.Parameter(torch.empty_like(master, dtype=dtype), requires_grad=False)
-                else:
-                    continue
-                self.slots.append((module, name, master, copy))
+                master = source[f"{prefix}.{name}" if prefix else name]
+                dtype = linear_dtype if isinstance(module, torch.nn.Linear) and master.dtype.is_floating_point else master.dtype
+                module._parameters[name] = torch.nn.Parameter(torch.empty(master.shape, dtype=dtype, device=device),
+                                                              requires_grad=False)
+        self.model = replica.eval().requires_grad_(False)
+        self.slots: dict[str, torch.Tensor] = {}
+
+    def give_storage(self, storage) -> None:
+        """Back ``(module, parameter name, tensor)`` triples of the replica with the given tensors (packed weights)."""
+        for module, name, tensor in storage:
+            module._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+
+    def index(self) -> None:
+        """Fix the name -> tensor map ``load`` writes to (after ``give_storage``)."""
+        self.slots = dict(self.model.named_parameters(remove_duplicate=False))
 
     def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for *_, c in self.slots)
+        return sum(t.numel() * t.element_size() for t in self.slots.values())
 
     @torch.no_grad()
-    def sync(self) -> None:
-        if self.slots:
-            torch._foreach_copy_([c for *_, c in self.slots], [m for _, _, m, _ in self.slots])
-
-    def swap_in(self) -> None:
-        for module, name, _, copy in self.slots:
-            module._parameters[name] = copy
-
-    def swap_out(self) -> None:
-        for module, name, master, _ in self.slots:
-            module._parameters[name] = master
+    def load(self, weights) -> None:
+        """Copy every ``(name, tensor)`` into the replica; each of its parameters must be given exactly once."""
+        dst, src, seen = [], [], set()
+        for name, tensor in weights:
+            slot = self.slots.get(name)
+            if slot is None or name in seen:
+                why = "twice" if name in seen else "but the engine's model has no such parameter"
+                raise UserError(f"sync_weights got a weight named {name!r} {why}; pass the policy's named parameters "
+                                "(gspo.models.named_weights(model)).")
+            seen.add(name)
+            dst.append(slot)
+            src.append(tensor)
+        missing = [n for n in self.slots if n not in seen]
+        if missing:
+            raise UserError(f"sync_weights was not given {len(missing)} of the engine's weights ({missing[:3]}...); pass "
+                            "every named parameter of the policy (gspo.models.named_weights(model)).")
+        torch._foreach_copy_(dst, src)
 
 
 class _Bucket:
@@ -189,9 +207,7 @@ class _Bucket:
 
     def __init__(self, engine: "GraphEngine", batch: int, length: int):
         cfg, dev = engine.model.config, engine.device
-        heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = StaticKV(cfg.num_hidden_layers, batch, heads, length, head_dim, engine.cache_dtype, dev)
+        self.cache = StaticKV(cfg.num_hidden_layers, batch, kv_heads(cfg), length, head_dim(cfg), engine.cache_dtype, dev)
         self.batch, self.length = batch, length
         self.tok = torch.zeros(batch, dtype=torch.long, device=dev)  # (B,) last sampled token
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1) its position id
@@ -213,56 +229,63 @@ class _Bucket:
 class GraphEngine:
     """Fast sampling for supported HF decoder models; same interface and output as :class:`HFEngine`.
 
+    The engine samples from its own copy of the policy (:class:`EngineWeights`), built from ``model`` (architecture,
+    buffers and first weights) and refreshed by ``sync_weights`` with the trainer's named parameters before each
+    rollout; between two syncs it never reads the trainer's parameters.
+
     ``max_batch`` caps the rows of one batch bucket; a request with more rows (or more than fit in free GPU memory)
-    is generated in several calls of whole prompts. ``shadow_weights`` (default: on under autocast with fp32
-    weights) keeps bf16 copies of the Linear weights, refreshed at every call; ``flash_decode`` (default: on when
-    flash attention runs on this GPU) makes decode attention read live cache slots only; ``fused`` (default: on for
-    CUDA, 16-bit caches and the models :func:`gspo.rollout.fused.fused_unsupported` accepts) runs each decode layer as
-    4 GEMMs and 5 Triton kernels (:mod:`gspo.rollout.fused`) instead of the HF modules.
+    is generated in several calls of whole prompts. ``low_precision_weights`` (default: on under autocast) keeps the
+    copy's Linear weights in the autocast dtype instead of casting fp32 copies at every step; ``flash_decode``
+    (default: on when flash attention runs on this GPU) makes decode attention read live cache slots only; ``fused``
+    (default: on for CUDA, 16-bit caches and the models :func:`gspo.rollout.fused.fused_unsupported` accepts) runs each
+    decode layer as 4 GEMMs and 5 Triton kernels (:mod:`gspo.rollout.fused`) instead of the HF modules.
     """
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, device=None,
                  autocast_dtype: torch.dtype | None = None, sync_every: int = 4, use_graphs: bool | None = None,
-                 max_batch: int | None = None, shadow_weights: bool | None = None, flash_decode: bool | None = None,
-                 fused: bool | None = None):
+                 max_batch: int | None = None, low_precision_weights: bool | None = None,
+                 flash_decode: bool | None = None, fused: bool | None = None):
         if not supports(model):
             raise UserError(f"The graph rollout engine does not support model_type {model.config.model_type!r} "
                             f"(supported: {', '.join(SUPPORTED)}); set rollout.engine = 'hf'.")
-        self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.stop_ids = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.pad_id = pad_token_id(tokenizer, self.stop_ids)
         self.autocast_dtype = autocast_dtype
-        self.cache_dtype = autocast_dtype or next(model.parameters()).dtype
+        master_dtype = next(model.parameters()).dtype
+        self.cache_dtype = autocast_dtype or master_dtype
         self.sync_every = sync_every
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.max_batch = max_batch
         self._stop = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._gen: torch.Generator | None = None  # the generator captured graphs draw from
-        layer_fwd = inspect.signature(model.model.layers[0].forward).parameters
-        self._cache_arg = "cache" if "cache" in layer_fwd else "past_key_values"
+        self._cache_arg = cache_kwarg(model.model.layers[0].forward)
         self.warmup_s = 0.0  # seconds spent capturing graphs, cumulative
-        fp32 = next(model.parameters()).dtype == torch.float32
-        if shadow_weights is None:
-            shadow_weights = autocast_dtype is not None and fp32
         why_not = fused_unsupported(model)
         if fused is None:
             fused = self.device.type == "cuda" and self.cache_dtype in (torch.float16, torch.bfloat16) and why_not is None
         elif fused and why_not is not None:
             raise UserError(f"The fused decode step cannot run this model: {why_not}; leave fused unset (it falls back "
                             "to the HF modules' step).")
-        self.fused = FusedDecoder(model, self.cache_dtype, self.device) if fused else None
-        if self.fused is not None:  # its packed weights are the low-precision copies, refreshed at every call
-            self.shadow = ShadowWeights(model, self.cache_dtype, storage=self.fused.copies())
-        elif shadow_weights and autocast_dtype is not None:
-            self.shadow = ShadowWeights(model, autocast_dtype)
-        else:
-            self.shadow = None
+        if low_precision_weights is None:
+            low_precision_weights = autocast_dtype is not None
+        self.weights = EngineWeights(model, self.cache_dtype if fused or low_precision_weights else master_dtype,
+                                     self.device)
+        self.model = self.weights.model
+        self.fused = FusedDecoder(self.model, self.cache_dtype, self.device) if fused else None
+        if self.fused is not None:  # its packed weights are the copy's Linear weights: one copy for both paths
+            self.weights.give_storage(self.fused.copies())
+        self.weights.index()
+        self.sync_weights(named_weights(model))
         if flash_decode is None:
             flash_decode = self.device.type == "cuda" and _flash_decode_works(self.device, self.cache_dtype, model.config)
         self.flash_decode = flash_decode
+
+    def sync_weights(self, weights) -> None:
+        """Copy the policy's ``(name, tensor)`` pairs into the engine's own copy, in place (captured graphs stay valid)."""
+        self.weights.load(weights)
 
     # ------------------------------------------------------------------------------------------ model pieces
 
@@ -357,10 +380,8 @@ class GraphEngine:
 
     def _bytes_per_row(self, length: int) -> int:
         cfg = self.model.config
-        heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         itemsize = torch.empty((), dtype=self.cache_dtype).element_size()
-        kv = 2 * cfg.num_hidden_layers * heads * length * head_dim * itemsize
+        kv = 2 * cfg.num_hidden_layers * kv_heads(cfg) * length * head_dim(cfg) * itemsize
         return kv + 6 * cfg.vocab_size * 4  # + fp32 logits, log-softmax, Gumbel noise and temporaries
 
     def rows_that_fit(self, length: int) -> int:
@@ -389,21 +410,10 @@ class GraphEngine:
         rows = len(prompts) * n
         b = self._bucket(rows, length)
         P = length - params.max_new_tokens
-        modes = [(m, m.training) for m in self.model.modules()]  # restored one by one: mixed states survive
-        self.model.eval()
         self._gen = generator
-        if self.shadow is not None:
-            self.shadow.sync()
-            self.shadow.swap_in()
-        try:
-            with torch.no_grad(), autocast_context(self.device, self.autocast_dtype, cache=False), attention_context():
-                self._prefill(b, prompts, n, P, params)
-                self._decode(b, rows, params)
-        finally:
-            if self.shadow is not None:
-                self.shadow.swap_out()
-            for m, mode in modes:
-                m.training = mode
+        with torch.no_grad(), autocast_context(self.device, self.autocast_dtype, cache=False), attention_context():
+            self._prefill(b, prompts, n, P, params)
+            self._decode(b, rows, params)
         return self._collect(b, prompts, n, rows, params)
 
     def _prefill(self, b: _Bucket, prompts: list[list[int]], n: int, P: int, params: SamplingParams) -> None:
@@ -453,10 +463,7 @@ class GraphEngine:
         b.step.fill_(1)
 
     def _decode(self, b: _Bucket, rows: int, params: SamplingParams) -> None:
-        config = self.model.config
-        saved = config._attn_implementation
-        config._attn_implementation = "gspo_decode"  # read by every attention module at each call (and capture)
-        try:
+        with attention_implementation(self.model.config, "gspo_decode"):
             # Capture runs 3 steps ahead in the buffers (2 warm-up, 1 captured): shorter requests decode eagerly.
             graph = self._graph(b, params) if self.use_graphs and params.max_new_tokens >= 4 else None
             for j in range(1, params.max_new_tokens):
@@ -467,8 +474,6 @@ class GraphEngine:
                     graph.replay()
                 else:
                     self._step(b, params)
-        finally:
-            config._attn_implementation = saved
 
     def _collect(self, b: _Bucket, prompts: list[list[int]], n: int, rows: int, params: SamplingParams) -> Rollout:
         tok = b.out_tok[:rows].cpu()  # (N, T)

@@ -13,7 +13,8 @@ One generate call:
 3. a row ends on a stop token (kept, finish reason ``stop``) or after ``max_new_tokens`` (``length``); ended rows
    emit padding and the loop exits once every row has ended.
 
-The model object is shared with the trainer, so an optimizer step is visible to the next call. Prefill and decode
+The model object is shared with the trainer, so an optimizer step is visible to the next call (its
+``sync_weights`` has nothing to do). Prefill and decode
 step are separate methods so that a static-cache / CUDA-graph variant can replace them one at a time.
 """
 from __future__ import annotations
@@ -25,25 +26,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from gspo.errors import UserError
-from gspo.models import attention_context, autocast_context, stop_token_ids
+from gspo.models import (attention_context, autocast_context, cache_kwarg, eval_mode, pad_prompts, pad_token_id,
+                         positions_from_mask, stop_token_ids)
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
-
-
-def pad_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token-id lists into ``(input_ids, attention_mask)``, both ``(B, P)`` int64."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (B, P)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, P)
-    for row, ids in enumerate(prompts):
-        if ids:
-            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids):] = 1
-    return input_ids, attention_mask
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that count only attended tokens, so a left-padded row starts at position 0."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
 def filter_logits(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -120,13 +105,15 @@ class HFEngine:
         self.stop_ids = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
         if not self.stop_ids:
             raise UserError("The tokenizer has no EOS or end-of-turn token: pass stop_ids=[...] to HFEngine.")
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.pad_id = pad_token_id(tokenizer, self.stop_ids)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.autocast_dtype = autocast_dtype
-        forward_args = inspect.signature(model.forward).parameters
-        self._keeps_last_logits = "logits_to_keep" in forward_args
-        # transformers 5.24 renamed the forward argument `past_key_values` to `cache` (5.17 only knows the old name).
-        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        self._keeps_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_arg = cache_kwarg(model.forward)
+
+    def sync_weights(self, weights) -> None:
+        """Nothing to do: this engine samples from the model object it was given, the trainer's own, so an optimizer
+        step is visible at once (``weights`` is not read)."""
 
     def generate(
         self,
@@ -140,15 +127,8 @@ class HFEngine:
         if generator is not None and generator.device.type != self.device.type:
             raise UserError(f"generate() got a torch.Generator on {generator.device} for a model on {self.device}: "
                             f"create it with torch.Generator(device={str(self.device)!r}).")
-        # Per-module modes, not one flag: a trainer may keep some submodules (a frozen part, say) in eval mode.
-        modes = [(module, module.training) for module in self.model.modules()]
-        self.model.eval()
-        try:
-            with torch.no_grad(), self._autocast(), attention_context():
-                tokens, mask, logprobs, stopped = self._generate(prompts, n, params, generator)
-        finally:
-            for module, training in modes:
-                module.training = training
+        with eval_mode(self.model), torch.no_grad(), self._autocast(), attention_context():
+            tokens, mask, logprobs, stopped = self._generate(prompts, n, params, generator)
         tokens, mask, logprobs = tokens.cpu(), mask.cpu(), logprobs.cpu()
         return Rollout(
             prompt_ids=[list(p) for p in prompts for _ in range(n)],

@@ -14,8 +14,6 @@ A GGUF is dequantised once and cached as a normal HF directory under ``$GSPO_CAC
 """
 from __future__ import annotations
 
-import contextlib
-
 import hashlib
 import importlib.resources
 import importlib.util
@@ -256,48 +254,3 @@ def _load_error(name: str, what: str, err: Exception) -> UserError:
     return UserError(f"Could not load the {what} {name!r} from the Hugging Face hub or its local cache "
                      f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): check the id, or pass a "
                      f"local directory, or download it once online so the hub cache has it (HF_HOME).")
-
-
-def autocast_context(device: torch.device, dtype: torch.dtype | None, *, cache: bool = True):
-    """Mixed-precision context for forward passes: bf16 autocast on CUDA, and on CPUs (oneDNN, ~2x on AVX512-BF16).
-
-    ``cache=False`` for CUDA-graph capture: autocast's weight-cast cache would freeze the bf16 copies of the weights
-    made before capture (and free them when the context exits), so the graph must cast the live weights itself.
-    """
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
-
-
-def attention_context():
-    """Scaled-dot-product attention without the cuDNN kernel.
-
-    Left-padded prompts leave fully masked query rows; cuDNN's attention backward returns NaN for them under bf16
-    (seen on an H200 with torch 2.11), which silently turns whole optimizer steps non-finite. The efficient and
-    math kernels handle such rows; flash is kept for unmasked batches.
-    """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-def disable_dropout(model: torch.nn.Module) -> int:
-    """Set every dropout probability to 0 and return how many modules had one.
-
-    RL updates compare the policy with itself: the old log-probs come from a no-grad pass and the update recomputes
-    them with gradients, in train mode (needed for gradient checkpointing). Active dropout would make the on-policy
-    ratio differ from 1 and GSPO's 4e-4 clip range would discard most sequences.
-    """
-    changed = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout) and module.p > 0:
-            module.p = 0.0
-            changed += 1
-        for name in ("attention_dropout", "dropout"):
-            if isinstance(getattr(module, name, None), float) and getattr(module, name) > 0:
-                setattr(module, name, 0.0)  # functional dropout read from an attribute (e.g. LlamaAttention)
-                changed += 1
-    for key, value in list(vars(model.config).items()):
-        if "dropout" in key and isinstance(value, float) and value > 0:
-            setattr(model.config, key, 0.0)
-    return changed

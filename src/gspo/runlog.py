@@ -1,0 +1,112 @@
+"""The run log: everything a run writes beside its checkpoints, in one place.
+
+- ``metrics.jsonl``: one line per optimizer step (the source of truth; names documented in the README);
+- ``samples.jsonl``: a few completions per rollout batch;
+- ``histograms.jsonl`` and ``traces.jsonl``: the ratio diagnostics ``gspo report`` draws;
+- the optional TensorBoard / W&B sinks and the console progress line.
+
+Only the main process of a job writes. On resume and rollback the lines written after the checkpoint by the run that
+died (or was rolled back) are dropped, since those steps are replayed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.diagnostics import LOG_RATIO_EDGES, pick_trace_rows, ratio_histograms, token_trace
+from gspo.metrics import Console, JsonlWriter
+from gspo.sinks import MetricSinks, open_sinks
+from gspo.types import Batch
+
+
+class RunLog:
+    """The files and sinks of one ``train()`` call, continuing after optimizer step ``step`` / rollout batch
+    ``rollout_batch`` (0, 0 for a new run)."""
+
+    def __init__(self, run_dir: Path, cfg, *, step: int, rollout_batch: int, enabled: bool = True):
+        self.run_dir = run_dir
+        self.cfg = cfg
+        self.enabled = enabled
+        self.sinks = MetricSinks()
+        self.console = Console(cfg.train.steps, step, enabled=enabled and cfg.log.progress)
+        self._files: dict[str, JsonlWriter] = {}
+        if enabled:
+            self._open_files(step, rollout_batch)
+            self.sinks = open_sinks(cfg.to_dict(), run_dir, step)
+
+    def _open_files(self, step: int, rollout_batch: int) -> None:
+        by_step = lambda row: row["step"] <= step  # noqa: E731
+        self._files = {
+            "metrics": JsonlWriter(self.run_dir / "metrics.jsonl", keep=by_step),
+            "samples": JsonlWriter(self.run_dir / "samples.jsonl", keep=lambda row: row["rollout_batch"] < rollout_batch),
+            "histograms": JsonlWriter(self.run_dir / "histograms.jsonl", keep=by_step),
+            "traces": JsonlWriter(self.run_dir / "traces.jsonl", keep=by_step),
+        }
+
+    def _close_files(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+    # ------------------------------------------------------------------------------------------ writing
+
+    def step(self, row: dict[str, Any], end_of_batch: bool) -> None:
+        """One optimizer step's metrics line (floats: already reduced)."""
+        if not self.enabled:
+            return
+        self._files["metrics"].write(row)
+        self.sinks.log(row)
+        self.console.update(row["step"], row, end_of_batch=end_of_batch)
+
+    def samples(self, batch: Batch, step: int, rollout_batch: int) -> None:
+        """One completion per prompt of the first ``log.samples_per_batch`` prompts."""
+        if not self.enabled:
+            return
+        G = self.cfg.rollout.group_size
+        for i in list(range(0, len(batch.examples), G))[: self.cfg.log.samples_per_batch]:
+            ex = batch.examples[i]
+            self._files["samples"].write({
+                "step": step, "rollout_batch": rollout_batch, "prompt": ex.prompt, "answer": ex.answer,
+                "completion": batch.rollout.texts[i], "reward": float(batch.rewards[i]),
+                "advantage": float(batch.advantages[i]), "finish_reason": batch.rollout.finish_reasons[i],
+                "length": int(batch.rollout.lengths[i])})
+
+    def diagnostics(self, tokenizer, batch: Batch, rows: torch.Tensor, logp: torch.Tensor, *, step: int,
+                    rollout_batch: int, minibatch: int) -> None:
+        """Ratio histograms of optimizer step ``step`` (1-based) and, every ``log.trace_every`` rollout batches on the
+        last minibatch, per-token traces of a few responses."""
+        if not self.enabled:
+            return
+        lc = self.cfg.log
+        dev = logp.device
+        rows_dev = rows.to(dev)
+        old, mask, adv = batch.old_logprobs[rows_dev], batch.loss_mask.to(dev)[rows_dev], batch.advantages[rows]
+        where = {"step": step, "rollout_batch": rollout_batch, "minibatch": minibatch}
+        if lc.histograms:
+            self._files["histograms"].write({**where, "edges": LOG_RATIO_EDGES, **ratio_histograms(logp, old, mask)})
+        if lc.trace_every and rollout_batch % lc.trace_every == 0 and minibatch == self.cfg.train.minibatches - 1:
+            for i in pick_trace_rows(logp, old, mask, lc.trace_samples):
+                row = int(rows[i])
+                self._files["traces"].write({**where, "row": row, **token_trace(
+                    tokenizer, batch.rollout.completion_ids[row], logp[i].cpu(), old[i].cpu(), mask[i].cpu(),
+                    float(adv[i].mean()))})
+
+    def flush(self) -> None:
+        self.sinks.flush()
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def rewind(self, step: int, rollout_batch: int) -> None:
+        """Continue after an earlier checkpoint (a rollback): drop the lines written after it."""
+        if not self.enabled:
+            return
+        self._close_files()
+        self._open_files(step, rollout_batch)
+        self.sinks.rewind(step)
+
+    def close(self, failed: bool = False) -> None:
+        self.console.close()
+        self._close_files()
+        self.sinks.close(failed=failed)

@@ -1,0 +1,113 @@
+"""Where a run executes: the device, the precision rule, this process's rank in the job, and the one reduce of metrics
+per optimizer step. Training, evaluation and the probe all ask this module; nothing else decides these.
+
+Precision (``model.precision``):
+    auto            fp32 master weights with bf16 autocast on CUDA; plain fp32 elsewhere
+    bf16-autocast   fp32 master weights with bf16 autocast on any device (CPUs with AVX512-BF16 run it ~2x faster)
+    fp32            no autocast
+
+Rank and world size come from the ``torchrun`` environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) when present.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from gspo.errors import UserError
+
+PRECISIONS = ("auto", "fp32", "bf16-autocast")
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` (CUDA when visible, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; under torchrun plain ``cuda`` and
+    ``auto`` mean this process's own GPU (``cuda:LOCAL_RANK``)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"model.device = {name!r} but no CUDA device is visible; use model.device = 'cpu' or 'auto'.")
+    if name == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype ``model.precision`` asks for on ``device`` (None: no autocast)."""
+    if precision not in PRECISIONS:
+        raise UserError(f"model.precision = {precision!r} is not one of {', '.join(PRECISIONS)}; pick one of those.")
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return torch.bfloat16 if precision == "bf16-autocast" else None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The device, precision and process layout of one run."""
+
+    device: torch.device
+    autocast: torch.dtype | None = None
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes the run's files and talks to the user."""
+        return self.rank == 0
+
+    @classmethod
+    def from_config(cls, model_cfg) -> "Runtime":
+        """The runtime a ``[model]`` section asks for, in this process of the job."""
+        rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+        device = resolve_device(model_cfg.device, local)
+        return cls(device=device, autocast=autocast_dtype(model_cfg.precision, device), rank=rank, world_size=world,
+                   local_rank=local)
+
+    def reduce(self, metrics: dict[str, float | torch.Tensor], ops: dict[str, str] | None = None) -> dict[str, float]:
+        """Metrics as Python floats, with one host synchronisation for all of them (per device they live on); across
+        the processes of a job each is combined by its op in ``ops`` (default ``mean``; ``sum``, ``max``, ``min``).
+
+        Values may be floats, ints or 0-dim tensors; the keys must be the same on every rank."""
+        ops = ops or {}
+        names = list(metrics)
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            return self._all_reduce(metrics, names, ops)
+        out: dict[str, float] = {}
+        by_device: dict[torch.device, list[str]] = {}
+        for name in names:
+            value = metrics[name]
+            if isinstance(value, torch.Tensor):
+                by_device.setdefault(value.device, []).append(name)
+            else:
+                out[name] = float(value)
+        for group in by_device.values():
+            # float64 holds every float32 value exactly: the same numbers as one .item() each, in one transfer.
+            values = torch.stack([metrics[n].detach().reshape(()).double() for n in group]).tolist()
+            out.update(zip(group, values))
+        return {name: out[name] for name in names}
+
+    def _all_reduce(self, metrics, names: list[str], ops: dict[str, str]) -> dict[str, float]:
+        import torch.distributed as dist
+
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        out: dict[str, float] = {}
+        for op in REDUCE_OPS:
+            group = [n for n in names if ops.get(n, "mean") == op]
+            if not group:
+                continue
+            values = torch.stack([torch.as_tensor(metrics[n]).detach().reshape(()).to(device, torch.float64)
+                                  for n in group])
+            reduce_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                         "min": dist.ReduceOp.MIN}[op]
+            dist.all_reduce(values, op=reduce_op)
+            if op == "mean":
+                values /= self.world_size
+            out.update(zip(group, values.tolist()))
+        return {name: out[name] for name in names}
+
+
+def finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)

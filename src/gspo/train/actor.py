@@ -1,0 +1,250 @@
+"""The actor: the policy being trained (and its frozen reference), its optimizer and learning-rate schedule, and the
+log-prob passes of the update (padded, packed, or packed and CUDA-graphed).
+
+Shapes: ``N`` rows of the rollout batch, ``T`` completion positions, ``mb`` rows of a minibatch.
+
+One rollout batch goes through it as
+
+    plan = actor.plan(N)                       # a seeded shuffle, cut into minibatches and micro-batches
+    actor.prepare(batch, plan)                 # old-policy (and reference) log-probs, before any weight changes
+    for k in range(minibatches):
+        out = actor.step(batch, plan, k)       # forward/backward per micro-batch, clip, AdamW: metrics as tensors
+
+Old-policy log-probs (``train.old_logprobs = "recompute"``): minibatch 0 is on-policy, so its old log-probs are its own
+update forward's, detached (its ratio is exactly 1); the later minibatches get a frozen pass over the same
+micro-batches the update will use, so that in bf16 their numbers round as the update's would.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from gspo.algorithms import logprob_gap, policy_loss
+from gspo.config import Config
+from gspo.errors import UserError
+from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
+from gspo.models import attention_context, disable_dropout, eval_mode, named_weights
+from gspo.runtime import Runtime
+from gspo.train.schedule import lr_factor
+from gspo.types import Batch, Rollout
+
+log = logging.getLogger("gspo")
+
+
+@dataclass
+class Plan:
+    """How one rollout batch is cut for the update: ``minibatches[k]`` are the rows of optimizer step ``k``,
+    ``micro[k]`` the same rows in forward/backward chunks of ``train.micro_batch_size``."""
+
+    minibatches: list[torch.Tensor]  # k -> (mb,) int64 rows
+    micro: list[list[torch.Tensor]]  # k -> chunks of minibatches[k]
+
+
+@dataclass
+class StepOutput:
+    """What one optimizer step leaves for the run log: metrics (0-dim tensors until the loop's one reduce), the rows
+    trained and their new log-probs (detached, for the ratio diagnostics)."""
+
+    metrics: dict[str, torch.Tensor | float]
+    rows: torch.Tensor  # (mb,)
+    logprobs: torch.Tensor  # (mb, T)
+
+
+class Actor:
+    """Model, optimizer, schedule and passes of one run (see the module docstring)."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, model: torch.nn.Module):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.model = model
+        self._setup_model()
+        self._setup_passes()
+        self._setup_optimizer()
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.lr_scale = 1.0  # lowered by each collapse-sentinel rollback
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    def _setup_model(self) -> None:
+        cfg = self.cfg
+        self.model.to(self.runtime.device)
+        if disable_dropout(self.model):
+            log.info("dropout disabled: the update must see the same policy as the old log-prob pass")
+        if cfg.train.old_logprobs == "rollout" and self.runtime.autocast is not None:
+            log.warning("train.old_logprobs = 'rollout' under bf16 autocast: the engine's log-probs differ from the "
+                        "trainer's by ~0.02 per token, more than GSPO's clip range; use 'recompute' or model.precision = 'fp32'.")
+        if cfg.model.gradient_checkpointing:
+            # transformers 5.2x renamed the method; 5.17 (the GPU image) only has the old name.
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.loss.beta > 0 else None
+
+    def _setup_passes(self) -> None:
+        """Packed sequences where a fast kernel runs them (or asked for), CUDA graphs of the packed passes on a GPU."""
+        t, device = self.cfg.train, self.runtime.device
+        compute_dtype = self.runtime.autocast or next(self.model.parameters()).dtype
+        why_not = packing_unsupported(self.model.config)
+        if self.cfg.model.gradient_checkpointing:  # recomputation in the backward runs after the packed attention is unset
+            why_not = "model.gradient_checkpointing is on"
+        if t.packing == "on" and why_not:
+            raise UserError(f"train.packing = 'on' cannot be used here: {why_not}; set train.packing = 'off' or 'auto'.")
+        self.packed = t.packing == "on" or (t.packing == "auto" and not why_not and packing_available(device, compute_dtype))
+        use_graphs = (self.packed and device.type == "cuda" and t.cuda_graphs == "auto"
+                      and not self.cfg.model.gradient_checkpointing)
+        self.graphs = PackedGraphs(self.model, self.runtime.autocast) if use_graphs else None
+
+    def _setup_optimizer(self) -> None:
+        t = self.cfg.train
+        # One fused kernel for the whole AdamW update on CUDA (the per-tensor loop is ~6 ms per step at 135M); it also
+        # skips a non-finite step on the device (found_inf), so the step needs no host sync to decide.
+        self.fused_optimizer = (self.runtime.device.type == "cuda"
+                                and all(p.dtype == torch.float32 for p in self.model.parameters()))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.adam_betas),
+                                           weight_decay=t.weight_decay, fused=self.fused_optimizer or None)
+
+    # ------------------------------------------------------------------------------------------ what others read
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's ``(name, tensor)`` pairs for an engine's ``sync_weights``."""
+        return named_weights(self.model)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based): ``train.lr`` x rollback scale x schedule."""
+        return self.cfg.train.lr * (self.lr_scale * lr_factor(self.cfg.train, step))
+
+    def set_lr(self, step: int) -> None:
+        """Put ``lr_at(step)`` in the optimizer (before that step, and on resume)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(step)
+
+    # ------------------------------------------------------------------------------------------ passes
+
+    def logprobs(self, rollout: Rollout, rows: torch.Tensor | None = None, *, model: torch.nn.Module | None = None,
+                 with_entropy: bool = False, graphs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs ``(n, T)`` (and entropies) of ``rows`` of ``rollout`` under ``model`` (default: the policy),
+        differentiable when grad is enabled; CUDA graphs are used for the policy only, and not with ``graphs=False``."""
+        model = self.model if model is None else model
+        r = rollout if rows is None else rollout.select(rows.tolist())
+        device = self.runtime.device
+        return sequence_logprobs(model, r.prompt_ids, r.completion_ids.to(device), r.completion_mask.to(device),
+                                 temperature=self.cfg.rollout.temperature, pad_id=r.pad_id,
+                                 chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
+                                 autocast_dtype=self.runtime.autocast, packed=self.packed,
+                                 graphs=self.graphs if graphs and model is self.model else None)
+
+    @torch.no_grad()
+    def frozen_logprobs(self, rollout: Rollout, micro_batches: list[torch.Tensor],
+                        model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Log-probs ``(N, T)`` of a frozen policy (default: the current one) over ``micro_batches`` (rows not in them
+        stay 0), in eval mode, with the same rows and shapes as the update's passes."""
+        model = self.model if model is None else model
+        out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=self.runtime.device)  # (N, T)
+        with eval_mode(model):
+            for rows in micro_batches:
+                out[rows.to(self.runtime.device)] = self.logprobs(rollout, rows, model=model)[0]
+        return out
+
+    # ------------------------------------------------------------------------------------------ the update
+
+    def plan(self, n_rows: int) -> Plan:
+        """A seeded shuffle of ``n_rows`` rows cut into ``train.minibatches`` minibatches of micro-batches."""
+        t = self.cfg.train
+        order = torch.randperm(n_rows, generator=self.shuffle_gen)
+        mb = n_rows // t.minibatches
+        micro = t.micro_batch_size or mb
+        minibatches = [order[k * mb:(k + 1) * mb] for k in range(t.minibatches)]
+        return Plan(minibatches, [[rows[j:j + micro] for j in range(0, mb, micro)] for rows in minibatches])
+
+    def prepare(self, batch: Batch, plan: Plan) -> None:
+        """Fill ``batch.old_logprobs`` (and ``ref_logprobs`` with a reference model) before any weight changes."""
+        rollout = batch.rollout
+        if self.cfg.train.old_logprobs == "recompute":
+            # Minibatch 0 fills its own rows from its update forward (see step); the others need the frozen pass now.
+            later = [chunk for chunks in plan.micro[1:] for chunk in chunks]
+            batch.old_logprobs = self.frozen_logprobs(rollout, later)  # (N, T)
+        else:
+            batch.old_logprobs = rollout.logprobs.to(self.runtime.device)
+        if self.ref_model is not None:
+            every = [chunk for chunks in plan.micro for chunk in chunks]
+            batch.ref_logprobs = self.frozen_logprobs(rollout, every, model=self.ref_model)
+
+    def step(self, batch: Batch, plan: Plan, k: int, step: int) -> StepOutput:
+        """Optimizer step ``step`` (0-based, run-wide) on minibatch ``k`` of ``batch``: forward/backward per
+        micro-batch, gradient clipping, AdamW. A non-finite loss or gradient norm skips the update (on the device with
+        the fused optimizer); the caller counts it from the reduced ``loss`` and ``grad_norm``."""
+        cfg, dev = self.cfg, self.runtime.device
+        rows = plan.minibatches[k]
+        mask = batch.loss_mask.to(dev)  # (N, T)
+        old, ref, adv = batch.old_logprobs, batch.ref_logprobs, batch.advantages.to(dev)
+        on_policy_fill = cfg.train.old_logprobs == "recompute" and k == 0
+        # Denominators of the whole minibatch, so micro-batches sum to its exact loss; rows left entirely out of the loss
+        # (DAPO overlong filtering) do not count as sequences (the sequence-level TRL #6369).
+        mb_mask = mask[rows.to(dev)]  # (mb, T)
+        loss_kw = dict(level=cfg.loss.level, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
+                       aggregation=cfg.loss.aggregation, beta=cfg.loss.beta, max_length=cfg.rollout.max_new_tokens)
+        counts = dict(num_seqs=mb_mask.any(-1).sum(), num_tokens=mb_mask.sum())
+        mb_logp = torch.zeros(mb_mask.shape, dtype=torch.float32, device=dev)  # (mb, T) detached
+        mb_ent = torch.zeros_like(mb_logp)
+        loss_total = torch.zeros((), dtype=torch.float64, device=dev)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphed backwards keep .grad allocated
+        start = 0
+        for sub in plan.micro[k]:
+            logp, ent = self.logprobs(batch.rollout, sub, with_entropy=True)  # (n, T)
+            sub_dev = sub.to(dev)
+            if on_policy_fill:
+                old[sub_dev] = logp.detach()
+            loss, _ = policy_loss(logp, old[sub_dev], adv[sub_dev], mask[sub_dev],
+                                  ref_logp=None if ref is None else ref[sub_dev], with_metrics=False, **counts, **loss_kw)
+            with attention_context():
+                loss.backward()
+            loss_total += loss.detach().double()
+            mb_logp[start:start + len(sub)], mb_ent[start:start + len(sub)] = logp.detach(), ent
+            start += len(sub)
+        if on_policy_fill:  # every row's old log-probs exist from here on
+            batch.metrics.update(logprob_gap(batch.rollout.logprobs.to(dev), old, batch.rollout.completion_mask.to(dev)))
+        rows_dev = rows.to(dev)
+        with torch.no_grad():  # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
+            _, metrics = policy_loss(mb_logp, old[rows_dev], adv[rows_dev], mb_mask,
+                                     ref_logp=None if ref is None else ref[rows_dev], **loss_kw)
+        completion = batch.rollout.completion_mask[rows].to(dev)  # (mb, T)
+        tokens = completion.sum()
+        metrics["entropy"] = torch.where(completion, mb_ent, 0.0).sum() / tokens.clamp(min=1)
+        metrics["loss"] = loss_total
+        metrics["grad_norm"] = self._apply(loss_total, step)
+        metrics["trained_tokens"] = tokens
+        self.model.eval()
+        return StepOutput(metrics, rows, mb_logp)
+
+    def _apply(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Clip and apply the accumulated gradient at ``lr_at(step)``, unless the loss or the gradient is not finite."""
+        t = self.cfg.train
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
+        self.set_lr(step)
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        if self.fused_optimizer:
+            self.optimizer.found_inf = bad.float().to(grad_norm.device)  # read by fused AdamW: skips on the device
+            self.optimizer.step()
+        elif not bool(bad):
+            self.optimizer.step()
+        return grad_norm
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "shuffle_gen": self.shuffle_gen.get_state(),
+                "lr_scale": self.lr_scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the optimizer and shuffle; the config's ``train.lr`` wins over the checkpoint's (resuming with a
+        lower one is how a user reacts to instability), and a rollback's lower scale is kept."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        self.lr_scale = min(self.lr_scale, state.get("lr_scale", 1.0))

@@ -1,0 +1,177 @@
+"""The collect stage: prompts -> engine -> rewards -> [DAPO refill] -> advantages -> a :class:`~gspo.types.Batch`.
+
+Shapes: ``P`` prompts per batch, ``G`` completions per prompt, ``N = P x G`` rows (groups contiguous), ``T``
+completion positions.
+
+1. the next prompts whose encoded length fits ``data.max_prompt_tokens``;
+2. ``G`` completions each from the engine, scored by the reward functions (failures -> NaN, left out of the group
+   baseline);
+3. [DAPO dynamic sampling] groups whose task rewards are all equal carry no signal: they are dropped and new prompts
+   sampled until ``P`` groups have variance or ``dapo.max_resample_rounds`` extra rounds are spent;
+4. [DAPO] the soft overlong punishment is added to the reward, then group-relative advantages;
+5. the loss mask: completion tokens, without truncated completions under ``loss.mask_truncated``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from gspo.algorithms import group_advantages, overlong_penalty, zero_variance_groups
+from gspo.config import Config
+from gspo.data import DataStream
+from gspo.errors import UserError
+from gspo.prompts import encode_prompts
+from gspo.rewards.runner import RewardRunner
+from gspo.types import FINISH_LENGTH, Batch, Example, Groups, Rollout, SamplingParams
+
+log = logging.getLogger("gspo")
+
+
+class Collector:
+    """Samples, scores and filters rollout batches for one run."""
+
+    def __init__(self, cfg: Config, tokenizer, stream: DataStream, rewards: RewardRunner, engine, generator: torch.Generator):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.stream = stream
+        self.rewards = rewards
+        self.engine = engine
+        self.generator = generator
+        self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                       top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        self.skipped_prompts = 0  # prompts over data.max_prompt_tokens, run-wide (saved in checkpoints)
+
+    # ------------------------------------------------------------------------------------------ stages
+
+    def prompts(self, k: int) -> tuple[list[Example], list[list[int]]]:
+        """The next ``k`` examples whose encoded prompt fits ``data.max_prompt_tokens``."""
+        data = self.cfg.data
+        examples, ids = [], []
+        while len(examples) < k:
+            batch = self.stream.next_batch(k - len(examples))
+            for ex, p in zip(batch, encode_prompts(self.tokenizer, batch, data.system_prompt)):
+                if len(p) > data.max_prompt_tokens:
+                    if data.long_prompts == "fail":
+                        raise UserError(f"A prompt of {len(p)} tokens ({str(ex.prompt)[:60]!r}...) exceeds "
+                                        f"data.max_prompt_tokens = {data.max_prompt_tokens}; raise it, or set "
+                                        "data.long_prompts = 'skip'.")
+                    self.skipped_prompts += 1
+                    continue
+                examples.append(ex)
+                ids.append(p)
+            if self.skipped_prompts > 1000 and not examples:
+                raise UserError(f"Every prompt is longer than data.max_prompt_tokens = {data.max_prompt_tokens}; raise it.")
+        return examples, ids
+
+    def sample_groups(self, k: int, timing: dict[str, float]) -> Groups:
+        """``k`` prompts x ``G`` completions, scored."""
+        G = self.cfg.rollout.group_size
+        examples, prompt_ids = self.prompts(k)
+        t0 = time.perf_counter()
+        rollout = self.engine.generate(prompt_ids, G, self.sampling, generator=self.generator)
+        timing["rollout"] += time.perf_counter() - t0
+        timing["gen_tokens"] += float(rollout.completion_mask.sum())
+        row_examples = [ex for ex in examples for _ in range(G)]
+        t0 = time.perf_counter()
+        result = self.rewards.score(rollout.texts, row_examples)
+        timing["reward"] += time.perf_counter() - t0
+        timing["failures"] += float(sum(result.failures.values()))
+        return Groups(rollout, row_examples, result.total.float(), result.per_function)
+
+    def fill(self, timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, float]]:
+        """P groups for the update; with DAPO dynamic sampling, zero-variance groups are dropped and refilled.
+
+        Returns the kept groups, every sampled round (for the reward metrics) and the sampling counters."""
+        cfg = self.cfg
+        P, G = cfg.rollout.prompts_per_batch, cfg.rollout.group_size
+        kept_parts: list[Groups] = []
+        rounds_seen: list[Groups] = []
+        kept = dropped = rounds = padded = 0
+        zero_flags = []
+        while kept < P:
+            part = self.sample_groups(P - kept, timing)
+            rounds += 1
+            rounds_seen.append(part)
+            zero_var = zero_variance_groups(part.rewards, G)  # (groups,) on the task reward, not the length-shaped one
+            zero_flags.append(zero_var)
+            if not cfg.dapo.dynamic_sampling:
+                kept_parts.append(part)
+                break
+            good = [g for g in range(len(zero_var)) if not zero_var[g]]
+            dropped += len(zero_var) - len(good)
+            if good:
+                kept_parts.append(part.groups(good, G))
+                kept += len(good)
+            if kept < P and rounds > cfg.dapo.max_resample_rounds:
+                # Out of retries: fill with dropped groups so the minibatch schedule keeps its shape.
+                bad = [g for g in range(len(zero_var)) if zero_var[g]][: P - kept]
+                kept_parts.append(part.groups(bad, G))
+                padded, kept, dropped = len(bad), kept + len(bad), dropped - len(bad)
+                shaped = ("trained on the overlong punishment alone (their task rewards are equal)"
+                          if cfg.dapo.overlong_penalty else "with advantage 0 (no gradient)")
+                log.warning("dynamic sampling: only %d of %d groups had reward variance after %d rounds; %d groups "
+                            "without it fill the batch, %s; raise dapo.max_resample_rounds", P - padded, P, rounds,
+                            padded, shaped)
+        counters = {"dynamic/dropped_groups": float(dropped), "dynamic/padded_groups": float(padded),
+                    "dynamic/rounds": float(rounds), "zero_variance_frac": float(torch.cat(zero_flags).float().mean())}
+        return Groups.concat(kept_parts), rounds_seen, counters
+
+    def collect(self) -> Batch:
+        """Sample, score and (DAPO) filter one rollout batch, and compute its advantages."""
+        cfg = self.cfg
+        timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
+        groups, rounds, counters = self.fill(timing)
+        rollout = groups.rollout
+        shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards
+        adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale)  # (N,)
+        loss_mask = rollout.completion_mask.clone()  # (N, T)
+        truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
+        if cfg.loss.mask_truncated:
+            loss_mask &= ~truncated[:, None]
+        m = self.reward_metrics(groups, rounds, timing)
+        if cfg.dapo.overlong_penalty:
+            m["reward/overlong_penalty_mean"] = float(self.overlong(rollout).mean())
+        lengths = rollout.lengths.float()
+        m["completion/len_mean"] = float(lengths.mean())
+        m["completion/len_max"] = float(lengths.max())
+        m["completion/truncated_frac"] = float(truncated.float().mean())
+        m.update(counters)
+        m["data/skipped_prompts"] = float(self.skipped_prompts)
+        m["data/position"] = float(self.stream.position)
+        m["time/rollout"] = timing["rollout"]
+        m["time/reward"] = timing["reward"]
+        m["throughput/rollout_tok_s"] = timing["gen_tokens"] / max(timing["rollout"], 1e-9)
+        return Batch(rollout, groups.examples, groups.rewards, adv, loss_mask, m)
+
+    # ------------------------------------------------------------------------------------------ pieces
+
+    def overlong(self, rollout: Rollout) -> torch.Tensor:
+        return overlong_penalty(rollout.lengths, self.cfg.rollout.max_new_tokens, self.cfg.dapo.overlong_cache)
+
+    @staticmethod
+    def reward_metrics(groups: Groups, rounds: list[Groups], timing: dict[str, float]) -> dict[str, float]:
+        """Reward statistics over every sampled round (what the policy produced), and over the rows trained."""
+        raw = torch.cat([r.rewards for r in rounds])
+        m = {"reward/mean": _nanmean(raw), "reward/std": _nanstd(raw), "reward/trained_mean": _nanmean(groups.rewards)}
+        names = list(rounds[0].per_function)
+        for name in names:
+            vals = torch.cat([r.per_function[name] for r in rounds])
+            m[f"reward/{name}/mean"] = _nanmean(vals)
+            m[f"reward/{name}/std"] = _nanstd(vals)
+        prim = torch.cat([r.per_function[names[0]] for r in rounds])
+        m["accuracy"] = _nanmean((prim >= 1.0).float().masked_fill(~torch.isfinite(prim), float("nan")))
+        m["reward/failures"] = timing["failures"]
+        m["reward/failed_frac"] = float((~torch.isfinite(groups.rewards)).float().mean())
+        return m
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    x = x[torch.isfinite(x)]
+    return float(x.mean()) if x.numel() else float("nan")
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    x = x[torch.isfinite(x)]
+    return float(x.std(unbiased=False)) if x.numel() else float("nan")

@@ -1,0 +1,77 @@
+"""What stands between the loop and the ways a run ends badly: stop signals, GPU out-of-memory, non-finite steps."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+
+import torch
+
+from gspo.errors import UserError
+
+log = logging.getLogger("gspo")
+
+
+class StopSignals:
+    """While active, SIGINT / SIGTERM set ``received`` (the loop finishes the rollout batch being trained, writes a
+    checkpoint and returns); a second signal stops at once. Checkpoints sit at rollout-batch boundaries, so that is
+    where a resumed run continues bit for bit. Outside the main thread (where handlers cannot be set) it does nothing."""
+
+    def __init__(self, describe=lambda: "the current rollout batch"):
+        self.received: str | None = None
+        self._describe = describe
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum, frame):
+        if self.received is not None:  # the second one: the user really means it
+            signal.signal(signum, self._previous[signum])
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        log.warning("%s: finishing %s, then writing a checkpoint (again to stop now)", self.received, self._describe())
+
+    def __enter__(self) -> "StopSignals":
+        self.received = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+        self._previous.clear()
+
+
+@contextlib.contextmanager
+def out_of_memory(phase: str, step: int, newest_checkpoint: str | None):
+    """GPU out-of-memory in a phase of the loop ends in one line naming the knobs of that phase."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        knobs = ("rollout.prompts_per_batch x rollout.group_size or rollout.max_new_tokens" if phase == "the rollout"
+                 else "train.micro_batch_size (or turn on model.gradient_checkpointing)")
+        last = f"the last checkpoint, {newest_checkpoint}, is intact" if newest_checkpoint else "no checkpoint was written yet"
+        raise UserError(f"The GPU ran out of memory in {phase} at step {step}; lower {knobs}; {last}.") from e
+
+
+class NonFiniteSteps:
+    """Counts optimizer steps whose loss or gradient norm was not finite (the actor skipped them) and stops the run
+    after ``limit`` in a row."""
+
+    def __init__(self, limit: int, total: int = 0):
+        self.limit = limit
+        self.total = total
+        self.in_row = 0
+
+    def record(self, finite: bool, step: int) -> None:
+        """Count optimizer step ``step`` (1-based); raise once ``limit`` non-finite steps came in a row."""
+        if finite:
+            self.in_row = 0
+            return
+        self.total += 1
+        self.in_row += 1
+        log.warning("non-finite loss or gradient at step %d: optimizer step skipped", step)
+        if self.in_row >= self.limit:
+            raise UserError(f"{self.in_row} optimizer steps in a row had a non-finite loss or gradient (last at step "
+                            f"{step}); lower train.lr or try model.precision = 'fp32'. The last checkpoint is intact.")

@@ -1,0 +1,227 @@
+"""The training loop, and nothing else: it sequences the stages that live in their own modules.
+
+One rollout batch per iteration:
+  1. the engine gets the policy's current weights (``sync_weights``)
+  2. collect: P prompts x G completions, rewards in isolated workers (failures -> NaN -> left out of the group
+     baseline), [DAPO] refill of zero-variance groups and the soft overlong punishment, group-relative advantages
+  3. the actor's old-policy log-probs: recomputed (default; minibatch 0 takes its own update forward's, so its ratio is
+     exactly 1) or the engine's own (``old_logprobs = "rollout"``)
+  4. ``minibatches`` optimizer steps over a seeded shuffle of the batch; only the first is on-policy; each step's
+     metrics stay tensors until one reduce, then one metrics line
+  5. the collapse sentinel, then a checkpoint every ``log.checkpoint_every`` batches
+Differences from the GSPO paper's setup: none in the objective; rewards that fail are excluded rather than scored 0.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gspo.checkpoint import complete_checkpoints, seed_everything
+from gspo.config import Config
+from gspo.data import DataStream, build_dataset, dataset_args, default_reward
+from gspo.errors import UserError
+from gspo.metrics import read_jsonl
+from gspo.models import load_model, stop_token_ids
+from gspo.rewards.runner import RewardRunner, RewardSpec
+from gspo.rollout import RolloutEngine, make_engine
+from gspo.runlog import RunLog
+from gspo.runtime import Runtime, finite
+from gspo.train import sentinel, state as train_state
+from gspo.train.actor import Actor
+from gspo.train.collect import Collector
+from gspo.train.guards import NonFiniteSteps, StopSignals, out_of_memory
+from gspo.train.state import TrainState
+from gspo.types import Batch
+
+log = logging.getLogger("gspo")
+
+
+@dataclass
+class Parts:
+    """The components of a run, built from its config: what the loop sequences (the probe uses them too)."""
+
+    runtime: Runtime
+    actor: Actor
+    tokenizer: object
+    engine: RolloutEngine
+    collector: Collector
+    rewards: RewardRunner
+
+
+def build(cfg: Config, runtime: Runtime) -> Parts:
+    """Model, actor, engine, reward workers and collect stage for ``cfg``."""
+    seed_everything(cfg.seed)
+    model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
+    actor = Actor(cfg, runtime, model)
+    engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
+                         device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step)
+    stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
+    specs = ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions]
+             or [RewardSpec(default_reward(cfg.data.task))])
+    rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s)
+    generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed)
+    return Parts(runtime, actor, tokenizer, engine, Collector(cfg, tokenizer, stream, rewards, engine, generator), rewards)
+
+
+class Trainer:
+    """Runs one configured training job in ``run_dir``; ``train()`` does the work."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False, runtime: Runtime | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.runtime = runtime or Runtime.from_config(cfg.model)
+        if self.runtime.world_size > 1:
+            raise UserError(f"gspo train runs in one process for now (WORLD_SIZE = {self.runtime.world_size}); launch it "
+                            "without torchrun.")
+        self._prepare_run_dir(resume)
+        parts = build(cfg, self.runtime)
+        self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
+        self.collector, self.rewards = parts.collector, parts.rewards
+        self.state = TrainState()
+        self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps)
+        self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
+        self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
+        self.rewards_seen: dict[int, float | None] = {}  # rollout batch -> reward/mean, for the sentinel
+        if resume:
+            self.restore()
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def train(self) -> Path:
+        """Run until ``train.steps`` optimizer steps (or a stop signal); returns the run directory."""
+        cfg, state = self.cfg, self.state
+        self.t_start = time.time() - state.elapsed
+        runlog = RunLog(self.run_dir, cfg, step=state.step, rollout_batch=state.rollout_batch,
+                        enabled=self.runtime.is_main)
+        failed = True
+        try:
+            with StopSignals(lambda: f"rollout batch {self.state.rollout_batch}") as stop:
+                while state.step < cfg.train.steps and stop.received is None:
+                    self.engine.sync_weights(self.actor.weights())
+                    with out_of_memory("the rollout", state.step, self.newest_checkpoint()):
+                        batch = self.collector.collect()
+                    runlog.samples(batch, state.step, state.rollout_batch)
+                    with out_of_memory("the update", state.step, self.newest_checkpoint()):
+                        rows = self.update(batch, runlog)
+                    runlog.flush()
+                    state.rollout_batch += 1
+                    if self.check_collapse(rows):  # rolled back to an earlier checkpoint: replay from there
+                        runlog.rewind(state.step, state.rollout_batch)
+                        continue
+                    every = cfg.log.checkpoint_every
+                    if every and state.rollout_batch % every == 0 and state.step < cfg.train.steps and stop.received is None:
+                        self.checkpoint()
+                self.stop_signal = stop.received
+            self.checkpoint()
+            if self.stop_signal is not None:
+                log.warning("%s received: stopped after step %d with a checkpoint; continue with --resume",
+                            self.stop_signal, state.step)
+            failed = False
+        finally:
+            runlog.close(failed=failed and sys.exc_info()[0] is not None)
+            self.rewards.close()
+        return self.run_dir
+
+    def update(self, batch: Batch, runlog: RunLog) -> list[dict]:
+        """``train.minibatches`` optimizer steps over ``batch``; returns their metrics lines."""
+        cfg, state = self.cfg, self.state
+        t0 = time.perf_counter()
+        plan = self.actor.plan(batch.rollout.completion_ids.shape[0])
+        self.actor.prepare(batch, plan)
+        batch.metrics["time/logprobs"] = time.perf_counter() - t0
+        rows = []
+        for k in range(cfg.train.minibatches):
+            t_step = time.perf_counter()
+            out = self.actor.step(batch, plan, k, state.step)
+            values = self.runtime.reduce({**batch.metrics, **out.metrics})  # the step's one host sync
+            self.nonfinite.record(finite(values["loss"]) and finite(values["grad_norm"]), state.step + 1)
+            runlog.diagnostics(self.tokenizer, batch, out.rows, out.logprobs, step=state.step + 1,
+                               rollout_batch=state.rollout_batch, minibatch=k)
+            dt = time.perf_counter() - t_step
+            tokens = values.pop("trained_tokens")
+            row = {"step": state.step + 1, "rollout_batch": state.rollout_batch, "minibatch": k, **values,
+                   "lr": self.actor.lr_at(state.step), "nonfinite_steps": float(self.nonfinite.total),
+                   "time/update": dt, "throughput/train_tok_s": tokens / max(dt, 1e-9),
+                   "time/elapsed": time.time() - self.t_start}
+            state.step += 1
+            state.nonfinite_steps = self.nonfinite.total
+            runlog.step(row, end_of_batch=(k == cfg.train.minibatches - 1))
+            rows.append(row)
+        return rows
+
+    # ------------------------------------------------------------------------------------------ sentinel
+
+    def check_collapse(self, rows: list[dict]) -> bool:
+        """The collapse sentinel on the batch just trained: warn, stop the run, or roll back (returns True)."""
+        sc, state = self.cfg.sentinel, self.state
+        self.rewards_seen[state.rollout_batch - 1] = rows[0].get("reward/mean")
+        found = sentinel.collapse_findings(sc, rows, self.rewards_seen)
+        if not found:
+            return False
+        self.collapse = "; ".join(found)
+        newest = self.newest_checkpoint()
+        if sc.action == "warn":
+            log.warning("collapse sentinel at step %d: %s", state.step, self.collapse)
+            return False
+        # The newest checkpoint written before the batch that tripped the sentinel: the one right before it would
+        # replay the same rollouts (weights, RNG and data are restored exactly) and trip it again.
+        older = [c for c in complete_checkpoints(self.run_dir / "checkpoints")
+                 if train_state.checkpoint_batch(c) < state.rollout_batch - 1]
+        action = sentinel.response(sc, state.rollbacks, bool(older))
+        if action == "rollback":
+            rollbacks = state.rollbacks + 1
+            log.warning("collapse sentinel at step %d: %s; rolling back to %s with the learning rate x %g (rollback %d "
+                        "of %d)", state.step, self.collapse, older[-1].name, sc.lr_factor, rollbacks, sc.max_rollbacks)
+            self.actor.lr_scale *= sc.lr_factor
+            state.rollbacks = rollbacks
+            self.restore(before_batch=state.rollout_batch - 1)
+            return True
+        last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
+        last += sentinel.stop_reason(sc, state.rollbacks, bool(older))
+        raise UserError(f"Collapse sentinel stopped the run at step {state.step}: {self.collapse}; {last}. Resume from "
+                        "it with a lower train.lr, or loosen the sentinel.* thresholds.")
+
+    # ------------------------------------------------------------------------------------------ run directory
+
+    def _prepare_run_dir(self, resume: bool) -> None:
+        exists = self.run_dir.exists() and any(self.run_dir.iterdir())
+        if exists and not resume:
+            raise UserError(f"Run directory {str(self.run_dir)!r} already exists; pass --resume to continue it, "
+                            "or choose another log.run_dir.")
+        if self.runtime.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+
+    def newest_checkpoint(self) -> str | None:
+        return train_state.newest_checkpoint(self.run_dir)
+
+    def checkpoint(self) -> Path:
+        c = self.collector
+        parts = {**self.actor.state_dict(), "generator": c.generator.get_state(), "data": c.stream.state_dict(),
+                 "skipped_prompts": c.skipped_prompts}
+        return train_state.save(self.run_dir, self.state, parts, self.actor.model, self.tokenizer,
+                                self.cfg.log.keep_checkpoints, self.t_start)
+
+    def restore(self, before_batch: int | None = None) -> None:
+        """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""
+        ckpt, state, payload = train_state.load(self.run_dir, self.actor.model, before_batch)
+        self.actor.load_state_dict(payload)
+        self.collector.generator.set_state(payload["generator"])
+        self.collector.stream.load_state_dict(payload["data"])
+        self.collector.skipped_prompts = payload.get("skipped_prompts", 0)
+        state.rollbacks = max(state.rollbacks, self.state.rollbacks)
+        vars(self.state).update(vars(state))  # in place: the loop holds this object
+        self.actor.set_lr(state.step)
+        self.nonfinite = NonFiniteSteps(self.cfg.train.max_nonfinite_steps, state.nonfinite_steps)
+        # The collapse sentinel's reward history up to the checkpoint, as the run that wrote it saw it.
+        metrics = self.run_dir / "metrics.jsonl"
+        kept = read_jsonl(metrics) if metrics.exists() else []
+        self.rewards_seen = {r["rollout_batch"]: r.get("reward/mean") for r in kept
+                             if r.get("minibatch", 0) == 0 and r["rollout_batch"] < state.rollout_batch}
+        log.info("resumed from %s at optimizer step %d", ckpt, state.step)

@@ -1,0 +1,87 @@
+"""What a checkpoint holds and how a run comes back from one.
+
+A checkpoint (written atomically by :mod:`gspo.checkpoint`) is a loadable HF model directory plus
+``trainer_state.pt``: the counters of :class:`TrainState`, the optimizer, every RNG (Python, NumPy, torch, CUDA, the
+rollout sampler and the minibatch shuffle) and the data position. Restoring all of them at a rollout-batch boundary
+makes a resumed run bit-identical to one that never stopped. The learning-rate schedule is a function of the step,
+so there is no scheduler state to restore.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.checkpoint import complete_checkpoints, load_model_weights, rng_state, save_checkpoint, set_rng_state
+from gspo.errors import UserError
+
+log = logging.getLogger("gspo")
+
+
+@dataclass
+class TrainState:
+    """The loop's counters: where the run is, and what it has been through."""
+
+    step: int = 0  # optimizer steps done
+    rollout_batch: int = 0  # rollout batches done
+    nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    elapsed: float = 0.0  # wall-clock seconds of earlier sessions of a resumed run
+    rollbacks: int = 0  # collapse-sentinel rollbacks done
+
+
+def checkpoint_batch(ckpt: Path) -> int:
+    """The rollout batch a checkpoint resumes at (from its state.json); unreadable ones are never rollback targets."""
+    try:
+        return int(json.loads((ckpt / "state.json").read_text())["rollout_batch"])
+    except (OSError, ValueError, KeyError):
+        return 1 << 30
+
+
+def newest_checkpoint(run_dir: Path) -> str | None:
+    """Name of the newest complete checkpoint (for messages that say what is intact), or None."""
+    done = complete_checkpoints(run_dir / "checkpoints")
+    return done[-1].name if done else None
+
+
+def save(run_dir: Path, state: TrainState, parts: dict[str, Any], model, tokenizer, keep: int, t_start: float) -> Path:
+    """Write checkpoint ``step-<state.step>`` with the model, ``parts`` (name -> state dict of the actor, collector,
+    ...) and every RNG; a failed write ends in one error naming the intact checkpoint."""
+    payload = {**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts}
+    try:
+        return save_checkpoint(run_dir / "checkpoints", state.step, model, tokenizer, payload, keep)
+    except OSError as e:  # no space, read-only or vanished directory: the previous checkpoints are untouched
+        newest = newest_checkpoint(run_dir)
+        kept = f"the last complete one, {newest}, is intact" if newest else "no earlier checkpoint exists"
+        raise UserError(f"Writing the checkpoint of step {state.step} to {str(run_dir / 'checkpoints')!r} failed "
+                        f"({e.strerror or e}); {kept}. Free disk space or fix the directory, then --resume.") from e
+
+
+def load(run_dir: Path, model, before_batch: int | None = None) -> tuple[Path, TrainState, dict[str, Any]]:
+    """Load the newest readable checkpoint's weights into ``model`` (with ``before_batch``: the newest written before
+    that rollout batch); returns it, its counters and the rest of its payload (RNGs restored already). A damaged
+    newest checkpoint (disk error, manual edits) falls back to the previous one, with a warning."""
+    root = run_dir / "checkpoints"
+    ckpts = complete_checkpoints(root)
+    if before_batch is not None:
+        ckpts = [c for c in ckpts if checkpoint_batch(c) < before_batch]
+    if not ckpts:
+        raise UserError(f"--resume found no complete checkpoint in {str(root)!r}; start a new run without --resume.")
+    for ckpt in reversed(ckpts):
+        try:
+            load_model_weights(model, ckpt)
+            payload = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+            break
+        except Exception as e:  # safetensors, pickle and OS errors all mean "this checkpoint cannot be read"
+            log.warning("checkpoint %s cannot be read (%s: %s); trying the previous one", ckpt, type(e).__name__,
+                        str(e)[:200])
+    else:
+        raise UserError(f"--resume found no readable checkpoint in {str(root)!r} (all {len(ckpts)} failed to load); "
+                        "start a new run without --resume.")
+    set_rng_state(payload["rng"])
+    state = TrainState(**{f.name: payload.get(f.name, getattr(TrainState, f.name)) for f in fields(TrainState)})
+    return ckpt, state, payload
