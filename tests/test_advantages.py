@@ -26,7 +26,7 @@ def test_zero_variance_group_gives_zero_never_nan():
 
 
 def test_all_groups_zero_variance_batch_scale():
-    """When every group is constant the batch scale has no spread to divide by and still returns zeros."""
+    """When every group is constant the batch has spread (1, 1 | 0, 0) but every centred reward is 0: zeros."""
     a = group_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), 2, scale="batch", eps=0.0)
     assert (a == 0).all()
 
@@ -45,11 +45,30 @@ def test_group_with_one_valid_reward_gets_zero():
 
 
 def test_mean_only_and_batch_scales_hand_worked():
-    """Dr. GRPO's mean-only scale: (2, 0 | 1, 1) -> (1, -1, 0, 0); batch scale divides by the std of the centred
-    rewards of usable groups (1, -1, 0, 0): sqrt(2/3) = 0.816497."""
-    r = torch.tensor([2.0, 0.0, 1.0, 1.0])
+    """Dr. GRPO's mean-only scale: (3, 1 | 0, 0) -> (1, -1, 0, 0). The batch scale (Lite PPO, TRL's "batch") divides
+    the group-centred rewards by the unbiased std of the raw batch (3, 1, 0, 0): mean 1, squared deviations
+    4 + 0 + 1 + 1 = 6 over 3, std sqrt(2) -> (0.707107, -0.707107, 0, 0). (The std of the centred rewards would be
+    sqrt(2/3), giving +-1.224745.)"""
+    r = torch.tensor([3.0, 1.0, 0.0, 0.0])
     assert group_advantages(r, 2, scale="none").tolist() == [1.0, -1.0, 0.0, 0.0]
-    torch.testing.assert_close(group_advantages(r, 2, scale="batch", eps=0.0), torch.tensor([1.0, -1.0, 0, 0]) / math.sqrt(2 / 3))
+    torch.testing.assert_close(group_advantages(r, 2, scale="batch", eps=0.0), torch.tensor([1.0, -1.0, 0, 0]) / math.sqrt(2))
+
+
+@pytest.mark.parametrize("value, G", [(0.7, 8), (0.1, 8), (0.1, 3), (0.3, 6), (1 / 3, 5), (123.456, 7)])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_equal_non_dyadic_rewards_are_zero_variance(value, G, scale):
+    """A group whose rewards are all equal but not exact in binary (0.7, 0.1, 1/3...) has advantage exactly 0 and is
+    zero-variance; in float32 statistics eight 0.7s got +0.056 each and the dynamic-sampling filter kept them."""
+    rewards = torch.cat([torch.full((G,), value), torch.linspace(0.0, 1.0, G)])  # a constant group, then a varied one
+    adv = group_advantages(rewards, G, scale=scale)
+    assert (adv[:G] == 0).all() and (adv[G:] != 0).any()
+    assert zero_variance_groups(rewards, G).tolist() == [True, False]
+
+
+def test_advantages_keep_float32_for_the_update():
+    """float32 rewards give float32 advantages (float64 statistics inside), float64 rewards float64."""
+    assert group_advantages(torch.tensor([1.0, 0.0]), 2).dtype == torch.float32
+    assert group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), 2).dtype == torch.float64
 
 
 def test_bad_group_size_and_scale_are_user_errors():

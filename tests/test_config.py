@@ -13,7 +13,7 @@ def test_presets_fill_the_loss_knobs():
     assert (gspo.loss.level, gspo.loss.eps_low, gspo.loss.eps_high, gspo.loss.aggregation) == ("sequence", 3e-4, 4e-4, "seq-mean-token-mean")
     assert gspo.loss.beta == 0.0 and not gspo.dapo.dynamic_sampling
     grpo = build_config({"algorithm": "grpo"})
-    assert (grpo.loss.level, grpo.loss.eps_low, grpo.loss.eps_high) == ("token", 0.2, 0.2)
+    assert (grpo.loss.level, grpo.loss.eps_low, grpo.loss.eps_high) == ("token", 0.2, 0.27)  # the GSPO paper's GRPO
     dapo = build_config({"algorithm": "dapo"})
     assert (dapo.loss.eps_low, dapo.loss.eps_high, dapo.loss.aggregation) == (0.2, 0.28, "token-mean")
     assert dapo.dapo.dynamic_sampling and dapo.dapo.overlong_penalty and dapo.loss.mask_truncated
@@ -127,7 +127,7 @@ def test_shipped_configs_build(tmp_path):
 def test_clip_range_follows_an_explicit_level():
     """Choosing a ratio level without a clip range takes that level's range, not the algorithm's."""
     cfg = build_config({"algorithm": "gspo"}, ["loss.level='token'"])
-    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (0.2, 0.2)
+    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (0.2, 0.27)
     cfg = build_config({"algorithm": "grpo"}, ["loss.level='sequence'"])
     assert (cfg.loss.eps_low, cfg.loss.eps_high) == (3e-4, 4e-4)
     cfg = build_config({"algorithm": "grpo"}, ["loss.level='sequence'", "loss.eps_high=1e-3"])

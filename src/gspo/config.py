@@ -105,7 +105,8 @@ class LossConfig:
     aggregation: str | None = None
     """``seq-mean-token-mean`` (GSPO/GRPO papers), ``token-mean`` (DAPO), ``seq-mean-token-sum-norm`` (Dr. GRPO)."""
     advantage_scale: str | None = None
-    """Advantage normalisation: ``group`` std, ``batch`` std, or ``none`` (mean only, Dr. GRPO)."""
+    """Advantage normalisation after subtracting the group mean: divide by the ``group`` std (GRPO, GSPO), by the std of
+    the whole ``batch``'s raw rewards (Lite PPO, TRL's ``scale_rewards="batch"``), or ``none`` (Dr. GRPO)."""
     beta: float = 0.0
     """Weight of the k3 KL penalty to a frozen copy of the initial model (0 loads no reference model)."""
     mask_truncated: bool | None = None
@@ -266,9 +267,13 @@ PRESETS: dict[str, dict[str, Any]] = {
              "loss.aggregation": "seq-mean-token-mean", "loss.advantage_scale": "group"},
     "gspo_token": {"loss.level": "sequence_token", "loss.eps_low": 3e-4, "loss.eps_high": 4e-4,
                    "loss.aggregation": "seq-mean-token-mean", "loss.advantage_scale": "group"},
-    "grpo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.2,
+    # GRPO as the GSPO paper ran it for its comparison: token ratio, clip range (0.2, 0.27) (the seed's "Clipping range
+    # (left, right) 0.2, 0.27"), per-sequence length normalisation; so `gspo compare` is the paper's comparison.
+    "grpo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.27,
              "loss.aggregation": "seq-mean-token-mean", "loss.advantage_scale": "group"},
-    # DAPO: clip-higher, token-level loss, dynamic sampling, overlong filtering and soft punishment.
+    # DAPO (Yu et al. 2025), all four of its techniques on together: clip-higher (0.2, 0.28), token-level loss
+    # (token-mean), dynamic sampling, and both halves of its overlong treatment -- filtering truncated completions out
+    # of the loss (loss.mask_truncated) and the soft punishment (dapo.overlong_penalty). Each is switchable on its own.
     "dapo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.28, "loss.aggregation": "token-mean",
              "loss.advantage_scale": "group", "loss.mask_truncated": True, "dapo.dynamic_sampling": True,
              "dapo.overlong_penalty": True},
@@ -403,7 +408,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 # Clip ranges belong to the ratio's level, not the algorithm: a sequence ratio lives within ~1e-3 of 1, where a
 # token-level 0.2 clips nothing (TRL #3834), and a token ratio under 3e-4 would be clipped almost everywhere.
-LEVEL_EPS = {"token": (0.2, 0.2), "sequence": (3e-4, 4e-4), "sequence_token": (3e-4, 4e-4)}
+LEVEL_EPS = {"token": (0.2, 0.27), "sequence": (3e-4, 4e-4), "sequence_token": (3e-4, 4e-4)}
 
 
 def apply_preset(cfg: Config) -> None:

@@ -3,9 +3,14 @@
 Shape legend: ``N`` completions = ``P`` prompts x ``G`` completions per prompt, rows of one group contiguous
 (row ``i`` belongs to group ``i // G``).
 
-GRPO (Shao et al. 2024):   A_i = (r_i - mean_g r) / (std_g r + eps)
+GRPO (Shao et al. 2024):    A_i = (r_i - mean_g r) / (std_g r + eps)
 Dr. GRPO (Liu et al. 2025): A_i = r_i - mean_g r                      (no std: ``scale="none"``)
-"batch" scale:              A_i = (r_i - mean_g r) / (std_batch(r - mean_g r) + eps)
+"batch" scale (Lite PPO, Liu et al. 2025; TRL's ``scale_rewards="batch"``):
+                            A_i = (r_i - mean_g r) / (std_batch r + eps)   (group mean, std of the batch's raw rewards)
+
+Group statistics are computed in float64: in float32 a group whose rewards are all equal but not dyadic (eight 0.7s)
+gets a mean that differs from 0.7 in the last bit, a "spread" of ~1e-8 and a uniform non-zero advantage, and the
+dynamic-sampling filter keeps it. A group whose std is at most ``ZERO_STD`` has zero variance: advantage 0.
 
 Differences from the papers, on purpose: rewards that are NaN (the reward function raised or timed out) are left
 out of the group's mean and std and get advantage 0, rather than being scored 0, which would bias the baseline;
@@ -20,6 +25,8 @@ from gspo.errors import UserError
 Tensor = torch.Tensor
 
 SCALES = ("group", "batch", "none")
+ZERO_STD = 1e-8
+"""A group std at or below this is zero variance: float64 rounding of equal rewards stays far below it."""
 
 
 def _grouped(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
@@ -28,13 +35,13 @@ def _grouped(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
             f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
             "the number of completions must be a multiple of the group size."
         )
-    r = rewards.float().view(-1, group_size)  # (P, G)
+    r = rewards.double().view(-1, group_size)  # (P, G) float64
     valid = torch.isfinite(r)  # (P, G)
     return r, valid
 
 
 def group_stats(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-group mean, unbiased std and count of the valid (finite) rewards.  Each (P,)."""
+    """Per-group mean, unbiased std (float64) and count of the valid (finite) rewards.  Each (P,)."""
     r, valid = _grouped(rewards, group_size)
     n = valid.sum(-1)  # (P,)
     r0 = torch.where(valid, r, torch.zeros_like(r))  # (P, G)
@@ -46,7 +53,7 @@ def group_stats(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tenso
 
 def _safe_div(centred: Tensor, std: Tensor, eps: float) -> Tensor:
     # A zero spread means every centred reward is 0: the advantage is 0, not 0/0.
-    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    return torch.where(std > ZERO_STD, centred / (std + eps), torch.zeros_like(centred))
 
 
 def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
@@ -56,27 +63,31 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
         rewards: (N,) rewards; NaN marks a completion whose reward failed (it gets advantage 0 and is left out of
             its group's baseline).
         group_size: G, completions per prompt; rows of one group are contiguous.
-        scale: ``group`` divides by the group's std (GRPO, GSPO), ``batch`` by the std of the centred rewards over
-            the whole batch, ``none`` only subtracts the group mean (Dr. GRPO).
+        scale: ``group`` divides by the group's std (GRPO, GSPO), ``batch`` by the (unbiased) std of the valid raw
+            rewards of the whole batch (Lite PPO; TRL's ``scale_rewards="batch"``), ``none`` only subtracts the group
+            mean (Dr. GRPO).
+
+    Returns float32 advantages (float64 when the rewards are float64).
     """
     if scale not in SCALES:
         raise UserError(f"Unknown advantage scale {scale!r}; use one of {', '.join(SCALES)}.")
     r, valid = _grouped(rewards, group_size)
     mean, std, n = group_stats(rewards, group_size)
     centred = torch.where(valid, r - mean[:, None], torch.zeros_like(r))  # (P, G)
-    usable = valid & (n[:, None] >= 2)  # (P, G)
+    usable = valid & (n[:, None] >= 2) & (std[:, None] > ZERO_STD)  # (P, G) rows of groups that carry a signal
     if scale == "group":
         adv = _safe_div(centred, std[:, None].expand_as(centred), eps)
     elif scale == "batch":
-        pool = centred[usable]
-        batch_std = pool.std() if pool.numel() >= 2 else torch.zeros(())
+        pool = r[valid]
+        batch_std = pool.std() if pool.numel() >= 2 else torch.zeros((), dtype=r.dtype)
         adv = _safe_div(centred, batch_std.expand_as(centred), eps)
     else:
         adv = centred
-    return torch.where(usable, adv, torch.zeros_like(adv)).view(-1)  # (N,)
+    out = torch.where(usable, adv, torch.zeros_like(adv)).view(-1)  # (N,)
+    return out if rewards.dtype == torch.float64 else out.float()
 
 
-def zero_variance_groups(rewards: Tensor, group_size: int, *, tol: float = 1e-8) -> Tensor:
+def zero_variance_groups(rewards: Tensor, group_size: int, *, tol: float = ZERO_STD) -> Tensor:
     """True for each group whose valid rewards are all equal (or that has < 2 valid): it carries no signal.  (P,)"""
     _, std, n = group_stats(rewards, group_size)
     return (std <= tol) | (n < 2)
