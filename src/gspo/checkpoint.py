@@ -52,14 +52,34 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int) -> Path:
-    """Write checkpoint ``step`` atomically, then prune all but the ``keep`` newest complete ones."""
+def to_cpu(obj: Any, _seen: dict | None = None) -> Any:
+    """A copy of ``obj`` (nested dicts, lists and tuples of tensors) whose tensors are on the CPU and detached: a
+    snapshot that later optimizer steps cannot change, for a checkpoint written in the background. Views of the same
+    memory (tied embeddings) stay one tensor, so the writer sees them tied as the model does."""
+    seen = {} if _seen is None else _seen
+    if isinstance(obj, torch.Tensor):
+        key = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()),
+               obj.dtype)
+        if key not in seen:
+            seen[key] = obj.detach().to("cpu", copy=True)
+        return seen[key]
+    if isinstance(obj, dict):
+        return {k: to_cpu(v, seen) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v, seen) for v in obj)
+    return obj
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int,
+                    model_state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write checkpoint ``step`` atomically, then prune all but the ``keep`` newest complete ones. ``model_state``
+    (a snapshot of ``model.state_dict()``) is written instead of the live weights when given."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{step:06d}"
     tmp = ckpt_root / f"step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
     tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / "trainer_state.pt")
     (tmp / "state.json").write_text(json.dumps({k: state[k] for k in ("step", "rollout_batch") if k in state}))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +112,18 @@ class Runtime:
 
 def finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (interpreter start-up and imports included), from /proc on Linux; elsewhere
+    since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()

@@ -231,12 +231,36 @@ class RewardRunner:
         self._closed = False
         # Runs on close(), on garbage collection, or at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, os.getpid())
-        for _ in range(workers):
-            self._workers.append(self._start())
+        # The fork server imports torch before it serves its first worker (~2 s): start the workers from a thread, so
+        # that this overlaps the caller's own start-up (loading the model); score() waits for them.
+        self._start_error: BaseException | None = None
+        self._starting: threading.Thread | None = None
+        if workers:
+            self._starting = threading.Thread(target=self._start_all, args=(workers,), name="gspo-reward-start",
+                                              daemon=True)
+            self._starting.start()
+
+    def _start_all(self, n: int) -> None:
+        try:
+            for _ in range(n):
+                self._workers.append(self._start())
+        except BaseException as e:  # re-raised by the first score()
+            self._start_error = e
+
+    def ready(self) -> "RewardRunner":
+        """Wait until the worker processes have started (raising what failed, if anything)."""
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        if self._start_error is not None:
+            error, self._start_error = self._start_error, None
+            raise RuntimeError(f"the reward workers could not start ({type(error).__name__}: {error})") from error
+        return self
 
     @property
     def workers(self) -> int:
         """Number of worker processes (0: in-process)."""
+        self.ready()
         return len(self._workers)
 
     def _start(self) -> _Worker:
@@ -259,6 +283,7 @@ class RewardRunner:
         """
         if self._closed:
             raise RuntimeError("RewardRunner.score() was called after close(); create a new RewardRunner.")
+        self.ready()
         if len(completions) != len(examples):
             raise ValueError(
                 f"{len(completions)} completions but {len(examples)} examples; pass one example per completion."
@@ -387,6 +412,9 @@ class RewardRunner:
     def close(self) -> None:
         """Stop the worker processes; the runner cannot score afterwards."""
         self._closed = True
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
         self._finalizer()
 
     def __enter__(self) -> "RewardRunner":

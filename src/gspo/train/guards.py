@@ -5,6 +5,7 @@ import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -44,14 +45,16 @@ class StopSignals:
 
 
 @contextlib.contextmanager
-def out_of_memory(phase: str, step: int, newest_checkpoint: str | None):
-    """GPU out-of-memory in a phase of the loop ends in one line naming the knobs of that phase."""
+def out_of_memory(phase: str, step: int, newest_checkpoint: Callable[[], str | None]):
+    """GPU out-of-memory in a phase of the loop ends in one line naming the knobs of that phase (and the newest
+    checkpoint, asked for only then)."""
     try:
         yield
     except torch.OutOfMemoryError as e:
         knobs = ("rollout.prompts_per_batch x rollout.group_size or rollout.max_new_tokens" if phase == "the rollout"
                  else "train.micro_batch_size (or turn on model.gradient_checkpointing)")
-        last = f"the last checkpoint, {newest_checkpoint}, is intact" if newest_checkpoint else "no checkpoint was written yet"
+        newest = newest_checkpoint()
+        last = f"the last checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
         raise UserError(f"The GPU ran out of memory in {phase} at step {step}; lower {knobs}; {last}.") from e
 
 

@@ -31,12 +31,12 @@ from gspo.models import load_model, stop_token_ids
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import RolloutEngine, make_engine
 from gspo.runlog import RunLog
-from gspo.runtime import Runtime, finite
+from gspo.runtime import Runtime, finite, process_seconds
 from gspo.train import sentinel, state as train_state
 from gspo.train.actor import Actor
 from gspo.train.collect import Collector
 from gspo.train.guards import NonFiniteSteps, StopSignals, out_of_memory
-from gspo.train.state import TrainState
+from gspo.train.state import CheckpointWriter, TrainState
 from gspo.types import Batch
 
 log = logging.getLogger("gspo")
@@ -54,17 +54,41 @@ class Parts:
     rewards: RewardRunner
 
 
-def build(cfg: Config, runtime: Runtime) -> Parts:
-    """Model, actor, engine, reward workers and collect stage for ``cfg``."""
+def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None) -> Parts:
+    """Model, actor, engine, reward workers and collect stage for ``cfg``; ``timings`` gets the seconds of each."""
+    timings = {} if timings is None else timings
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = round(now - clock, 3)
+        clock = now
+
     seed_everything(cfg.seed)
-    model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
-    actor = Actor(cfg, runtime, model)
-    engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
-                         device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step)
-    stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
     specs = ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions]
              or [RewardSpec(default_reward(cfg.data.task))])
-    rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s)
+    rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s)  # starts in the background
+    lap("reward_functions")
+    try:
+        if runtime.device.type == "cuda":
+            torch.cuda.init()
+            torch.empty(1, device=runtime.device)  # the CUDA context, on its own line of the timings
+        lap("cuda_init")
+        model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
+        lap("model_load")
+        actor = Actor(cfg, runtime, model)
+        lap("actor")
+        engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
+                             device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step)
+        lap("engine")
+        stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
+        lap("data")
+        rewards.ready()
+        lap("reward_workers_wait")
+    except BaseException:
+        rewards.close()
+        raise
     generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed)
     return Parts(runtime, actor, tokenizer, engine, Collector(cfg, tokenizer, stream, rewards, engine, generator), rewards)
 
@@ -79,17 +103,20 @@ class Trainer:
         if self.runtime.world_size > 1:
             raise UserError(f"gspo train runs in one process for now (WORLD_SIZE = {self.runtime.world_size}); launch it "
                             "without torchrun.")
+        self.timings: dict[str, float] = {"process_start_to_trainer": round(process_seconds(), 3)}
         self._prepare_run_dir(resume)
-        parts = build(cfg, self.runtime)
+        parts = build(cfg, self.runtime, self.timings)
         self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
         self.collector, self.rewards = parts.collector, parts.rewards
         self.state = TrainState()
+        self.writer = CheckpointWriter(self.run_dir)
         self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps)
         self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
         self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
         self.rewards_seen: dict[int, float | None] = {}  # rollout batch -> reward/mean, for the sentinel
         if resume:
             self.restore()
+        self.timings["trainer_ready_at"] = round(process_seconds(), 3)
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -97,6 +124,7 @@ class Trainer:
         """Run until ``train.steps`` optimizer steps (or a stop signal); returns the run directory."""
         cfg, state = self.cfg, self.state
         self.t_start = time.time() - state.elapsed
+        t_train = time.perf_counter()
         runlog = RunLog(self.run_dir, cfg, step=state.step, rollout_batch=state.rollout_batch,
                         enabled=self.runtime.is_main)
         failed = True
@@ -104,10 +132,19 @@ class Trainer:
             with StopSignals(lambda: f"rollout batch {self.state.rollout_batch}") as stop:
                 while state.step < cfg.train.steps and stop.received is None:
                     self.engine.sync_weights(self.actor.weights())
-                    with out_of_memory("the rollout", state.step, self.newest_checkpoint()):
+                    first = "first_rollout_at" not in self.timings
+                    if first:
+                        self.timings["first_rollout_at"] = round(process_seconds(), 3)
+                        log.info("first rollout %.1f s after the command (%s)", self.timings["first_rollout_at"],
+                                 ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k != "first_rollout_at"))
+                    t_collect = time.perf_counter()
+                    with out_of_memory("the rollout", state.step, self.newest_checkpoint):
                         batch = self.collector.collect()
+                    if first:
+                        self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
+                        self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
                     runlog.samples(batch, state.step, state.rollout_batch)
-                    with out_of_memory("the update", state.step, self.newest_checkpoint()):
+                    with out_of_memory("the update", state.step, self.newest_checkpoint):
                         rows = self.update(batch, runlog)
                     runlog.flush()
                     state.rollout_batch += 1
@@ -118,14 +155,27 @@ class Trainer:
                     if every and state.rollout_batch % every == 0 and state.step < cfg.train.steps and stop.received is None:
                         self.checkpoint()
                 self.stop_signal = stop.received
-            self.checkpoint()
-            if self.stop_signal is not None:
-                log.warning("%s received: stopped after step %d with a checkpoint; continue with --resume",
-                            self.stop_signal, state.step)
+            t_loop_end = time.perf_counter()
+            self.timings["loop_s"] = round(t_loop_end - t_train, 3)
+            self.checkpoint()  # written while the run log and the reward workers close
             failed = False
         finally:
             runlog.close(failed=failed and sys.exc_info()[0] is not None)
             self.rewards.close()
+            if failed:  # an earlier checkpoint in flight still completes; the loop's own error is the one to report
+                try:
+                    self.writer.wait()
+                except Exception as e:  # noqa: BLE001 -- reported beside the error that ends the run
+                    log.warning("the checkpoint being written when the run failed did not complete either: %s", e)
+        self.writer.wait()
+        self.timings["final_checkpoint_s"] = round(time.perf_counter() - t_loop_end, 3)
+        self.timings["checkpoint_wait_s"] = round(self.writer.seconds, 3)
+        self.timings["process_s"] = round(process_seconds(), 3)
+        if self.runtime.is_main:
+            (self.run_dir / "timings.json").write_text(json.dumps(self.timings, indent=1))
+        if self.stop_signal is not None:
+            log.warning("%s received: stopped after step %d with a checkpoint; continue with --resume",
+                        self.stop_signal, state.step)
         return self.run_dir
 
     def update(self, batch: Batch, runlog: RunLog) -> list[dict]:
@@ -199,14 +249,20 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
 
     def newest_checkpoint(self) -> str | None:
+        """The newest complete checkpoint, once the write in flight (if any) has finished."""
+        try:
+            self.writer.wait()
+        except UserError:
+            pass  # a failed write leaves the previous checkpoints: they are what this names
         return train_state.newest_checkpoint(self.run_dir)
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self) -> None:
+        """Start writing a checkpoint of the run as it is now (in the background; see CheckpointWriter)."""
         c = self.collector
         parts = {**self.actor.state_dict(), "generator": c.generator.get_state(), "data": c.stream.state_dict(),
                  "skipped_prompts": c.skipped_prompts}
-        return train_state.save(self.run_dir, self.state, parts, self.actor.model, self.tokenizer,
-                                self.cfg.log.keep_checkpoints, self.t_start)
+        self.writer.submit(self.state, parts, self.actor.model, self.tokenizer, self.cfg.log.keep_checkpoints,
+                           self.t_start)
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""

@@ -1,6 +1,6 @@
 """What a checkpoint holds and how a run comes back from one.
 
-A checkpoint (written atomically by :mod:`gspo.checkpoint`) is a loadable HF model directory plus
+A checkpoint (written atomically by :mod:`gspo.checkpoint`, in the background by :class:`CheckpointWriter`) is a loadable HF model directory plus
 ``trainer_state.pt``: the counters of :class:`TrainState`, the optimizer, every RNG (Python, NumPy, torch, CUDA, the
 rollout sampler and the minibatch shuffle) and the data position. Restoring all of them at a rollout-batch boundary
 makes a resumed run bit-identical to one that never stopped. The learning-rate schedule is a function of the step,
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import complete_checkpoints, load_model_weights, rng_state, save_checkpoint, set_rng_state
+from gspo.checkpoint import (complete_checkpoints, load_model_weights, rng_state, save_checkpoint, set_rng_state,
+                             to_cpu)
 from gspo.errors import UserError
 
 log = logging.getLogger("gspo")
@@ -48,17 +50,56 @@ def newest_checkpoint(run_dir: Path) -> str | None:
     return done[-1].name if done else None
 
 
-def save(run_dir: Path, state: TrainState, parts: dict[str, Any], model, tokenizer, keep: int, t_start: float) -> Path:
-    """Write checkpoint ``step-<state.step>`` with the model, ``parts`` (name -> state dict of the actor, collector,
-    ...) and every RNG; a failed write ends in one error naming the intact checkpoint."""
-    payload = {**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts}
-    try:
-        return save_checkpoint(run_dir / "checkpoints", state.step, model, tokenizer, payload, keep)
-    except OSError as e:  # no space, read-only or vanished directory: the previous checkpoints are untouched
-        newest = newest_checkpoint(run_dir)
-        kept = f"the last complete one, {newest}, is intact" if newest else "no earlier checkpoint exists"
-        raise UserError(f"Writing the checkpoint of step {state.step} to {str(run_dir / 'checkpoints')!r} failed "
-                        f"({e.strerror or e}); {kept}. Free disk space or fix the directory, then --resume.") from e
+class CheckpointWriter:
+    """Writes checkpoints off the training loop's critical path: ``submit`` takes a CPU snapshot of everything the
+    checkpoint holds (a device-to-host copy, the only part the loop waits for) and writes, fsyncs and renames it in a
+    background thread while training goes on. One write at a time: ``submit`` and ``wait`` first finish the previous
+    one and raise its error, if it had one, as the one-line message a synchronous write would have given. A process
+    killed mid-write leaves a ``.tmp`` directory that is never taken for a checkpoint (see :mod:`gspo.checkpoint`)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last: Path | None = None  # the newest checkpoint this writer completed
+        self.seconds = 0.0  # time the loop spent waiting for checkpoints (snapshots and waits), cumulative
+
+    def submit(self, state: TrainState, parts: dict[str, Any], model, tokenizer, keep: int, t_start: float) -> None:
+        """Start writing checkpoint ``step-<state.step>`` with the model, ``parts`` (the actor's and collect stage's
+        state) and every RNG, as they are now."""
+        self.wait()
+        t0 = time.perf_counter()
+        payload = to_cpu({**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts})
+        weights = to_cpu(model.state_dict())
+        step = state.step
+        self._thread = threading.Thread(target=self._write, args=(step, model, tokenizer, payload, keep, weights),
+                                        name=f"gspo-checkpoint-{step}", daemon=True)
+        self._thread.start()
+        self.seconds += time.perf_counter() - t0
+
+    def _write(self, step, model, tokenizer, payload, keep, weights) -> None:
+        try:
+            self.last = save_checkpoint(self.run_dir / "checkpoints", step, model, tokenizer, payload, keep, weights)
+        except OSError as e:  # no space, read-only or vanished directory: the previous checkpoints are untouched
+            newest = newest_checkpoint(self.run_dir)
+            kept = f"the last complete one, {newest}, is intact" if newest else "no earlier checkpoint exists"
+            self._error = UserError(f"Writing the checkpoint of step {step} to {str(self.run_dir / 'checkpoints')!r} "
+                                    f"failed ({e.strerror or e}); {kept}. Free disk space or fix the directory, then --resume.")
+            self._error.__cause__ = e
+        except BaseException as e:  # anything else is a bug: re-raised as it is in the loop's thread
+            self._error = e
+
+    def wait(self) -> Path | None:
+        """Finish the write in flight (if any); raise its error; return the newest checkpoint written."""
+        if self._thread is not None:
+            t0 = time.perf_counter()
+            self._thread.join()
+            self._thread = None
+            self.seconds += time.perf_counter() - t0
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.last
 
 
 def load(run_dir: Path, model, before_batch: int | None = None) -> tuple[Path, TrainState, dict[str, Any]]:
