@@ -51,7 +51,7 @@ def cmd_run(a: argparse.Namespace) -> None:
         rc = subprocess.call(cmd)
         wall = time.time() - t0
         (out / algo).mkdir(exist_ok=True)
-        for f in ("metrics.jsonl", "samples.jsonl", "config.json"):
+        for f in ("metrics.jsonl", "samples.jsonl", "config.json", "timings.json"):
             if (run_dir / f).exists():
                 shutil.copy(run_dir / f, out / algo / f)
         _meta(out, algo, wall, cmd, rc)

@@ -171,3 +171,34 @@ def test_fused_decode_agrees_with_the_trainer_and_warms_up_fast(tokenizer):
     assert GraphEngine(model, tokenizer, stop_ids=[2], device=torch.device("cuda"),
                        autocast_dtype=torch.bfloat16).fused is not None
     assert fused_gap.mean() < 2 * module_gap.mean() + 1e-3 and fused_gap.max() < 0.1
+
+
+def test_non_finite_step_is_skipped_on_the_device(tmp_path, tokenizer, monkeypatch):
+    """With the fused AdamW a non-finite loss skips the optimizer step on the GPU (found_inf, no host sync): the
+    weights and Adam's step count stay as they were, the step is counted, and a finite step afterwards trains."""
+    import gspo.train.actor
+
+    real = gspo.train.actor.policy_loss
+    calls = []
+
+    def nan_once(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 1 else loss), metrics
+
+    monkeypatch.setattr(gspo.train.actor, "policy_loss", nan_once)
+    d = tmp_path / "tiny"
+    tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    cfg = build_config({}, [f"model.name='{d}'", "model.device='cuda'", "rollout.prompts_per_batch=4", "rollout.group_size=4",
+                            "rollout.max_new_tokens=8", "train.steps=2", "train.minibatches=2", "rewards.workers=0",
+                            "rewards.functions=[{path='trainer_rewards:text_length'}]", "log.progress=false"], device="cuda")
+    trainer = Trainer(cfg, tmp_path / "run")
+    assert trainer.actor.fused_optimizer
+    before = {k: v.detach().clone() for k, v in trainer.actor.model.named_parameters()}
+    trainer.train()
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["nonfinite_steps"] for r in rows] == [1.0, 1.0]
+    steps = {int(s["step"]) for s in trainer.actor.optimizer.state_dict()["state"].values()}
+    assert steps == {1}  # the skipped step did not count
+    assert any(not torch.equal(before[k], v) for k, v in trainer.actor.model.named_parameters())

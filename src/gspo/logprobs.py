@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 from gspo.errors import UserError
 from gspo.models import (attention_context, attention_implementation, autocast_context, final_logits, pad_prompts,
                          positions_from_mask)
+from gspo.runtime import to_device
 
 
 def sequence_logprobs(
@@ -51,18 +52,20 @@ def sequence_logprobs(
         raise UserError(f"sequence_logprobs got {len(prompt_ids)} prompts for {completion_ids.shape[0]} completions "
                         f"or an empty prompt: pass one non-empty prompt per completion row.")
     device = next(model.parameters()).device
-    completion_ids = completion_ids.to(device)  # (N, T)
-    completion_mask = completion_mask.to(device).bool()  # (N, T)
-    n_rows, width = completion_ids.shape
-    flat = completion_mask.reshape(-1).nonzero().squeeze(-1)  # (M,) completion tokens, row-major
-    targets = completion_ids.reshape(-1).index_select(0, flat)  # (M,)
+    # Index arithmetic on the CPU, then one non-blocking copy each: on a GPU a nonzero(), a boolean index or a plain
+    # .to() would each wait for every kernel queued before it.
+    ids_cpu, mask_cpu = completion_ids.cpu(), completion_mask.cpu().bool()  # (N, T)
+    n_rows, width = ids_cpu.shape
+    flat_cpu = mask_cpu.reshape(-1).nonzero().squeeze(-1)  # (M,) completion tokens, row-major
+    flat = to_device(flat_cpu, device)
+    targets = to_device(ids_cpu.reshape(-1).index_select(0, flat_cpu), device)  # (M,)
     if packed:
-        hidden = _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_dtype, graphs)  # (M, H)
+        hidden = _packed_hidden(model, prompt_ids, ids_cpu, mask_cpu, autocast_dtype, graphs)  # (M, H)
     else:
         prompt, prompt_mask = pad_prompts(prompt_ids, pad_id)  # (N, P)
         prompt_len = prompt.shape[1]
-        input_ids = torch.cat([prompt.to(device), completion_ids.masked_fill(~completion_mask, pad_id)], 1)  # (N, P+T)
-        attention_mask = torch.cat([prompt_mask.to(device), completion_mask.long()], 1)  # (N, P+T)
+        input_ids = to_device(torch.cat([prompt, ids_cpu.masked_fill(~mask_cpu, pad_id)], 1), device)  # (N, P+T)
+        attention_mask = to_device(torch.cat([prompt_mask, mask_cpu.long()], 1), device)  # (N, P+T)
         with autocast_context(device, autocast_dtype), attention_context():
             hidden = model.get_decoder()(
                 input_ids=input_ids,
@@ -77,7 +80,7 @@ def sequence_logprobs(
     head = model.get_output_embeddings()
     config = model.config
     chunk_logp, chunk_entropy = [], []
-    for start in range(0, flat.numel(), chunk_size):
+    for start in range(0, flat_cpu.numel(), chunk_size):
         args = (hidden[start:start + chunk_size], targets[start:start + chunk_size], head, config, temperature,
                 with_entropy, device, autocast_dtype)
         if torch.is_grad_enabled():
@@ -98,24 +101,26 @@ def sequence_logprobs(
 
 def _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_dtype, graphs=None) -> torch.Tensor:
     """Final hidden states ``(M, H)`` at the positions that predict each completion token (row-major, as ``flat``),
-    from one packed row of every ``prompt_i + completion_i``.
+    from one packed row of every ``prompt_i + completion_i``. ``completion_ids`` and ``completion_mask`` are CPU
+    tensors: the layout is worked out here and sent to the device without a synchronisation.
 
     Completion tokens must be a prefix of each row (``completion_mask[i] = [1]*len_i + [0]*...``), as rollouts are.
     """
-    device = completion_ids.device
+    device = next(model.parameters()).device
     lengths = completion_mask.sum(-1)  # (N,)
-    if not torch.equal(completion_mask, torch.arange(completion_mask.shape[1], device=device)[None, :] < lengths[:, None]):
+    if not torch.equal(completion_mask, torch.arange(completion_mask.shape[1])[None, :] < lengths[:, None]):
         raise UserError("packed log-probs need each completion's tokens first in its row (mask = 1..1 0..0); use "
                         "train.packing = 'off' for other layouts.")
     comp = completion_ids.tolist()
     seq_lens = [len(p) + int(n) for p, n in zip(prompt_ids, lengths.tolist())]
     ids = [t for p, c, n in zip(prompt_ids, comp, lengths.tolist()) for t in (*p, *c[:n])]
-    ids = torch.tensor(ids, dtype=torch.long, device=device)[None]  # (1, S) S = sum of seq_lens
-    pos = torch.cat([torch.arange(n) for n in seq_lens]).to(device)[None]  # (1, S)
-    cu = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)  # (N+1,)
+    ids = to_device(torch.tensor(ids, dtype=torch.long)[None], device)  # (1, S) S = sum of seq_lens
+    pos = to_device(torch.cat([torch.arange(n) for n in seq_lens])[None], device)  # (1, S)
+    cu_cpu = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # (N+1,)
+    cu = to_device(cu_cpu, device)
     # Row i's token t is predicted at packed index start_i + len(prompt_i) - 1 + t.
-    first = torch.tensor([s + len(p) - 1 for s, p in zip(cu[:-1].tolist(), prompt_ids)], device=device)  # (N,)
-    at = (first[:, None] + torch.arange(completion_mask.shape[1], device=device)[None, :])[completion_mask]  # (M,)
+    first = torch.tensor([s + len(p) - 1 for s, p in zip(cu_cpu[:-1].tolist(), prompt_ids)])  # (N,)
+    at = to_device((first[:, None] + torch.arange(completion_mask.shape[1])[None, :])[completion_mask], device)  # (M,)
     hidden = graphs.hidden(ids, pos, cu) if graphs is not None else None  # (1, S, H) or None: not graphable
     if hidden is None:
         with autocast_context(device, autocast_dtype):

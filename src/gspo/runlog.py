@@ -80,9 +80,8 @@ class RunLog:
         if not self.enabled:
             return
         lc = self.cfg.log
-        dev = logp.device
-        rows_dev = rows.to(dev)
-        old, mask, adv = batch.old_logprobs[rows_dev], batch.loss_mask.to(dev)[rows_dev], batch.advantages[rows]
+        rows_dev = rows.to(logp.device)  # after the step's reduce: the device has nothing queued to wait for
+        old, mask, adv = batch.old_logprobs[rows_dev], batch.loss_mask[rows].to(logp.device), batch.advantages[rows]
         where = {"step": step, "rollout_batch": rollout_batch, "minibatch": minibatch}
         if lc.histograms:
             self._files["histograms"].write({**where, "edges": LOG_RATIO_EDGES, **ratio_histograms(logp, old, mask)})

@@ -110,6 +110,15 @@ class Runtime:
         return {name: out[name] for name in names}
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a CPU tensor goes to a GPU through pinned memory without blocking, so the host does not wait
+    for the kernels queued before the copy (a plain ``.to()`` from pageable memory synchronises the stream). The
+    caching host allocator keeps the pinned block until the copy has run."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 

@@ -10,17 +10,7 @@ from typing import Any
 
 import torch
 
-
-@dataclass
-class Example:
-    """One task instance: what the model is asked and what a verifier needs to score the answer."""
-
-    prompt: str | list[dict[str, str]]
-    """A user message (wrapped in the chat template) or a full list of chat messages."""
-    answer: str | None = None
-    """The reference answer a verifier compares against (``None`` for reward functions that need none)."""
-    meta: dict[str, Any] = field(default_factory=dict)
-    """Any other fields of the source row; passed through to reward functions."""
+from gspo.example import Example  # noqa: F401  (re-exported: gspo.types.Example)
 
 
 @dataclass

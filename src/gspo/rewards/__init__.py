@@ -17,6 +17,13 @@ A reward function is any importable callable ``fn(completion: str, example: gspo
 Built-ins live in ``gspo.rewards.builtin``: ``last_number``, ``gsm8k_number``, ``math_verify_boxed``,
 ``format_answer_tag``.
 """
-from gspo.rewards.runner import RewardFn, RewardResult, RewardRunner, RewardSpec, resolve
-
 __all__ = ["RewardFn", "RewardResult", "RewardRunner", "RewardSpec", "resolve"]
+
+
+def __getattr__(name: str):
+    # Lazy: reward worker processes import gspo.rewards.* and must not pay for the runner's torch import.
+    if name in __all__:
+        from gspo.rewards import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'gspo.rewards' has no attribute {name!r}")

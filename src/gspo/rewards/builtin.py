@@ -9,7 +9,7 @@ import math
 import re
 import threading
 
-from gspo.types import Example
+from gspo.example import Example
 
 # A number is an integer with optional thousands separators ("1,000") and an optional decimal part. A minus sign
 # counts only where it cannot be a binary minus ("10-3" ends in 3, not -3).

@@ -8,15 +8,13 @@ Protocol: the parent sends a chunk of up to ``CHUNK`` calls in one message (chea
 call as soon as it finishes. The parent therefore always knows which call is running and since when: on a timeout
 exactly that call is failed, and the unanswered rest of its chunk goes back to the queue. Workers come from a
 ``forkserver`` (never a plain ``fork``: the parent holds torch's thread pools, which a fork copies in a broken
-state); the server imports this module once, so a worker replacing a killed one starts in milliseconds.
+state); the server imports :mod:`gspo.rewards.worker` (no torch) once, so a worker starts in milliseconds.
 """
 from __future__ import annotations
 
-import importlib
 import math
 import multiprocessing as mp
 import os
-import signal
 import sys
 import threading
 import time
@@ -30,14 +28,14 @@ from typing import Any
 import torch
 
 from gspo.errors import UserError
-from gspo.types import Example
+from gspo.example import Example
+from gspo.rewards.worker import RewardFn, call as _call, resolve, worker_main  # noqa: F401 (RewardFn re-exported)
 
-RewardFn = Callable[[str, Example], float]
 Call = tuple[int, int, str, Example]  # (call id, function index, completion, example)
 
 CHUNK = 16  # calls per message: large enough to amortise IPC, small enough to balance load across workers
 MAX_ERRORS = 8  # error messages kept per score() for logging
-STARTUP_TIMEOUT_S = 120.0  # a worker imports torch and the reward modules before its first call
+STARTUP_TIMEOUT_S = 120.0  # a worker imports the reward modules (sympy, a user's own) before its first call
 
 
 @dataclass
@@ -63,85 +61,6 @@ class RewardResult:
     per_function: dict[str, torch.Tensor]  # name -> (N,) float32, NaN on failure
     failures: dict[str, int]  # name -> number of failed calls
     errors: list[str]  # the first MAX_ERRORS failure messages, for logging
-
-
-def resolve(path: str) -> RewardFn:
-    """The callable named by ``"module:function"`` (``function`` may be dotted, e.g. ``"mod:Class.method"``)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(f"reward {path!r} is not 'module:function'; write it like 'gspo.rewards.builtin:last_number'.")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # a user's module can fail to import in any way (syntax error, missing dependency)
-        raise UserError(
-            f"reward {path!r}: importing {module_name!r} failed ({type(e).__name__}: {e}); fix the module name, "
-            "or put its folder on PYTHONPATH (or run from that folder)."
-        ) from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UserError(f"reward {path!r}: {module_name!r} has no attribute {attr!r}; check the function name.")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise UserError(f"reward {path!r} is a {type(obj).__name__}, not a function; point it at a function.")
-    return obj
-
-
-def _call(fn: RewardFn, completion: str, example: Example) -> tuple[str, Any]:
-    """One reward call as ``("ok", float)``, ``("err", message)`` if it raised, or ``("bad", message)`` for a value
-    that is not a finite number (bools and numpy/torch scalars are fine)."""
-    try:
-        value = fn(completion, example)
-    except Exception as e:
-        return "err", f"{type(e).__name__}: {e}"[:300]
-    if value is None or isinstance(value, (str, bytes)):
-        return "bad", f"returned {value!r:.80}"
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return "bad", f"returned a {type(value).__name__}"
-    return ("ok", x) if math.isfinite(x) else ("bad", f"returned {x}")
-
-
-def _watch_parent() -> None:
-    """Exit this worker once its parent is gone, even while a reward call hangs in the main thread.
-
-    The parent is the fork server, which itself exits with the training process; either way we get re-parented.
-    """
-    parent_pid = os.getppid()
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(0)
-
-
-def _worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str) -> None:
-    """Worker process: resolve the reward functions, then answer chunks of calls one result per call."""
-    # Ctrl-C and a SIGTERM sent to the whole process group (Slurm, systemd) are the parent's to handle: it finishes its
-    # batch, which needs these workers, then shuts them down; a worker also exits when its parent is gone.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.chdir(cwd)  # reward functions may open files relative to where the user started training
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    if cwd not in sys.path:
-        sys.path.append(cwd)
-    threading.Thread(target=_watch_parent, daemon=True).start()
-    try:
-        fns = [resolve(p) for p in paths]
-        for fn in fns:
-            if callable(getattr(fn, "warm_up", None)):
-                fn.warm_up()  # one-off set-up cost stays out of the first call's time limit
-    except Exception as e:
-        conn.send(("init_error", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            chunk = conn.recv()
-        except (EOFError, OSError):
-            return
-        if chunk is None:
-            return
-        for call_id, fn_idx, completion, example in chunk:
-            conn.send((call_id, *_call(fns[fn_idx], completion, example)))
 
 
 class _Worker:
@@ -184,7 +103,7 @@ def _context() -> Any:
     """A fork server that imports this module (and torch) once, so a new worker starts in milliseconds, not the
     ~1.5 s of a fresh interpreter (a fork server started earlier without this preload still works, just slower)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload(["gspo.rewards.worker"])
     return ctx
 
 
@@ -235,17 +154,20 @@ class RewardRunner:
         # that this overlaps the caller's own start-up (loading the model); score() waits for them.
         self._start_error: BaseException | None = None
         self._starting: threading.Thread | None = None
+        self.start_seconds = 0.0  # how long starting the workers took (in the background)
         if workers:
             self._starting = threading.Thread(target=self._start_all, args=(workers,), name="gspo-reward-start",
                                               daemon=True)
             self._starting.start()
 
     def _start_all(self, n: int) -> None:
+        t0 = time.perf_counter()
         try:
             for _ in range(n):
                 self._workers.append(self._start())
         except BaseException as e:  # re-raised by the first score()
             self._start_error = e
+        self.start_seconds = time.perf_counter() - t0
 
     def ready(self) -> "RewardRunner":
         """Wait until the worker processes have started (raising what failed, if anything)."""
@@ -266,7 +188,7 @@ class RewardRunner:
     def _start(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         args = (child_conn, [s.path for s in self.specs], list(sys.path), os.getcwd())
-        proc = self._ctx.Process(target=_worker_main, args=args, daemon=True, name="gspo-reward-worker")
+        proc = self._ctx.Process(target=worker_main, args=args, daemon=True, name="gspo-reward-worker")
         proc.start()
         child_conn.close()  # so the parent sees EOF when the worker dies
         return _Worker(proc, parent_conn)

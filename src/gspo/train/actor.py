@@ -16,6 +16,7 @@ micro-batches the update will use, so that in bf16 their numbers round as the up
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from gspo.config import Config
 from gspo.errors import UserError
 from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
 from gspo.models import attention_context, disable_dropout, eval_mode, named_weights
-from gspo.runtime import Runtime
+from gspo.runtime import Runtime, to_device
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout
 
@@ -66,6 +67,14 @@ class Actor:
         self._setup_optimizer()
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.lr_scale = 1.0  # lowered by each collapse-sentinel rollback
+        self._modules = list(self.model.modules())
+        self._on_device: dict[str, torch.Tensor] = {}  # the rollout batch's tensors on the device, sent once
+
+    def set_training(self, training: bool) -> None:
+        """Train or eval mode for every module of the policy. ``Module.train()`` walks the module tree and goes through
+        ``Module.__setattr__`` for each of a 30-layer model's ~1000 modules; it ran several times per optimizer step."""
+        for module in self._modules:
+            module.__dict__["training"] = training
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -131,8 +140,7 @@ class Actor:
         differentiable when grad is enabled; CUDA graphs are used for the policy only, and not with ``graphs=False``."""
         model = self.model if model is None else model
         r = rollout if rows is None else rollout.select(rows.tolist())
-        device = self.runtime.device
-        return sequence_logprobs(model, r.prompt_ids, r.completion_ids.to(device), r.completion_mask.to(device),
+        return sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask,
                                  temperature=self.cfg.rollout.temperature, pad_id=r.pad_id,
                                  chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
                                  autocast_dtype=self.runtime.autocast, packed=self.packed,
@@ -143,11 +151,17 @@ class Actor:
                         model: torch.nn.Module | None = None) -> torch.Tensor:
         """Log-probs ``(N, T)`` of a frozen policy (default: the current one) over ``micro_batches`` (rows not in them
         stay 0), in eval mode, with the same rows and shapes as the update's passes."""
+        policy = model is None or model is self.model
         model = self.model if model is None else model
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=self.runtime.device)  # (N, T)
-        with eval_mode(model):
+        with contextlib.nullcontext() if policy else eval_mode(model):
+            if policy:
+                was_training = self.model.training
+                self.set_training(False)
             for rows in micro_batches:
-                out[rows.to(self.runtime.device)] = self.logprobs(rollout, rows, model=model)[0]
+                out[to_device(rows, self.runtime.device)] = self.logprobs(rollout, rows, model=model)[0]
+            if policy:
+                self.set_training(was_training)
         return out
 
     # ------------------------------------------------------------------------------------------ the update
@@ -162,14 +176,17 @@ class Actor:
         return Plan(minibatches, [[rows[j:j + micro] for j in range(0, mb, micro)] for rows in minibatches])
 
     def prepare(self, batch: Batch, plan: Plan) -> None:
-        """Fill ``batch.old_logprobs`` (and ``ref_logprobs`` with a reference model) before any weight changes."""
-        rollout = batch.rollout
+        """Fill ``batch.old_logprobs`` (and ``ref_logprobs`` with a reference model) before any weight changes, and send
+        the batch's per-row tensors to the device once."""
+        rollout, dev = batch.rollout, self.runtime.device
+        self._on_device = {"loss_mask": to_device(batch.loss_mask, dev), "advantages": to_device(batch.advantages, dev),
+                           "completion_mask": to_device(rollout.completion_mask, dev)}
         if self.cfg.train.old_logprobs == "recompute":
             # Minibatch 0 fills its own rows from its update forward (see step); the others need the frozen pass now.
             later = [chunk for chunks in plan.micro[1:] for chunk in chunks]
             batch.old_logprobs = self.frozen_logprobs(rollout, later)  # (N, T)
         else:
-            batch.old_logprobs = rollout.logprobs.to(self.runtime.device)
+            batch.old_logprobs = to_device(rollout.logprobs, dev)
         if self.ref_model is not None:
             every = [chunk for chunks in plan.micro for chunk in chunks]
             batch.ref_logprobs = self.frozen_logprobs(rollout, every, model=self.ref_model)
@@ -180,24 +197,25 @@ class Actor:
         the fused optimizer); the caller counts it from the reduced ``loss`` and ``grad_norm``."""
         cfg, dev = self.cfg, self.runtime.device
         rows = plan.minibatches[k]
-        mask = batch.loss_mask.to(dev)  # (N, T)
-        old, ref, adv = batch.old_logprobs, batch.ref_logprobs, batch.advantages.to(dev)
+        mask, adv = self._on_device["loss_mask"], self._on_device["advantages"]  # (N, T), (N,)
+        old, ref = batch.old_logprobs, batch.ref_logprobs
         on_policy_fill = cfg.train.old_logprobs == "recompute" and k == 0
         # Denominators of the whole minibatch, so micro-batches sum to its exact loss; rows left entirely out of the loss
         # (DAPO overlong filtering) do not count as sequences (the sequence-level TRL #6369).
-        mb_mask = mask[rows.to(dev)]  # (mb, T)
+        rows_dev = to_device(rows, dev)
+        mb_mask = mask[rows_dev]  # (mb, T)
         loss_kw = dict(level=cfg.loss.level, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
                        aggregation=cfg.loss.aggregation, beta=cfg.loss.beta, max_length=cfg.rollout.max_new_tokens)
         counts = dict(num_seqs=mb_mask.any(-1).sum(), num_tokens=mb_mask.sum())
         mb_logp = torch.zeros(mb_mask.shape, dtype=torch.float32, device=dev)  # (mb, T) detached
         mb_ent = torch.zeros_like(mb_logp)
         loss_total = torch.zeros((), dtype=torch.float64, device=dev)
-        self.model.train()
+        self.set_training(True)
         self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphed backwards keep .grad allocated
         start = 0
         for sub in plan.micro[k]:
             logp, ent = self.logprobs(batch.rollout, sub, with_entropy=True)  # (n, T)
-            sub_dev = sub.to(dev)
+            sub_dev = to_device(sub, dev)
             if on_policy_fill:
                 old[sub_dev] = logp.detach()
             loss, _ = policy_loss(logp, old[sub_dev], adv[sub_dev], mask[sub_dev],
@@ -208,18 +226,18 @@ class Actor:
             mb_logp[start:start + len(sub)], mb_ent[start:start + len(sub)] = logp.detach(), ent
             start += len(sub)
         if on_policy_fill:  # every row's old log-probs exist from here on
-            batch.metrics.update(logprob_gap(batch.rollout.logprobs.to(dev), old, batch.rollout.completion_mask.to(dev)))
-        rows_dev = rows.to(dev)
+            batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev), old,
+                                             self._on_device["completion_mask"]))
         with torch.no_grad():  # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
             _, metrics = policy_loss(mb_logp, old[rows_dev], adv[rows_dev], mb_mask,
                                      ref_logp=None if ref is None else ref[rows_dev], **loss_kw)
-        completion = batch.rollout.completion_mask[rows].to(dev)  # (mb, T)
+        completion = self._on_device["completion_mask"][rows_dev]  # (mb, T)
         tokens = completion.sum()
         metrics["entropy"] = torch.where(completion, mb_ent, 0.0).sum() / tokens.clamp(min=1)
         metrics["loss"] = loss_total
         metrics["grad_norm"] = self._apply(loss_total, step)
         metrics["trained_tokens"] = tokens
-        self.model.eval()
+        self.set_training(False)
         return StepOutput(metrics, rows, mb_logp)
 
     def _apply(self, loss: torch.Tensor, step: int) -> torch.Tensor:

@@ -84,8 +84,6 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         lap("engine")
         stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
         lap("data")
-        rewards.ready()
-        lap("reward_workers_wait")
     except BaseException:
         rewards.close()
         raise
@@ -143,6 +141,7 @@ class Trainer:
                     if first:
                         self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
                         self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
+                        self.timings["reward_workers_start_s"] = round(self.rewards.start_seconds, 3)
                     runlog.samples(batch, state.step, state.rollout_batch)
                     with out_of_memory("the update", state.step, self.newest_checkpoint):
                         rows = self.update(batch, runlog)
