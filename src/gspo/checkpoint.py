@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,13 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
     tmp = ckpt_root / f"step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
-    tokenizer.save_pretrained(tmp)
-    torch.save(state, tmp / "trainer_state.pt")
+    # The optimizer state (twice the model's size) is written beside the model, in a second thread: both writes are
+    # bound by copying and the disk, and each releases the GIL while it writes.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        optimizer_file = pool.submit(torch.save, state, tmp / "trainer_state.pt")
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+        tokenizer.save_pretrained(tmp)
+        optimizer_file.result()
     (tmp / "state.json").write_text(json.dumps({k: state[k] for k in ("step", "rollout_batch") if k in state}))
     _fsync_tree(tmp)
     if final.exists():

@@ -32,11 +32,11 @@ from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import RolloutEngine, make_engine
 from gspo.runlog import RunLog
 from gspo.runtime import Runtime, finite, process_seconds
-from gspo.train import sentinel, state as train_state
 from gspo.train.actor import Actor
 from gspo.train.collect import Collector
 from gspo.train.guards import NonFiniteSteps, StopSignals, out_of_memory
-from gspo.train.state import CheckpointWriter, TrainState
+from gspo.train.sentinel import collapse_findings, response, stop_reason
+from gspo.train.state import CheckpointWriter, TrainState, checkpoint_batch, load as load_state, newest_checkpoint
 from gspo.types import Batch
 
 log = logging.getLogger("gspo")
@@ -210,7 +210,7 @@ class Trainer:
         """The collapse sentinel on the batch just trained: warn, stop the run, or roll back (returns True)."""
         sc, state = self.cfg.sentinel, self.state
         self.rewards_seen[state.rollout_batch - 1] = rows[0].get("reward/mean")
-        found = sentinel.collapse_findings(sc, rows, self.rewards_seen)
+        found = collapse_findings(sc, rows, self.rewards_seen)
         if not found:
             return False
         self.collapse = "; ".join(found)
@@ -221,8 +221,8 @@ class Trainer:
         # The newest checkpoint written before the batch that tripped the sentinel: the one right before it would
         # replay the same rollouts (weights, RNG and data are restored exactly) and trip it again.
         older = [c for c in complete_checkpoints(self.run_dir / "checkpoints")
-                 if train_state.checkpoint_batch(c) < state.rollout_batch - 1]
-        action = sentinel.response(sc, state.rollbacks, bool(older))
+                 if checkpoint_batch(c) < state.rollout_batch - 1]
+        action = response(sc, state.rollbacks, bool(older))
         if action == "rollback":
             rollbacks = state.rollbacks + 1
             log.warning("collapse sentinel at step %d: %s; rolling back to %s with the learning rate x %g (rollback %d "
@@ -232,7 +232,7 @@ class Trainer:
             self.restore(before_batch=state.rollout_batch - 1)
             return True
         last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
-        last += sentinel.stop_reason(sc, state.rollbacks, bool(older))
+        last += stop_reason(sc, state.rollbacks, bool(older))
         raise UserError(f"Collapse sentinel stopped the run at step {state.step}: {self.collapse}; {last}. Resume from "
                         "it with a lower train.lr, or loosen the sentinel.* thresholds.")
 
@@ -253,7 +253,7 @@ class Trainer:
             self.writer.wait()
         except UserError:
             pass  # a failed write leaves the previous checkpoints: they are what this names
-        return train_state.newest_checkpoint(self.run_dir)
+        return newest_checkpoint(self.run_dir)
 
     def checkpoint(self) -> None:
         """Start writing a checkpoint of the run as it is now (in the background; see CheckpointWriter)."""
@@ -265,7 +265,7 @@ class Trainer:
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""
-        ckpt, state, payload = train_state.load(self.run_dir, self.actor.model, before_batch)
+        ckpt, state, payload = load_state(self.run_dir, self.actor.model, before_batch)
         self.actor.load_state_dict(payload)
         self.collector.generator.set_state(payload["generator"])
         self.collector.stream.load_state_dict(payload["data"])

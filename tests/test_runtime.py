@@ -1,0 +1,51 @@
+"""The runtime: the one precision rule, the device rule, and the one reduce of metrics (in one process and across
+real torchrun processes on gloo)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo.config import ModelConfig
+from gspo.errors import UserError
+from gspo.runtime import Runtime, autocast_dtype
+
+
+def test_precision_rule_is_one_for_every_device():
+    """auto: bf16 autocast on CUDA only; bf16-autocast: on any device (CPUs too); fp32: never."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert autocast_dtype("auto", cpu) is None and autocast_dtype("auto", cuda) == torch.bfloat16
+    assert autocast_dtype("bf16-autocast", cpu) == torch.bfloat16 and autocast_dtype("fp32", cuda) is None
+    with pytest.raises(UserError, match="model.precision = 'bf16'"):
+        autocast_dtype("bf16", cpu)
+
+
+def test_evaluation_and_training_share_the_rule(monkeypatch):
+    """`gspo eval` asks the same runtime as training: bf16-autocast on a CPU is bf16 for both (it used to be fp32 in
+    evaluation)."""
+    rt = Runtime.from_config(ModelConfig(device="cpu", precision="bf16-autocast"))
+    assert rt.autocast == torch.bfloat16 and rt.world_size == 1 and rt.is_main
+
+
+def test_reduce_is_one_transfer_of_floats():
+    """Tensors and numbers come back as floats, float32 values exactly as .item() gives them, keys in order."""
+    x = torch.tensor(0.1, dtype=torch.float32)
+    out = Runtime(torch.device("cpu")).reduce({"b": x, "a": 3, "c": torch.tensor(2.5, dtype=torch.float64)})
+    assert list(out) == ["b", "a", "c"] and out == {"b": x.item(), "a": 3.0, "c": 2.5}
+
+
+def test_reduce_across_torchrun_processes(tmp_path):
+    """Two torchrun ranks on gloo: means average, sums add, max and min combine; rank and world come from torchrun."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).parent / "dist" / "reduce_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["is_main"] for g in got] == [True, False] and {g["world"] for g in got} == {2}
+    for g in got:
+        assert g["values"] == {"mean": 0.5, "count": 3.0, "max": 2.0, "min": -5.0}
