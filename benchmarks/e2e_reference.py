@@ -4,12 +4,13 @@ Reference settings (../shared/BENCHMARKS.md): SmolLM2-135M-Instruct, a, b in 1..
 4 minibatches of 64, 128 new tokens, temperature 1, lr 5e-6, beta 0, 160 optimizer steps. These are the GPU values
 of configs/quickstart.toml.
 
-  python benchmarks/e2e_reference.py run --model /root/smollm2/model.gguf --algos gspo,grpo --out $OUT
+  python benchmarks/e2e_reference.py run --model /root/smollm2/model.gguf --algos gspo,grpo --out $OUT [--tag _warm]
   python benchmarks/e2e_reference.py trl --script .gpu/b/peer_trl.py --model /root/smollm2/model.gguf --levels sequence,token --out $OUT
   python benchmarks/e2e_reference.py table benchmarks/results/e2e_reference      # table + JSON from the collected files
 
-``run`` and ``trl`` write, per run, ``<name>/metrics.jsonl`` (gspo) or ``trl_<level>.json`` (TRL) and a ``<name>.meta.json``
-with the wall-clock and the card; ``table`` prints the comparison and writes ``summary.json`` beside them.
+``run`` and ``trl`` write, per run, ``<name>/metrics.jsonl`` and ``<name>/timings.json`` (gspo) or ``trl_<level>.json``
+(TRL) and a ``<name>.meta.json`` with the wall-clock and the card; ``table`` prints the comparison and where gspo's
+seconds go, and writes ``summary.json`` beside them.
 """
 from __future__ import annotations
 
@@ -43,19 +44,20 @@ def cmd_run(a: argparse.Namespace) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for algo in a.algos.split(","):
-        run_dir = Path(a.scratch) / algo
+        name = f"{algo}{a.tag}"
+        run_dir = Path(a.scratch) / name
         shutil.rmtree(run_dir, ignore_errors=True)
         cmd = [sys.executable, "-m", "gspo.cli", "train", str(ROOT / "configs/quickstart.toml"), "--run-dir", str(run_dir),
                f"algorithm='{algo}'", f"model.name='{a.model}'", f"seed={a.seed}", "log.checkpoint_every=0", *a.extra]
         t0 = time.time()
         rc = subprocess.call(cmd)
         wall = time.time() - t0
-        (out / algo).mkdir(exist_ok=True)
+        (out / name).mkdir(exist_ok=True)
         for f in ("metrics.jsonl", "samples.jsonl", "config.json", "timings.json"):
             if (run_dir / f).exists():
-                shutil.copy(run_dir / f, out / algo / f)
-        _meta(out, algo, wall, cmd, rc)
-        print(f"[e2e] {algo}: rc={rc} wall={wall:.0f}s", flush=True)
+                shutil.copy(run_dir / f, out / name / f)
+        _meta(out, name, wall, cmd, rc)
+        print(f"[e2e] {name}: rc={rc} wall={wall:.0f}s", flush=True)
 
 
 def cmd_trl(a: argparse.Namespace) -> None:
@@ -109,6 +111,18 @@ def cmd_table(a: argparse.Namespace) -> None:
     for r in rows:
         ent = f"{r['entropy_first']:.2f} -> {r['entropy_last']:.2f}" if r.get("entropy_first") is not None else "-"
         print(f"| {r['run']} | {r['card']} | {r['wall_s']:.0f} s | {r['train_loop_s']:.0f} s | {r['reward_first']:.3f} | {r['reward_last10']:.3f} | {r['clip']} | {ent} |")
+    timed = [(r, json.loads((res / r["name"] / "timings.json").read_text())) for r in rows
+             if (res / r["name"] / "timings.json").exists()]
+    if timed:  # where each second of gspo's process goes
+        cols = [("process_start_to_trainer", "imports + config"), ("model_load", "model load"), ("engine", "engine"),
+                ("first_rollout_at", "first rollout at"), ("first_collect_s", "first batch (engine warm-up)"),
+                ("loop_s", "training loop"), ("final_checkpoint_s", "final checkpoint"), ("process_s", "process")]
+        print("\n| run | " + " | ".join(c for _, c in cols) + " |\n|---|" + "---|" * len(cols))
+        for r, t in timed:
+            cells = [f"{t.get(k, float('nan')):.1f} s" for k, _ in cols]
+            cells[4] = f"{t['first_collect_s']:.1f} s ({t['engine_warmup_s']:.1f} s)"
+            print(f"| {r['run']} | " + " | ".join(cells) + " |")
+            r["timings"] = t
     (res / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
 
 
@@ -121,6 +135,7 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--out", required=True)
     r.add_argument("--scratch", default="/tmp/gspo-e2e")
+    r.add_argument("--tag", default="", help="suffix of the run names (e.g. _warm for a second run on a warm cache)")
     r.add_argument("extra", nargs="*", help="extra key=value overrides for every run")
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("trl")
