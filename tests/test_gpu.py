@@ -11,15 +11,20 @@ from conftest import tiny_llama
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def test_bf16_training_on_cuda(tmp_path, tokenizer):
-    """Two bf16-autocast steps on CUDA train with finite losses and an exactly-1 on-policy ratio."""
+def _tiny_cuda_config(tmp_path, tokenizer):
+    """Two optimizer steps of a tiny random Llama on CUDA (bf16 autocast by default), rewards in-process."""
     d = tmp_path / "tiny"
     tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).save_pretrained(d)
     tokenizer.save_pretrained(d)
-    cfg = build_config({}, [f"model.name='{d}'", "model.device='cuda'", "rollout.prompts_per_batch=4", "rollout.group_size=4",
-                            "rollout.max_new_tokens=8", "train.steps=2", "train.minibatches=2", "rewards.workers=0",
-                            "rewards.functions=[{path='trainer_rewards:text_length'}]", "log.progress=false"], device="cuda")
-    trainer = Trainer(cfg, tmp_path / "run")
+    return build_config({}, [f"model.name='{d}'", "model.device='cuda'", "rollout.prompts_per_batch=4",
+                             "rollout.group_size=4", "rollout.max_new_tokens=8", "train.steps=2", "train.minibatches=2",
+                             "rewards.workers=0", "rewards.functions=[{path='trainer_rewards:text_length'}]",
+                             "log.progress=false"], device="cuda")
+
+
+def test_bf16_training_on_cuda(tmp_path, tokenizer):
+    """Two bf16-autocast steps on CUDA train with finite losses and an exactly-1 on-policy ratio."""
+    trainer = Trainer(_tiny_cuda_config(tmp_path, tokenizer), tmp_path / "run")
     assert trainer.runtime.autocast == torch.bfloat16
     trainer.train()
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -187,13 +192,7 @@ def test_non_finite_step_is_skipped_on_the_device(tmp_path, tokenizer, monkeypat
         return (loss * float("nan") if len(calls) == 1 else loss), metrics
 
     monkeypatch.setattr(gspo.train.actor, "policy_loss", nan_once)
-    d = tmp_path / "tiny"
-    tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    cfg = build_config({}, [f"model.name='{d}'", "model.device='cuda'", "rollout.prompts_per_batch=4", "rollout.group_size=4",
-                            "rollout.max_new_tokens=8", "train.steps=2", "train.minibatches=2", "rewards.workers=0",
-                            "rewards.functions=[{path='trainer_rewards:text_length'}]", "log.progress=false"], device="cuda")
-    trainer = Trainer(cfg, tmp_path / "run")
+    trainer = Trainer(_tiny_cuda_config(tmp_path, tokenizer), tmp_path / "run")
     assert trainer.actor.fused_optimizer
     before = {k: v.detach().clone() for k, v in trainer.actor.model.named_parameters()}
     trainer.train()

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -72,9 +73,11 @@ def to_cpu(obj: Any, _seen: dict | None = None) -> Any:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int,
-                    model_state: dict[str, torch.Tensor] | None = None) -> Path:
+                    model_state: dict[str, torch.Tensor] | None = None, seconds: dict[str, float] | None = None) -> Path:
     """Write checkpoint ``step`` atomically, then prune all but the ``keep`` newest complete ones. ``model_state``
-    (a snapshot of ``model.state_dict()``) is written instead of the live weights when given."""
+    (a snapshot of ``model.state_dict()``) is written instead of the live weights when given; ``seconds`` gets the
+    time of the writes and of the fsync."""
+    t0 = time.perf_counter()
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{step:06d}"
     tmp = ckpt_root / f"step-{step:06d}.tmp"
@@ -88,6 +91,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
         tokenizer.save_pretrained(tmp)
         optimizer_file.result()
     (tmp / "state.json").write_text(json.dumps({k: state[k] for k in ("step", "rollout_batch") if k in state}))
+    t1 = time.perf_counter()
     _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -96,6 +100,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
         f.write("ok\n")
         f.flush()
         os.fsync(f.fileno())
+    if seconds is not None:
+        seconds.update(write_s=round(t1 - t0, 3), fsync_s=round(time.perf_counter() - t1, 3))
     for old in complete_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -169,6 +169,7 @@ class Trainer:
         self.writer.wait()
         self.timings["final_checkpoint_s"] = round(time.perf_counter() - t_loop_end, 3)
         self.timings["checkpoint_wait_s"] = round(self.writer.seconds, 3)
+        self.timings.update({f"final_checkpoint_{k}": v for k, v in self.writer.phases.items()})
         self.timings["process_s"] = round(process_seconds(), 3)
         if self.runtime.is_main:
             (self.run_dir / "timings.json").write_text(json.dumps(self.timings, indent=1))

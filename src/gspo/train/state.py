@@ -63,6 +63,7 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self.last: Path | None = None  # the newest checkpoint this writer completed
         self.seconds = 0.0  # time the loop spent waiting for checkpoints (snapshots and waits), cumulative
+        self.phases: dict[str, float] = {}  # the last checkpoint's snapshot, write and fsync seconds
 
     def submit(self, state: TrainState, parts: dict[str, Any], model, tokenizer, keep: int, t_start: float) -> None:
         """Start writing checkpoint ``step-<state.step>`` with the model, ``parts`` (the actor's and collect stage's
@@ -71,6 +72,7 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         payload = to_cpu({**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts})
         weights = to_cpu(model.state_dict())
+        self.phases = {"snapshot_s": round(time.perf_counter() - t0, 3)}
         step = state.step
         self._thread = threading.Thread(target=self._write, args=(step, model, tokenizer, payload, keep, weights),
                                         name=f"gspo-checkpoint-{step}", daemon=True)
@@ -79,7 +81,8 @@ class CheckpointWriter:
 
     def _write(self, step, model, tokenizer, payload, keep, weights) -> None:
         try:
-            self.last = save_checkpoint(self.run_dir / "checkpoints", step, model, tokenizer, payload, keep, weights)
+            self.last = save_checkpoint(self.run_dir / "checkpoints", step, model, tokenizer, payload, keep, weights,
+                                        self.phases)
         except OSError as e:  # no space, read-only or vanished directory: the previous checkpoints are untouched
             newest = newest_checkpoint(self.run_dir)
             kept = f"the last complete one, {newest}, is intact" if newest else "no earlier checkpoint exists"
