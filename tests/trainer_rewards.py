@@ -55,3 +55,15 @@ def dyadic_length(completion, example):
 def even_a_dyadic(completion, example):
     """1.0 for every completion of a prompt whose first operand is even (a zero-variance group), else dyadic length."""
     return 1.0 if example.meta["a"] % 2 == 0 else len(completion) / 128.0
+
+
+def slow_length(completion, example):
+    """Length in 1/128 units after 0.3 s; the first call creates the file named by GSPO_TEST_MARKER (scoring began)."""
+    import os
+    import time
+
+    marker = os.environ.get("GSPO_TEST_MARKER")
+    if marker and not os.path.exists(marker):
+        open(marker, "w").close()
+    time.sleep(0.3)
+    return len(completion) / 128.0

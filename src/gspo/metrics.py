@@ -6,11 +6,15 @@ The metric names are a public interface documented in the README; keep them stab
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from gspo.errors import UserError
 
 
 def _clean(v: Any) -> Any:
@@ -20,25 +24,79 @@ def _clean(v: Any) -> Any:
 
 
 class JsonlWriter:
-    """Append-only JSONL file flushed after every line, so a killed run loses at most the line being written."""
+    """Append-only JSONL file flushed after every line, so a killed run loses at most the line being written.
+
+    ``keep`` rewinds the file to the lines it accepts (on resume and rollback): the kept lines go to a temporary file
+    beside it, which is fsynced and renamed over the original, so a process killed mid-rewind leaves either the old
+    file or the new one, never an empty or half-written one. A line that does not parse (torn by a full disk or a
+    kill) is dropped there. A write that fails (a full disk) truncates the file back to its last whole line and ends
+    in one error naming the file.
+    """
 
     def __init__(self, path: Path, *, keep: Callable[[dict[str, Any]], bool] | None = None):
         self.path = path
         if keep is not None and path.exists():
-            lines = [ln for ln in path.read_text().splitlines() if ln.strip() and keep(json.loads(ln))]
-            path.write_text("".join(ln + "\n" for ln in lines))
-        self._f = open(path, "a")
+            lines = [json.dumps(row) for row in read_jsonl(path) if keep(row)]
+            _replace_atomically(path, "".join(ln + "\n" for ln in lines))
+        # Unbuffered, at the OS level: a line is on its way to the disk when write() returns, and a failed write can be
+        # cut back exactly (a buffered file would keep the failed bytes and flush them again later).
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, row: dict[str, Any]) -> None:
-        self._f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        self._f.flush()
+        data = (json.dumps({k: _clean(v) for k, v in row.items()}) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass  # the torn line stays; every reader skips a line that does not parse
+            raise UserError(f"Writing a line to {str(self.path)!r} failed ({e.strerror or e}); free disk space or fix "
+                            "the directory, then continue with --resume (the file keeps its whole lines).") from e
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """The rows of a JSONL file; a line that does not parse (torn by a full disk or a kill) is skipped with a warning."""
+    rows, torn = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                torn += 1
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                torn += 1
+    if torn:
+        logging.getLogger("gspo").warning("%s: %d line(s) that do not parse were skipped (torn by a full disk or a "
+                                          "kill)", path, torn)
+    return rows
 
 
 class Console:

@@ -8,7 +8,8 @@ Protocol: the parent sends a chunk of up to ``CHUNK`` calls in one message (chea
 call as soon as it finishes. The parent therefore always knows which call is running and since when: on a timeout
 exactly that call is failed, and the unanswered rest of its chunk goes back to the queue. Workers come from a
 ``forkserver`` (never a plain ``fork``: the parent holds torch's thread pools, which a fork copies in a broken
-state); the server imports :mod:`gspo.rewards.worker` (no torch) once, so a worker starts in milliseconds.
+state); the server imports :mod:`gspo.rewards.worker` (no torch) once, so a worker starts in milliseconds, and
+ignores a SIGTERM sent to the whole process group (:mod:`gspo.rewards.forkserver`).
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def _context() -> Any:
     """A fork server that imports this module (and torch) once, so a new worker starts in milliseconds, not the
     ~1.5 s of a fresh interpreter (a fork server started earlier without this preload still works, just slower)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["gspo.rewards.worker"])
+    ctx.set_forkserver_preload(["gspo.rewards.forkserver"])
     return ctx
 
 

@@ -78,3 +78,32 @@ class NonFiniteSteps:
         if self.in_row >= self.limit:
             raise UserError(f"{self.in_row} optimizer steps in a row had a non-finite loss or gradient (last at step "
                             f"{step}); lower train.lr or try model.precision = 'fp32'. The last checkpoint is intact.")
+
+
+LOCK_FILE = ".lock"
+
+
+def lock_run_dir(run_dir):
+    """An exclusive lock on ``run_dir`` for this process (released when the returned file is closed, or by the OS when
+    the process dies): two processes training in one directory (a requeued job whose predecessor still runs) would
+    interleave their metrics lines and delete each other's temporary checkpoints."""
+    import os
+
+    f = open(run_dir / LOCK_FILE, "a+")
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no advisory locks to take
+        return f
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise UserError(f"Run directory {str(run_dir)!r} is in use by another gspo process (pid {holder}); wait for it "
+                        "to finish or stop it, or choose another log.run_dir.") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f

@@ -34,7 +34,7 @@ from gspo.runlog import RunLog
 from gspo.runtime import Runtime, finite, process_seconds
 from gspo.train.actor import Actor
 from gspo.train.collect import Collector
-from gspo.train.guards import NonFiniteSteps, StopSignals, out_of_memory
+from gspo.train.guards import LOCK_FILE, NonFiniteSteps, StopSignals, lock_run_dir, out_of_memory
 from gspo.train.sentinel import collapse_findings, response, stop_reason
 from gspo.train.state import CheckpointWriter, TrainState, checkpoint_batch, load as load_state, newest_checkpoint
 from gspo.types import Batch
@@ -166,7 +166,11 @@ class Trainer:
                     self.writer.wait()
                 except Exception as e:  # noqa: BLE001 -- reported beside the error that ends the run
                     log.warning("the checkpoint being written when the run failed did not complete either: %s", e)
-        self.writer.wait()
+                self.release()
+        try:
+            self.writer.wait()
+        finally:
+            self.release()
         self.timings["final_checkpoint_s"] = round(time.perf_counter() - t_loop_end, 3)
         self.timings["checkpoint_wait_s"] = round(self.writer.seconds, 3)
         self.timings.update({f"final_checkpoint_{k}": v for k, v in self.writer.phases.items()})
@@ -240,13 +244,21 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ run directory
 
     def _prepare_run_dir(self, resume: bool) -> None:
-        exists = self.run_dir.exists() and any(self.run_dir.iterdir())
+        # A directory holding only what a failed start writes (its config and lock) has nothing to lose or continue.
+        exists = self.run_dir.exists() and any(p.name not in (LOCK_FILE, "config.json") for p in self.run_dir.iterdir())
         if exists and not resume:
             raise UserError(f"Run directory {str(self.run_dir)!r} already exists; pass --resume to continue it, "
                             "or choose another log.run_dir.")
         if self.runtime.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = lock_run_dir(self.run_dir)
             (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+
+    def release(self) -> None:
+        """Let another process use the run directory (done at the end of ``train()``)."""
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.close()
 
     def newest_checkpoint(self) -> str | None:
         """The newest complete checkpoint, once the write in flight (if any) has finished."""

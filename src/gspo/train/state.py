@@ -21,6 +21,7 @@ import torch
 from gspo.checkpoint import (complete_checkpoints, load_model_weights, rng_state, save_checkpoint, set_rng_state,
                              to_cpu)
 from gspo.errors import UserError
+from gspo.metrics import read_jsonl
 
 log = logging.getLogger("gspo")
 
@@ -42,6 +43,24 @@ def checkpoint_batch(ckpt: Path) -> int:
         return int(json.loads((ckpt / "state.json").read_text())["rollout_batch"])
     except (OSError, ValueError, KeyError):
         return 1 << 30
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The optimizer step of a checkpoint, from its name (``step-NNNNNN``)."""
+    return int(ckpt.name.split("-", 1)[1])
+
+
+def metrics_cover(run_dir: Path) -> int | None:
+    """The largest step ``s`` such that ``metrics.jsonl`` holds a line for every step 1..s (None without the file): a
+    checkpoint past it would resume with a hole in the metrics (a line lost to a full disk or a kill)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    steps = {row.get("step") for row in read_jsonl(path)}
+    covered = 0
+    while covered + 1 in steps:
+        covered += 1
+    return covered
 
 
 def newest_checkpoint(run_dir: Path) -> str | None:
@@ -83,11 +102,13 @@ class CheckpointWriter:
         try:
             self.last = save_checkpoint(self.run_dir / "checkpoints", step, model, tokenizer, payload, keep, weights,
                                         self.phases)
-        except OSError as e:  # no space, read-only or vanished directory: the previous checkpoints are untouched
+        except (OSError, RuntimeError) as e:  # no space (torch.save reports it as a RuntimeError), a read-only or
+            # vanished directory: the previous checkpoints are untouched
             newest = newest_checkpoint(self.run_dir)
             kept = f"the last complete one, {newest}, is intact" if newest else "no earlier checkpoint exists"
+            why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
             self._error = UserError(f"Writing the checkpoint of step {step} to {str(self.run_dir / 'checkpoints')!r} "
-                                    f"failed ({e.strerror or e}); {kept}. Free disk space or fix the directory, then --resume.")
+                                    f"failed ({why}); {kept}. Free disk space or fix the directory, then --resume.")
             self._error.__cause__ = e
         except BaseException as e:  # anything else is a bug: re-raised as it is in the loop's thread
             self._error = e
@@ -108,12 +129,27 @@ class CheckpointWriter:
 def load(run_dir: Path, model, before_batch: int | None = None) -> tuple[Path, TrainState, dict[str, Any]]:
     """Load the newest readable checkpoint's weights into ``model`` (with ``before_batch``: the newest written before
     that rollout batch); returns it, its counters and the rest of its payload (RNGs restored already). A damaged
-    newest checkpoint (disk error, manual edits) falls back to the previous one, with a warning."""
+    newest checkpoint (disk error, manual edits) falls back to the previous one, with a warning; so does one whose
+    steps ``metrics.jsonl`` no longer covers (a line lost), so that the replayed steps fill the hole."""
     root = run_dir / "checkpoints"
     ckpts = complete_checkpoints(root)
     if before_batch is not None:
         ckpts = [c for c in ckpts if checkpoint_batch(c) < before_batch]
+    covered = metrics_cover(run_dir)
+    if covered is not None and ckpts and checkpoint_step(ckpts[-1]) > covered:
+        usable = [c for c in ckpts if checkpoint_step(c) <= covered]
+        log.warning("metrics.jsonl has lines for steps 1..%d only; resuming from %s instead of %s so the missing steps "
+                    "are trained and logged again", covered, usable[-1].name if usable else "the start", ckpts[-1].name)
+        if not usable:
+            raise UserError(f"metrics.jsonl in {str(run_dir)!r} has lines for steps 1..{covered} only, before every "
+                            "checkpoint, so a resumed run would leave a hole in it; start a new run in another "
+                            "directory (the old one stays as it is).")
+        ckpts = usable
     if not ckpts:
+        if (run_dir / "metrics.jsonl").exists() and before_batch is None:
+            raise UserError(f"--resume found no complete checkpoint in {str(root)!r}: the run stopped before its first "
+                            "one; move the directory aside (or choose another log.run_dir) and start again without "
+                            "--resume.")
         raise UserError(f"--resume found no complete checkpoint in {str(root)!r}; start a new run without --resume.")
     for ckpt in reversed(ckpts):
         try:

@@ -1,0 +1,180 @@
+"""Faults the run directory must survive, injected for real: kills during a log rewind, a second process in the same
+directory, lines torn by a full disk (a real, small tmpfs where this machine lets root mount one)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gspo.errors import UserError
+from gspo.metrics import JsonlWriter, read_jsonl
+from gspo.train import Trainer
+
+from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module fixture)
+
+REWIND = """
+import sys
+sys.path.insert(0, {src!r})
+from pathlib import Path
+from gspo.metrics import JsonlWriter
+print("ready", flush=True)
+JsonlWriter(Path({path!r}), keep=lambda row: row["step"] <= 15000).close()
+print("done", flush=True)
+"""
+
+
+def _check_lines(path: Path) -> list[dict]:
+    """Every line of ``path`` parses; returns the rows."""
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert all(isinstance(r, dict) for r in rows)
+    return rows
+
+
+def test_a_kill_during_the_rewind_on_resume_loses_no_line(tmp_path):
+    """SIGKILL at random moments while the run log drops the lines past a checkpoint (what --resume and a rollback
+    do): the file afterwards holds either every old line or exactly the kept ones, never fewer, never a torn one.
+    (Rewriting in place emptied a 30,002-line file in one try.)"""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = tmp_path / "metrics.jsonl"
+    original = "".join(json.dumps({"step": i, "loss": 0.1 * i, "pad": "x" * 60}) + "\n" for i in range(1, 30001))
+    rng = random.Random(0)
+    outcomes = set()
+    for attempt in range(6):
+        path.write_text(original)
+        proc = subprocess.Popen([sys.executable, "-c", REWIND.format(src=src, path=str(path))], stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 0.15))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        rows = _check_lines(path)
+        assert len(rows) in (30000, 15000), len(rows)
+        assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+        outcomes.add(len(rows))
+
+
+def test_a_second_process_in_the_run_directory_is_refused(tiny_dir, tmp_path):  # noqa: F811
+    """While a trainer holds the run directory, another start there (a requeued job whose predecessor still runs)
+    ends in one line naming the holder's pid; once the first has finished, --resume works."""
+    run = tmp_path / "run"
+    first = Trainer(tiny_config(tiny_dir), run)
+    with pytest.raises(UserError, match=f"in use by another gspo process \\(pid {os.getpid()}\\)"):
+        Trainer(tiny_config(tiny_dir), run, resume=True)
+    first.train()
+    Trainer(tiny_config(tiny_dir, "train.steps=4"), run, resume=True).train()
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_second_gspo_process_is_refused(tiny_dir, tmp_path):  # noqa: F811
+    """The same across processes: a real second `gspo train --resume` on a directory whose trainer is alive exits 2
+    with the one-line message, and the first run's files are untouched."""
+    run = tmp_path / "run"
+    holder = Trainer(tiny_config(tiny_dir), run)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                                        str(Path(__file__).resolve().parent)])}
+    proc = subprocess.run([sys.executable, "-m", "gspo.cli", "train", "--resume", "--run-dir", str(run),
+                           f"model.name='{tiny_dir}'", "model.device='cpu'", "rewards.workers=0"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and "is in use by another gspo process" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    holder.train()
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_torn_line_never_blocks_resume_summary_or_report(tiny_dir, tmp_path):  # noqa: F811
+    """A last line torn by a full disk is skipped by every reader: --resume continues, `gspo summary` and `gspo report`
+    work; a torn line in the middle makes resume start from a checkpoint the surviving lines cover, so no step is
+    missing afterwards."""
+    from gspo.cli import main
+
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_dir, "train.steps=4"), run).train()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 0.')  # the torn tail of a write that ran out of space
+    assert main(["summary", str(run)]) == 0
+    assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
+    # A hole: step 3's line is torn in the middle of the file.
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[2] = lines[2][:25]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    t = Trainer(tiny_config(tiny_dir, "train.steps=6"), run, resume=True)
+    assert t.state.step == 2  # step-000004 is past the hole; step-000002 is covered
+    t.train()
+    rows = _check_lines(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs (needs root and a kernel that lets this container mount; skipped otherwise)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({proc.stderr.strip()[:100]}): the full-disk test needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_while_logging_ends_in_one_line_and_keeps_whole_lines(small_disk):
+    """On a real full file system a metrics line that does not fit ends in one error naming the file, the file keeps
+    only whole lines, and after space is freed the same writer's file takes new lines and reads back whole."""
+    path = small_disk / "metrics.jsonl"
+    filler = small_disk / "filler"
+    writer = JsonlWriter(path)
+    writer.write({"step": 1, "loss": 0.5})
+    with open(filler, "wb", buffering=0) as f:  # fill the disk to the last byte
+        for size in (4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
+    with pytest.raises(UserError, match="metrics.jsonl.*failed.*No space left on device"):
+        for step in range(2, 200):
+            writer.write({"step": step, "loss": 0.5, "pad": "y" * 500})
+    writer.close()
+    rows = _check_lines(path)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    filler.unlink()
+    writer = JsonlWriter(path)
+    writer.write({"step": len(rows) + 1, "loss": 0.5})
+    writer.close()
+    assert [r["step"] for r in _check_lines(path)] == list(range(1, len(rows) + 2))
+
+
+def test_sigterm_to_the_process_group_during_scoring_loses_no_reward(tiny_dir, tmp_path):  # noqa: F811
+    """SIGTERM to the whole process group (how Slurm and systemd stop a job) while reward workers are scoring: the fork
+    server and the workers ignore it, the batch is scored in full (no NaN reward), trained, checkpointed, and
+    `gspo train` exits 143; --resume then completes the run. (The fork server used to die, taking the workers with it:
+    the batch was trained on NaN rewards without a word.)"""
+    run, marker = tmp_path / "run", tmp_path / "scoring"
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "GSPO_TEST_MARKER": str(marker),
+           "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
+    args = [sys.executable, "-m", "gspo.cli", "train", "--run-dir", str(run), f"model.name='{tiny_dir}'",
+            "model.device='cpu'", "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
+            "train.steps=4", "train.minibatches=2", "rewards.workers=2", "log.progress=false", "log.checkpoint_every=0",
+            "rewards.functions=[{path='trainer_rewards:slow_length'}]"]
+    proc = subprocess.Popen(args, env=env, cwd=tmp_path, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the reward never ran"
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 143, err[-2000:]
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["reward/failures"] == 0 and r["reward/failed_frac"] == 0 for r in rows)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]
+    marker.unlink()
+    assert subprocess.run([*args, "--resume"], env=env, cwd=tmp_path, capture_output=True, timeout=300).returncode == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
