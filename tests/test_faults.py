@@ -178,3 +178,78 @@ def test_sigterm_to_the_process_group_during_scoring_loses_no_reward(tiny_dir, t
     marker.unlink()
     assert subprocess.run([*args, "--resume"], env=env, cwd=tmp_path, capture_output=True, timeout=300).returncode == 0
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_resume_refuses_a_changed_objective_and_keeps_the_history(tiny_dir, tmp_path):  # noqa: F811
+    """--resume with another algorithm, weight decay or Adam betas is refused in one line naming the keys, and
+    config.json keeps the values the run was trained with; allowed changes (train.steps, train.lr) are taken, logged
+    in config_history.jsonl with the step they start from."""
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_dir), run).train()
+    for override, key in (("algorithm='grpo'", "algorithm"), ("train.weight_decay=0.1", "train.weight_decay"),
+                          ("train.adam_betas=[0.8, 0.9]", "train.adam_betas")):
+        with pytest.raises(UserError, match=f"--resume cannot change .*{key}"):
+            Trainer(tiny_config(tiny_dir, "train.steps=4", override), run, resume=True)
+        assert json.loads((run / "config.json").read_text())["algorithm"] == "gspo"
+        assert json.loads((run / "config.json").read_text())["train"]["weight_decay"] == 0.0
+    Trainer(tiny_config(tiny_dir, "train.steps=4", "train.lr=5e-4"), run, resume=True).train()
+    history = read_jsonl(run / "config_history.jsonl")
+    assert [h["step"] for h in history] == [0, 2]
+    assert history[1]["changed"] == {"train.steps": [2, 4], "train.lr": [1e-3, 5e-4]}
+    assert json.loads((run / "config.json").read_text())["train"]["lr"] == 5e-4
+
+
+def test_a_failed_background_checkpoint_ends_the_run_at_once(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
+    """A checkpoint written in the background that fails (a full disk) ends the run after the batch that follows, in
+    one line naming the intact checkpoint, even with a sentinel that only warns: it is neither lost nor swallowed."""
+    import errno
+
+    import gspo.train.state
+
+    real = gspo.train.state.save_checkpoint
+    calls = []
+
+    def fail_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gspo.train.state, "save_checkpoint", fail_second)
+    t = Trainer(tiny_config(tiny_dir, "train.steps=10", "sentinel.entropy_min=100.0"), tmp_path / "run")
+    with pytest.raises(UserError, match="checkpoint of step 4 .*No space left on device.*step-000002, is intact"):
+        t.train()
+    assert t.state.step <= 6  # stopped within a batch of the failure, not at the end of the run
+    assert (tmp_path / "run" / "checkpoints" / "step-000002" / "COMPLETE").exists()
+
+
+def test_an_empty_loss_mask_is_not_a_collapse(tiny_dir, tmp_path):  # noqa: F811
+    """When overlong filtering leaves a minibatch without loss tokens its ratio statistics are null (not measurable),
+    and the sequence-ratio detector does not take that for an exploding spread."""
+    t = Trainer(tiny_config(tiny_dir, "loss.mask_truncated=true", "sentinel.seq_ratio_log_max=5.0",
+                            "sentinel.action='stop'"), tmp_path / "run")
+    t.train()  # a random tiny model never stops within 6 tokens: every completion is truncated, so filtered
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert t.state.step == 2 and t.collapse is None
+    assert all(r["ratio/seq_max"] is None for r in rows)
+
+
+def test_a_signal_during_the_final_checkpoint_lets_it_complete(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
+    """A real SIGINT while the final checkpoint is being written is noted, not obeyed at once: the checkpoint
+    completes, and the run reports the signal (gspo train exits 130 on it)."""
+    import threading
+
+    import gspo.train.state
+
+    real = gspo.train.state.save_checkpoint
+
+    def slow(*args, **kwargs):
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gspo.train.state, "save_checkpoint", slow)
+    t = Trainer(tiny_config(tiny_dir, "log.checkpoint_every=0"), tmp_path / "run")
+    t.train()
+    assert t.stop_signal == "SIGINT"
+    assert (tmp_path / "run" / "checkpoints" / "step-000002" / "COMPLETE").exists()

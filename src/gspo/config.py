@@ -506,6 +506,30 @@ def validate(cfg: Config) -> None:
             raise UserError(f"Reward path {rw.path!r} must be 'module:function', e.g. 'gspo.rewards.builtin:last_number'.")
 
 
+# What --resume may change. Everything else defines the run -- the objective, the data and its order, the sampling,
+# the optimizer's hyper-parameters and schedule shape, the model -- and changing it would make the resumed run neither
+# the old one nor a new one (the optimizer state and the data position belong to the old settings).
+RESUMABLE = (
+    "train.steps",  # train longer (or stop earlier)
+    "train.lr",  # the usual reaction to instability; the metrics log the learning rate of every step
+    "train.micro_batch_size", "train.logprob_chunk", "train.packing", "train.cuda_graphs",  # memory / speed only
+    "train.max_nonfinite_steps",
+    "model.device", "model.gradient_checkpointing",  # where and how memory is spent, not what is computed
+    "rollout.engine", "rollout.fused_step",
+    "rewards.workers", "rewards.timeout_s",
+    "log.", "sentinel.",  # what is written and watched
+)
+
+
+def resume_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, list], list[str]]:
+    """The keys whose values differ between two resolved configs (``Config.to_dict()``), as ``{key: [old, new]}``, and
+    those of them that ``--resume`` may not change. Keys only one side has (another gspo version) are not compared."""
+    a, b = _flatten(old), _flatten(new)
+    changed = {k: [a[k], b[k]] for k in a if k in b and a[k] != b[k]}
+    refused = [k for k in changed if not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE)]
+    return changed, refused
+
+
 def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, default, docstring) for every field, read from the source: the reference in the README."""
     import ast

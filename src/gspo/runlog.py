@@ -32,6 +32,7 @@ class RunLog:
         self.sinks = MetricSinks()
         self.console = Console(cfg.train.steps, step, enabled=enabled and cfg.log.progress)
         self._files: dict[str, JsonlWriter] = {}
+        self._closed = False
         if enabled:
             self._open_files(step, rollout_batch)
             self.sinks = open_sinks(cfg.to_dict(), run_dir, step)
@@ -106,6 +107,10 @@ class RunLog:
         self.sinks.rewind(step)
 
     def close(self, failed: bool = False) -> None:
+        """Close the files, sinks and console (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self.console.close()
         self._close_files()
         self.sinks.close(failed=failed)

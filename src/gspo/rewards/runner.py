@@ -175,8 +175,8 @@ class RewardRunner:
         if self._starting is not None:
             self._starting.join()
             self._starting = None
-        if self._start_error is not None:
-            error, self._start_error = self._start_error, None
+        if self._start_error is not None:  # stays: without workers, scoring must not fall back to in-process calls
+            error = self._start_error
             raise RuntimeError(f"the reward workers could not start ({type(error).__name__}: {error})") from error
         return self
 

@@ -45,9 +45,9 @@ class StopSignals:
 
 
 @contextlib.contextmanager
-def out_of_memory(phase: str, step: int, newest_checkpoint: Callable[[], str | None]):
-    """GPU out-of-memory in a phase of the loop ends in one line naming the knobs of that phase (and the newest
-    checkpoint, asked for only then)."""
+def out_of_memory(phase: str, step: Callable[[], int], newest_checkpoint: Callable[[], str | None]):
+    """GPU out-of-memory in a phase of the loop ends in one line naming the knobs of that phase, the step it happened
+    at and the newest checkpoint (both asked for only then)."""
     try:
         yield
     except torch.OutOfMemoryError as e:
@@ -55,7 +55,7 @@ def out_of_memory(phase: str, step: int, newest_checkpoint: Callable[[], str | N
                  else "train.micro_batch_size (or turn on model.gradient_checkpointing)")
         newest = newest_checkpoint()
         last = f"the last checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
-        raise UserError(f"The GPU ran out of memory in {phase} at step {step}; lower {knobs}; {last}.") from e
+        raise UserError(f"The GPU ran out of memory in {phase} at step {step()}; lower {knobs}; {last}.") from e
 
 
 class NonFiniteSteps:

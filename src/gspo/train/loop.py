@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from gspo.checkpoint import complete_checkpoints, seed_everything
-from gspo.config import Config
+from gspo.config import Config, resume_changes
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.errors import UserError
 from gspo.metrics import read_jsonl
@@ -103,18 +103,26 @@ class Trainer:
                             "without torchrun.")
         self.timings: dict[str, float] = {"process_start_to_trainer": round(process_seconds(), 3)}
         self._prepare_run_dir(resume)
-        parts = build(cfg, self.runtime, self.timings)
-        self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
-        self.collector, self.rewards = parts.collector, parts.rewards
-        self.state = TrainState()
-        self.writer = CheckpointWriter(self.run_dir)
-        self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps)
-        self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
-        self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
-        self.rewards_seen: dict[int, float | None] = {}  # rollout batch -> reward/mean, for the sentinel
-        if resume:
-            self.restore()
-        self.timings["trainer_ready_at"] = round(process_seconds(), 3)
+        try:
+            parts = build(cfg, self.runtime, self.timings)
+            self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
+            self.collector, self.rewards = parts.collector, parts.rewards
+            self.state = TrainState()
+            self.writer = CheckpointWriter(self.run_dir)
+            self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps)
+            self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
+            self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
+            self.rewards_seen: dict[int, float | None] = {}  # rollout batch -> reward/mean, for the sentinel
+            if resume:
+                self.restore()
+            if self.runtime.is_main:
+                self._record_config()
+            self.timings["trainer_ready_at"] = round(process_seconds(), 3)
+        except BaseException:
+            if hasattr(self, "rewards"):
+                self.rewards.close()
+            self.release()  # a start that failed leaves the directory to the next one
+            raise
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -123,53 +131,40 @@ class Trainer:
         cfg, state = self.cfg, self.state
         self.t_start = time.time() - state.elapsed
         t_train = time.perf_counter()
-        runlog = RunLog(self.run_dir, cfg, step=state.step, rollout_batch=state.rollout_batch,
-                        enabled=self.runtime.is_main)
+        runlog = None
         failed = True
         try:
+            # The final checkpoint is written inside the signal guard too: a first SIGINT / SIGTERM while it is being
+            # written is noted, and the checkpoint completes.
             with StopSignals(lambda: f"rollout batch {self.state.rollout_batch}") as stop:
+                runlog = RunLog(self.run_dir, cfg, step=state.step, rollout_batch=state.rollout_batch,
+                                enabled=self.runtime.is_main)
                 while state.step < cfg.train.steps and stop.received is None:
-                    self.engine.sync_weights(self.actor.weights())
-                    first = "first_rollout_at" not in self.timings
-                    if first:
-                        self.timings["first_rollout_at"] = round(process_seconds(), 3)
-                        log.info("first rollout %.1f s after the command (%s)", self.timings["first_rollout_at"],
-                                 ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k != "first_rollout_at"))
-                    t_collect = time.perf_counter()
-                    with out_of_memory("the rollout", state.step, self.newest_checkpoint):
-                        batch = self.collector.collect()
-                    if first:
-                        self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
-                        self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
-                        self.timings["reward_workers_start_s"] = round(self.rewards.start_seconds, 3)
-                    runlog.samples(batch, state.step, state.rollout_batch)
-                    with out_of_memory("the update", state.step, self.newest_checkpoint):
-                        rows = self.update(batch, runlog)
-                    runlog.flush()
-                    state.rollout_batch += 1
-                    if self.check_collapse(rows):  # rolled back to an earlier checkpoint: replay from there
+                    self.rollout_batch_once(runlog)
+                    self.writer.poll()  # a background checkpoint that failed ends the run now, in one line
+                    if self.check_collapse(self.last_rows):  # rolled back to an earlier checkpoint: replay from there
                         runlog.rewind(state.step, state.rollout_batch)
                         continue
                     every = cfg.log.checkpoint_every
                     if every and state.rollout_batch % every == 0 and state.step < cfg.train.steps and stop.received is None:
                         self.checkpoint()
+                t_loop_end = time.perf_counter()
+                self.timings["loop_s"] = round(t_loop_end - t_train, 3)
+                self.checkpoint()  # written while the run log and the reward workers close
+                runlog.close()
+                self.rewards.close()
+                self.writer.wait()
                 self.stop_signal = stop.received
-            t_loop_end = time.perf_counter()
-            self.timings["loop_s"] = round(t_loop_end - t_train, 3)
-            self.checkpoint()  # written while the run log and the reward workers close
             failed = False
         finally:
-            runlog.close(failed=failed and sys.exc_info()[0] is not None)
+            if runlog is not None:
+                runlog.close(failed=failed)
             self.rewards.close()
             if failed:  # an earlier checkpoint in flight still completes; the loop's own error is the one to report
                 try:
                     self.writer.wait()
                 except Exception as e:  # noqa: BLE001 -- reported beside the error that ends the run
-                    log.warning("the checkpoint being written when the run failed did not complete either: %s", e)
-                self.release()
-        try:
-            self.writer.wait()
-        finally:
+                    log.warning("the checkpoint being written when the run stopped did not complete either: %s", e)
             self.release()
         self.timings["final_checkpoint_s"] = round(time.perf_counter() - t_loop_end, 3)
         self.timings["checkpoint_wait_s"] = round(self.writer.seconds, 3)
@@ -181,6 +176,28 @@ class Trainer:
             log.warning("%s received: stopped after step %d with a checkpoint; continue with --resume",
                         self.stop_signal, state.step)
         return self.run_dir
+
+    def rollout_batch_once(self, runlog: RunLog) -> None:
+        """One rollout batch: weights to the engine, collect, update; its metrics lines are left in ``last_rows``."""
+        state = self.state
+        self.engine.sync_weights(self.actor.weights())
+        first = "first_rollout_at" not in self.timings
+        if first:
+            self.timings["first_rollout_at"] = round(process_seconds(), 3)
+            log.info("first rollout %.1f s after the command (%s)", self.timings["first_rollout_at"],
+                     ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k != "first_rollout_at"))
+        t_collect = time.perf_counter()
+        with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint):
+            batch = self.collector.collect()
+        if first:
+            self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
+            self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
+            self.timings["reward_workers_start_s"] = round(self.rewards.start_seconds, 3)
+        runlog.samples(batch, state.step, state.rollout_batch)
+        with out_of_memory("the update", lambda: state.step, self.newest_checkpoint):
+            self.last_rows = self.update(batch, runlog)
+        runlog.flush()
+        state.rollout_batch += 1
 
     def update(self, batch: Batch, runlog: RunLog) -> list[dict]:
         """``train.minibatches`` optimizer steps over ``batch``; returns their metrics lines."""
@@ -219,6 +236,7 @@ class Trainer:
         if not found:
             return False
         self.collapse = "; ".join(found)
+        self.writer.wait()  # a failed checkpoint write ends the run here, before anything relies on the directory
         newest = self.newest_checkpoint()
         if sc.action == "warn":
             log.warning("collapse sentinel at step %d: %s", state.step, self.collapse)
@@ -252,7 +270,39 @@ class Trainer:
         if self.runtime.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._lock = lock_run_dir(self.run_dir)
-            (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+            try:
+                self._config_changes = self._check_resumed_config() if resume and exists else {}
+                (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+            except BaseException:
+                self.release()
+                raise
+
+    def _check_resumed_config(self) -> dict[str, list]:
+        """What this session changes against the config the run was trained with; a change ``--resume`` may not make
+        (see ``gspo.config.RESUMABLE``) is refused in one line, before anything is written."""
+        path = self.run_dir / "config.json"
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            log.warning("%s cannot be read; the resumed run's settings are not checked against it", path)
+            return {}
+        changed, refused = resume_changes(old, self.cfg.to_dict())
+        if refused:
+            shown = "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused[:5])
+            raise UserError(f"--resume cannot change {', '.join(refused)} ({shown}): the run was trained with the old "
+                            f"values; resume with them, or start a new run in another log.run_dir.")
+        return changed
+
+    def _record_config(self) -> None:
+        """Append what this session trains with, from which step, to config_history.jsonl (config.json holds the
+        latest): one line per session that started or resumed the run."""
+        entry = {"step": self.state.step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "changed": self._config_changes, "config": self.cfg.to_dict()}
+        with open(self.run_dir / "config_history.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        if self._config_changes:
+            log.info("resumed with changed settings: %s", ", ".join(f"{k} {v[0]!r} -> {v[1]!r}"
+                                                                   for k, v in self._config_changes.items()))
 
     def release(self) -> None:
         """Let another process use the run directory (done at the end of ``train()``)."""
@@ -261,11 +311,9 @@ class Trainer:
             lock.close()
 
     def newest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint, once the write in flight (if any) has finished."""
-        try:
-            self.writer.wait()
-        except UserError:
-            pass  # a failed write leaves the previous checkpoints: they are what this names
+        """The newest complete checkpoint, once the write in flight (if any) has finished (a failed write stays
+        pending: the next ``wait`` raises it)."""
+        self.writer.wait(raise_error=False)
         return newest_checkpoint(self.run_dir)
 
     def checkpoint(self) -> None:

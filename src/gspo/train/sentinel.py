@@ -20,7 +20,9 @@ def collapse_findings(sc, rows: list[dict[str, Any]], rewards: dict[int, float |
             found.append(f"mean reward of the last {sc.window} batches {means[-1]:.3f} is {max(means[:-1]) - means[-1]:.3f} "
                          f"below its best {max(means[:-1]):.3f} (sentinel.reward_drop = {sc.reward_drop})")
     if sc.seq_ratio_log_max > 0:
-        values = [r.get(k) for r in rows for k in ("ratio/seq_min", "ratio/seq_max") if r.get(k) is not None]
+        # None (null in metrics.jsonl) or NaN: not measurable that step (no loss token in the minibatch), not a spread.
+        values = [r.get(k) for r in rows for k in ("ratio/seq_min", "ratio/seq_max")
+                  if r.get(k) is not None and not math.isnan(r[k])]
         spread = max((abs(math.log(v)) if v > 0 and math.isfinite(v) else math.inf for v in values), default=0.0)
         if spread > sc.seq_ratio_log_max:
             found.append(f"|log sequence ratio| reached {spread:.3g} > sentinel.seq_ratio_log_max = {sc.seq_ratio_log_max}")

@@ -113,17 +113,23 @@ class CheckpointWriter:
         except BaseException as e:  # anything else is a bug: re-raised as it is in the loop's thread
             self._error = e
 
-    def wait(self) -> Path | None:
-        """Finish the write in flight (if any); raise its error; return the newest checkpoint written."""
+    def wait(self, raise_error: bool = True) -> Path | None:
+        """Finish the write in flight (if any); raise its error (with ``raise_error=False`` it stays pending for the
+        next call); return the newest checkpoint written."""
         if self._thread is not None:
             t0 = time.perf_counter()
             self._thread.join()
             self._thread = None
             self.seconds += time.perf_counter() - t0
-        if self._error is not None:
+        if self._error is not None and raise_error:
             error, self._error = self._error, None
             raise error
         return self.last
+
+    def poll(self) -> None:
+        """Raise the error of a write that has finished and failed; never waits."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
 
 
 def load(run_dir: Path, model, before_batch: int | None = None) -> tuple[Path, TrainState, dict[str, Any]]:
