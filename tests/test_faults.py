@@ -253,3 +253,17 @@ def test_a_signal_during_the_final_checkpoint_lets_it_complete(tiny_dir, tmp_pat
     t.train()
     assert t.stop_signal == "SIGINT"
     assert (tmp_path / "run" / "checkpoints" / "step-000002" / "COMPLETE").exists()
+
+
+def test_data_whose_every_prompt_is_too_long_fails_after_one_pass(tiny_dir, tmp_path):  # noqa: F811
+    """Every prompt over data.max_prompt_tokens (skip mode): one line after one pass over the data, naming the limit
+    and the shortest prompt seen, not hours of silent re-tokenising."""
+    rows = [{"question": "word " * (200 + i), "answer": "1"} for i in range(30)]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = Trainer(tiny_config(tiny_dir, "data.task='jsonl'", f"data.path='{tmp_path / 'long.jsonl'}'",
+                            "data.prompt_field='question'", "data.answer_field='answer'", "data.max_prompt_tokens=64"),
+                tmp_path / "run")
+    start = time.monotonic()
+    with pytest.raises(UserError, match="last 30 prompts in a row .* data.max_prompt_tokens = 64 .*shortest had"):
+        t.train()
+    assert time.monotonic() - start < 60

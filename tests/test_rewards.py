@@ -1,5 +1,6 @@
 """Built-in rewards on hand-picked strings, and the runner's weighting, failure isolation and hard time limit."""
 import math
+import time
 import threading
 
 import pytest
@@ -131,11 +132,31 @@ def test_raise_in_process_is_nan():
     "path", ["no_such_module_xyz:f", "gspo.rewards.builtin:no_such_fn", "last_number", "reward_fixtures:NOT_A_FUNCTION"]
 )
 def test_bad_path(path):
-    """A reward path that does not name an importable function raises a UserError naming it."""
+    """A reward path that does not name an importable function raises a UserError naming it: in-process at once, with
+    workers at once for a module that does not exist, else when the workers load it (the trainer's process never runs
+    a reward module's code)."""
     with pytest.raises(UserError, match=path):
         resolve(path)
     with pytest.raises(UserError, match=path):
-        RewardRunner([RewardSpec(path)], workers=2)
+        RewardRunner([RewardSpec(path)], workers=0)
+    with pytest.raises(UserError, match=path):
+        with RewardRunner([RewardSpec(path)], workers=2) as runner:
+            runner.score(["1"], [ex("1")])
+
+
+def test_a_reward_module_that_hangs_at_import_ends_in_one_line(monkeypatch):
+    """A reward module that blocks when imported never runs in the trainer's process: the workers' start-up limit
+    ends it in one line naming the reward and the fix (it used to hang training forever)."""
+    import sys
+
+    from gspo.rewards import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "STARTUP_TIMEOUT_S", 3.0)
+    start = time.monotonic()
+    with pytest.raises(UserError, match="'reward_fixtures_hang:f' in the workers did not finish within 3 s"):
+        with RewardRunner([RewardSpec("reward_fixtures_hang:f")], workers=1) as runner:
+            runner.score(["1"], [ex("1")])
+    assert time.monotonic() - start < 60 and "reward_fixtures_hang" not in sys.modules
 
 
 def test_duplicate_names_rejected():

@@ -30,7 +30,7 @@ import torch
 
 from gspo.errors import UserError
 from gspo.example import Example
-from gspo.rewards.worker import RewardFn, call as _call, resolve, worker_main  # noqa: F401 (RewardFn re-exported)
+from gspo.rewards.worker import RewardFn, call as _call, locate, resolve, worker_main  # noqa: F401 (RewardFn re-exported)
 
 Call = tuple[int, int, str, Example]  # (call id, function index, completion, example)
 
@@ -145,7 +145,11 @@ class RewardRunner:
             raise UserError(f"reward timeout_s={timeout_s!r} is invalid; use a positive number of seconds.")
         self.specs = specs
         self.timeout_s = float(timeout_s)
-        self.fns = [resolve(s.path) for s in specs]  # fail in the parent, with a clear message, before any worker
+        # With workers the reward modules are imported there only, under the start-up limit: a module that blocks at
+        # import must not hang the trainer. The parent checks what it can without running module code.
+        for spec in specs:
+            locate(spec.path)
+        self.fns = [resolve(s.path) for s in specs] if workers == 0 else []  # in-process calls only
         self._ctx = _context()
         self._workers: list[_Worker] = []
         self._closed = False
@@ -193,6 +197,9 @@ class RewardRunner:
         proc.start()
         child_conn.close()  # so the parent sees EOF when the worker dies
         return _Worker(proc, parent_conn)
+
+    def _paths(self) -> str:
+        return ", ".join(repr(s.path) for s in self.specs)
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
@@ -284,9 +291,9 @@ class RewardRunner:
                     if not alive:
                         w.proc.join(timeout=1.0)
                         if not w.ready:  # would fail the same way again: stop rather than respawn forever
-                            raise RuntimeError(
-                                f"a reward worker exited while starting (exit code {w.proc.exitcode}); its traceback "
-                                "is above. Run with reward workers=0 to debug the reward module in-process."
+                            raise UserError(
+                                f"a reward worker exited while loading {self._paths()} (exit code {w.proc.exitcode}; "
+                                "its output is above); set rewards.workers = 0 to debug the reward module in-process."
                             )
                         fail_running(w, f"the worker process died (exit code {w.proc.exitcode}) during this call")
                 now = time.monotonic()
@@ -296,9 +303,10 @@ class RewardRunner:
                 if remaining and not pending and all(w.chunk is None for w in self._workers):
                     raise RuntimeError(f"internal error: {remaining} reward calls were lost; please report this.")
                 if not any(w.ready for w in self._workers) and now > startup_deadline:
-                    raise RuntimeError(
-                        f"no reward worker started within {STARTUP_TIMEOUT_S:g} s; "
-                        "check that the reward modules import quickly."
+                    raise UserError(
+                        f"loading the reward functions {self._paths()} in the workers did not finish within "
+                        f"{STARTUP_TIMEOUT_S:g} s (an import or warm_up that blocks); make them load quickly, or set "
+                        "rewards.workers = 0 to debug in-process."
                     )
         except BaseException:
             # Busy workers would answer these calls during the next score(): replace them so no stale answer leaks.

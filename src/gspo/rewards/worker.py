@@ -41,6 +41,25 @@ def resolve(path: str) -> RewardFn:
     return obj
 
 
+def locate(path: str) -> str:
+    """Check ``"module:function"`` as far as it can be without running the module's code (which may block): the form,
+    and that the module exists on the path. Returns ``path``; the import itself happens in the worker processes."""
+    import importlib.util
+
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(f"reward {path!r} is not 'module:function'; write it like 'gspo.rewards.builtin:last_number'.")
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as e:  # a parent package that fails to import, or a malformed name
+        raise UserError(f"reward {path!r}: {module_name!r} cannot be found ({type(e).__name__}: {e}); fix the module "
+                        "name, or put its folder on PYTHONPATH (or run from that folder).") from None
+    if found is None:
+        raise UserError(f"reward {path!r}: no module named {module_name!r}; fix the module name, or put its folder on "
+                        "PYTHONPATH (or run from that folder).")
+    return path
+
+
 def call(fn: RewardFn, completion: str, example: Example) -> tuple[str, Any]:
     """One reward call as ``("ok", float)``, ``("err", message)`` if it raised, or ``("bad", message)`` for a value
     that is not a finite number (bools and numpy/torch scalars are fine)."""

@@ -42,27 +42,39 @@ class Collector:
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         self.skipped_prompts = 0  # prompts over data.max_prompt_tokens, run-wide (saved in checkpoints)
+        self._skips_in_row = 0
+        self._shortest_skipped = 1 << 62
 
     # ------------------------------------------------------------------------------------------ stages
 
     def prompts(self, k: int) -> tuple[list[Example], list[list[int]]]:
-        """The next ``k`` examples whose encoded prompt fits ``data.max_prompt_tokens``."""
+        """The next ``k`` examples whose encoded prompt fits ``data.max_prompt_tokens``. A whole pass over the data
+        (at most 1,000 prompts) without one that fits ends in one line, instead of sampling forever."""
         data = self.cfg.data
+        limit = min(len(self.stream.dataset), 1000)
         examples, ids = [], []
         while len(examples) < k:
             batch = self.stream.next_batch(k - len(examples))
             for ex, p in zip(batch, encode_prompts(self.tokenizer, batch, data.system_prompt)):
-                if len(p) > data.max_prompt_tokens:
-                    if data.long_prompts == "fail":
-                        raise UserError(f"A prompt of {len(p)} tokens ({str(ex.prompt)[:60]!r}...) exceeds "
-                                        f"data.max_prompt_tokens = {data.max_prompt_tokens}; raise it, or set "
-                                        "data.long_prompts = 'skip'.")
-                    self.skipped_prompts += 1
+                if len(p) <= data.max_prompt_tokens:
+                    examples.append(ex)
+                    ids.append(p)
+                    self._skips_in_row = 0
                     continue
-                examples.append(ex)
-                ids.append(p)
-            if self.skipped_prompts > 1000 and not examples:
-                raise UserError(f"Every prompt is longer than data.max_prompt_tokens = {data.max_prompt_tokens}; raise it.")
+                if data.long_prompts == "fail":
+                    raise UserError(f"A prompt of {len(p)} tokens ({str(ex.prompt)[:60]!r}...) exceeds "
+                                    f"data.max_prompt_tokens = {data.max_prompt_tokens}; raise it, or set "
+                                    "data.long_prompts = 'skip'.")
+                self.skipped_prompts += 1
+                self._skips_in_row += 1
+                self._shortest_skipped = min(self._shortest_skipped, len(p))
+                if self.skipped_prompts in (1, 100, 10_000):
+                    log.warning("skipped %d prompt(s) longer than data.max_prompt_tokens = %d so far",
+                                self.skipped_prompts, data.max_prompt_tokens)
+                if self._skips_in_row >= limit:
+                    raise UserError(f"The last {self._skips_in_row} prompts in a row (a whole pass over the data, or "
+                                    f"1,000) are longer than data.max_prompt_tokens = {data.max_prompt_tokens} (the "
+                                    f"shortest had {self._shortest_skipped} tokens); raise it, or use shorter prompts.")
         return examples, ids
 
     def sample_groups(self, k: int, timing: dict[str, float]) -> Groups:
