@@ -40,3 +40,13 @@ def is_true(completion, example):
 
 
 NOT_A_FUNCTION = 3
+
+
+def huge_int(completion, example):
+    """An int no float can hold."""
+    return 10**400
+
+
+def always_fails(completion, example):
+    """Raises on every call: a broken verifier."""
+    raise KeyError("no 'answer' here")

@@ -267,3 +267,11 @@ def test_data_whose_every_prompt_is_too_long_fails_after_one_pass(tiny_dir, tmp_
     with pytest.raises(UserError, match="last 30 prompts in a row .* data.max_prompt_tokens = 64 .*shortest had"):
         t.train()
     assert time.monotonic() - start < 60
+
+
+def test_a_reward_that_fails_on_every_call_stops_the_run(tiny_dir, tmp_path):  # noqa: F811
+    """A reward function that raises on every completion is a bug, not bad luck: one line naming it and its first
+    error, instead of a run that trains on nothing and says "done"."""
+    t = Trainer(tiny_config(tiny_dir, "rewards.functions=[{path='reward_fixtures:always_fails'}]"), tmp_path / "run")
+    with pytest.raises(UserError, match="'always_fails' failed on all 8 completions .*first error: .*KeyError"):
+        t.train()

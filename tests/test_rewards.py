@@ -211,10 +211,13 @@ def test_math_verify_in_worker_under_short_limit():
     assert res.total.tolist() == [1.0, 0.0] and res.failures == {"math_verify_boxed": 0}
 
 
-def test_pool_non_number_raises():
-    """In worker processes too, a reward returning NaN raises a UserError naming the function."""
-    with RewardRunner(["reward_fixtures:nan_reward"], workers=1) as runner:
-        with pytest.raises(UserError, match="nan_reward"):
+@pytest.mark.parametrize("fn", ["nan_reward", "huge_int"])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pool_non_number_raises(fn, workers):
+    """In process and in worker processes, a reward returning NaN or an int too large for a float (10**400) raises a
+    UserError naming the function (the large int used to kill the worker with an OverflowError)."""
+    with RewardRunner([f"reward_fixtures:{fn}"], workers=workers) as runner:
+        with pytest.raises(UserError, match=fn):
             runner.score(["a", "b"], [ex(None)] * 2)
 
 

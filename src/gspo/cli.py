@@ -54,6 +54,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from gspo.evaluate import evaluate
 
+    for flag, value, least in (("--n", args.n, 1), ("--batch-size", args.batch_size, 1), ("--samples", args.samples, 0)):
+        if value < least:
+            raise UserError(f"gspo eval {flag} {value} must be at least {least}.")
+
     cfg = _config(args.config, args.overrides)
     result = evaluate(cfg, model_name=args.model, n=args.n, samples=args.samples, batch_size=args.batch_size)
     print(json.dumps(result, indent=1))
@@ -73,7 +77,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from gspo.report import group_means, key_metrics, load_run, metrics_table, write_report
     from gspo.train import Trainer
 
+    from gspo.config import PRESETS
+
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    unknown = [a for a in algos if a not in PRESETS]
+    if not algos or unknown:
+        raise UserError(f"--algos {args.algos!r} names {'no preset' if not algos else ', '.join(map(repr, unknown))}; "
+                        f"use a comma-separated list of {', '.join(PRESETS)}.")
     seeds = _int_list(args.seeds, "--seeds")
     out = Path(args.out)
     run_dirs = []
@@ -111,6 +121,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from gspo.report import write_report
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"gspo report --out {args.out!r} is a file; name a directory (it is created if missing).")
+    _need_runs(args.run_dirs)
+
     page = write_report(args.run_dirs, args.out, title=args.title)
     print(f"report: {page}")
     return 0
@@ -129,6 +143,14 @@ def cmd_probe(args: argparse.Namespace) -> int:
     print(noise_table(result))
     print(f"probe: {out}, figure: {figure}")
     return 0
+
+
+def _need_runs(run_dirs: list[str]) -> None:
+    """Each of ``run_dirs`` must be a run directory with a metrics.jsonl."""
+    for run in run_dirs:
+        if not (Path(run) / "metrics.jsonl").is_file():
+            what = "does not exist" if not Path(run).exists() else "has no metrics.jsonl"
+            raise UserError(f"{run!r} {what}; pass the run directory of a `gspo train` run.")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -158,6 +180,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_summary(args: argparse.Namespace) -> int:
     from gspo.metrics import summarize
 
+    _need_runs(args.run_dirs)
     for run in args.run_dirs:
         s = summarize(run)
         if not s["steps"]:

@@ -13,6 +13,8 @@ import dataclasses
 import difflib
 import importlib.util
 import logging
+import math
+import re
 import tomllib
 import types
 import typing
@@ -325,9 +327,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return [_build(item_tp, v, f"{key}[{i}].") for i, v in enumerate(value)]
         return [_coerce(v, item_tp, key) for v in value]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise UserError(f"Config key {key!r} = {value} is too large for a float; use a finite number.") from None
     if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
-        raise UserError(f"Config key {key!r} must be {tp.__name__}, got {value!r} ({type(value).__name__}); fix its value.")
+        raise UserError(f"Config key {key!r} must be {tp.__name__}, got {value!r:.80} ({type(value).__name__}); "
+                        "fix its value.")
+    if tp is float and not math.isfinite(value):
+        # NaN passes every comparison a range check makes; inf makes a limit or a rate meaningless.
+        raise UserError(f"Config key {key!r} = {value} is not a finite number; give a finite value.")
     return value
 
 
@@ -363,9 +372,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise UserError(f"Override {text!r} is not key=value; write it as e.g. loss.eps_high=5e-4.")
     key, raw = text.split("=", 1)
+    if not key.strip():
+        raise UserError(f"Override {text!r} has no key before '='; write it as e.g. loss.eps_high=5e-4.")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         value = raw
     return key.strip(), value
 
@@ -375,15 +386,23 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise UserError(f"Config file {str(p)!r} does not exist; pass the path of a TOML file (see configs/).")
     try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"Config file {str(p)!r} is not valid TOML ({e}); fix that line.") from None
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"Config file {str(p)!r} is not UTF-8 text (byte {e.start}); save it as UTF-8 TOML.") from None
+    except OSError as e:
+        raise UserError(f"Config file {str(p)!r} cannot be read ({e.strerror or e}); check its permissions.") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise UserError(f"Config file {str(p)!r} is not valid TOML ({why}); fix that line.") from None
 
 
 def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None, *, device: str | None = None) -> Config:
     """A validated :class:`Config` from a TOML-shaped dict, ``key=value`` overrides and the resolved device type."""
     tree = copy.deepcopy(data or {})
     device_overrides = tree.pop("overrides", {}) or {}
+    if not isinstance(device_overrides, dict) or not all(isinstance(v, dict) for v in device_overrides.values()):
+        raise UserError("The config's [overrides] must hold tables of dotted keys per device, like "
+                        "[overrides.cpu] \"train.steps\" = 8; fix or remove it.")
     if device is not None and device in device_overrides:
         for k, v in _flatten(device_overrides[device]).items():
             _set_dotted(tree, k, v)
@@ -451,6 +470,28 @@ def validate(cfg: Config) -> None:
         if on and not _installed(package):
             raise UserError(f"{key} = true but the {package} package is not installed; pip install 'gspo[{package}]', "
                             f"or set {key} = false.")
+    m = cfg.model
+    if m.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", m.device):
+        raise UserError(f"model.device = {m.device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    try:
+        lg.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
+    except (KeyError, IndexError, ValueError) as e:
+        raise UserError(f"log.run_dir = {lg.run_dir!r} has a placeholder gspo does not fill ({e}); use {{algorithm}} "
+                        "and {seed} only (double a brace to write one).") from None
+    for key, value in (("train.logprob_chunk", t.logprob_chunk), ("train.max_nonfinite_steps", t.max_nonfinite_steps),
+                       ("log.keep_checkpoints", lg.keep_checkpoints), ("data.max_prompt_tokens", cfg.data.max_prompt_tokens)):
+        if value < 1:
+            raise UserError(f"{key} = {value} must be at least 1.")
+    if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
+        raise UserError(f"train.adam_betas = {t.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.99].")
+    if not t.lr > 0 or t.weight_decay < 0 or t.max_grad_norm < 0 or t.warmup_steps < 0:
+        raise UserError("train.lr must be > 0, and train.weight_decay, train.max_grad_norm and train.warmup_steps >= 0 "
+                        f"(got {t.lr}, {t.weight_decay}, {t.max_grad_norm}, {t.warmup_steps}).")
+    if not cfg.rewards.timeout_s > 0 or cfg.rewards.workers < 0:
+        raise UserError(f"rewards.timeout_s = {cfg.rewards.timeout_s} must be > 0 and rewards.workers = "
+                        f"{cfg.rewards.workers} >= 0.")
+    if lg.checkpoint_every < 0 or lg.samples_per_batch < 0:
+        raise UserError("log.checkpoint_every and log.samples_per_batch must be >= 0 (0 turns them off).")
     if lg.wandb and not lg.wandb_project:
         raise UserError("log.wandb_project is empty; name the W&B project, e.g. log.wandb_project = 'gspo'.")
     for value, valid, key in ((lc.level, LEVELS, "loss.level"), (lc.aggregation, AGGREGATIONS, "loss.aggregation"),

@@ -92,7 +92,15 @@ def _row_to_example(
             )
     question = row[prompt_field]
     if isinstance(question, list):
-        prompt: str | list[dict[str, str]] = question
+        if not question or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                                   and isinstance(m.get("content"), str) for m in question):
+            raise UserError(f"{where}: field {prompt_field!r} is a list but not a non-empty list of chat messages "
+                            "{'role': ..., 'content': ...} with string values; fix the row, or give the question as a "
+                            "string.")
+        prompt: str | list[dict[str, str]] = [dict(m) for m in question]
+    elif question is None or isinstance(question, (dict, bool)):
+        raise UserError(f"{where}: field {prompt_field!r} is {json.dumps(question)[:40]}, not a question; give it a "
+                        "string (or a list of chat messages).")
     else:
         try:
             prompt = template.format_map({**row, "question": question})
@@ -103,6 +111,9 @@ def _row_to_example(
             ) from None
     answer = None
     if answer_field is not None:
+        if row[answer_field] is None and answer_format != "raw":
+            raise UserError(f"{where}: field {answer_field!r} is null, but answer_format {answer_format!r} reads a "
+                            "reference answer from it; give the row its answer, or drop the row.")
         try:
             answer = extract_answer(row[answer_field], answer_format)
         except ValueError as e:

@@ -73,6 +73,8 @@ def call(fn: RewardFn, completion: str, example: Example) -> tuple[str, Any]:
         x = float(value)
     except (TypeError, ValueError):
         return "bad", f"returned a {type(value).__name__}"
+    except OverflowError:  # an int too large for a float (10**400)
+        return "bad", "returned a number too large for a float"
     return ("ok", x) if math.isfinite(x) else ("bad", f"returned {x}")
 
 

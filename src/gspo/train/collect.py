@@ -44,6 +44,7 @@ class Collector:
         self.skipped_prompts = 0  # prompts over data.max_prompt_tokens, run-wide (saved in checkpoints)
         self._skips_in_row = 0
         self._shortest_skipped = 1 << 62
+        self._warned_failures = False
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -90,7 +91,22 @@ class Collector:
         result = self.rewards.score(rollout.texts, row_examples)
         timing["reward"] += time.perf_counter() - t0
         timing["failures"] += float(sum(result.failures.values()))
+        self.check_failures(result, len(rollout.texts))
         return Groups(rollout, row_examples, result.total.float(), result.per_function)
+
+    def check_failures(self, result, calls: int) -> None:
+        """A reward function that failed on every completion of a batch is broken, not unlucky: one line naming it and
+        its first error. Occasional failures are warned about once (the metrics count every one)."""
+        first = result.errors[0] if result.errors else "no message"
+        for name, failed in result.failures.items():
+            if calls and failed == calls:
+                raise UserError(f"The reward function {name!r} failed on all {calls} completions of a rollout batch "
+                                f"(first error: {first}); fix it (set rewards.workers = 0 to debug it in-process).")
+        if any(result.failures.values()) and not self._warned_failures:
+            self._warned_failures = True
+            log.warning("reward calls failed (%s; first error: %s): those completions are left out of their group's "
+                        "baseline; reward/failures counts them", ", ".join(f"{k}: {v}" for k, v in
+                                                                            result.failures.items() if v), first)
 
     def fill(self, timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, float]]:
         """P groups for the update; with DAPO dynamic sampling, zero-variance groups are dropped and refilled.
