@@ -275,3 +275,31 @@ def test_a_reward_that_fails_on_every_call_stops_the_run(tiny_dir, tmp_path):  #
     t = Trainer(tiny_config(tiny_dir, "rewards.functions=[{path='reward_fixtures:always_fails'}]"), tmp_path / "run")
     with pytest.raises(UserError, match="'always_fails' failed on all 8 completions .*first error: .*KeyError"):
         t.train()
+
+
+def test_file_system_inputs_end_in_one_line(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
+    """A run directory that is a file or cannot be written, a model directory whose weights are truncated, and a model
+    cache (GSPO_CACHE) that is a file: each one line naming the path."""
+    import shutil
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="run directory .*afile' is a file"):
+        Trainer(tiny_config(tiny_dir), tmp_path / "afile")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(UserError, match="cannot be written"):
+            Trainer(tiny_config(tiny_dir), locked / "run")
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    with pytest.raises(UserError, match="broken"):
+        Trainer(tiny_config(broken), tmp_path / "run")
+    monkeypatch.setenv("GSPO_CACHE", str(tmp_path / "afile"))
+    from gspo.models import load_model
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(UserError, match="model cache .*cannot be written.*GSPO_CACHE"):
+        load_model(str(gguf))

@@ -62,7 +62,9 @@ def load_model(
     source = _model_source(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except (OSError, ValueError) as err:
+    except UserError:
+        raise
+    except Exception as err:  # a truncated or foreign weights file fails in many ways (safetensors, struct, KeyError)
         raise _load_error(name, "model", err) from err
     model.to(device)
     tok = load_tokenizer(tokenizer or name)
@@ -189,8 +191,12 @@ def _has_tokenizer_files(folder: Path) -> bool:
 
 def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
     """Run ``write(tmp)`` into a fresh directory beside ``target`` and rename it to ``target`` once it succeeded."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as e:
+        raise UserError(f"The model cache {str(target.parent)!r} cannot be written ({e.strerror or e}); point GSPO_CACHE "
+                        "at a writable directory.") from None
     try:
         write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache is meant to be readable like any download

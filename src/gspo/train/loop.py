@@ -261,14 +261,20 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ run directory
 
     def _prepare_run_dir(self, resume: bool) -> None:
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UserError(f"The run directory {str(self.run_dir)!r} is a file; choose another log.run_dir (or --run-dir).")
         # A directory holding only what a failed start writes (its config and lock) has nothing to lose or continue.
         exists = self.run_dir.exists() and any(p.name not in (LOCK_FILE, "config.json") for p in self.run_dir.iterdir())
         if exists and not resume:
             raise UserError(f"Run directory {str(self.run_dir)!r} already exists; pass --resume to continue it, "
                             "or choose another log.run_dir.")
         if self.runtime.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._lock = lock_run_dir(self.run_dir)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                self._lock = lock_run_dir(self.run_dir)
+            except OSError as e:
+                raise UserError(f"The run directory {str(self.run_dir)!r} cannot be written ({e.strerror or e}); fix "
+                                "its permissions or choose another log.run_dir.") from None
             try:
                 self._config_changes = self._check_resumed_config() if resume and exists else {}
                 (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
