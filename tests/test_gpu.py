@@ -201,3 +201,22 @@ def test_non_finite_step_is_skipped_on_the_device(tmp_path, tokenizer, monkeypat
     steps = {int(s["step"]) for s in trainer.actor.optimizer.state_dict()["state"].values()}
     assert steps == {1}  # the skipped step did not count
     assert any(not torch.equal(before[k], v) for k, v in trainer.actor.model.named_parameters())
+
+
+def test_checkpoint_snapshot_of_gpu_tensors_is_exact_and_keeps_ties(tokenizer):
+    """The pinned, non-blocking snapshot of a CUDA model and its AdamW state equals the live tensors bit for bit once
+    it returns, keeps tied weights one tensor, and does not change when training goes on."""
+    from gspo.checkpoint import to_cpu
+
+    model = tiny_llama(vocab_size=len(tokenizer), seed=0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    model(torch.tensor([[1, 2, 3]], device="cuda")).logits.sum().backward()
+    opt.step()
+    live = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    snap = to_cpu(live)
+    assert snap["model"]["lm_head.weight"] is snap["model"]["model.embed_tokens.weight"]
+    for k, v in live["model"].items():
+        assert snap["model"][k].device.type == "cpu" and torch.equal(snap["model"][k], v.cpu()), k
+    before = {k: v.clone() for k, v in snap["model"].items()}
+    opt.step()
+    assert all(torch.equal(before[k], snap["model"][k]) for k in before)
