@@ -58,8 +58,9 @@ def to_cpu(obj: Any) -> Any:
     """A copy of ``obj`` (nested dicts, lists and tuples of tensors) whose tensors are on the CPU and detached: a
     snapshot that later optimizer steps cannot change, for a checkpoint written in the background. Views of the same
     memory (tied embeddings) stay one tensor, so the writer sees them tied as the model does. GPU tensors are copied
-    into pinned host memory without blocking, then waited for once: a pageable copy of a 135M-parameter model and its
-    AdamW state (1.6 GB) took 1.5 s on an H100 machine."""
+    into pinned host memory without blocking, then waited for once (on an H100 machine the 1.6 GB of a 135M-parameter
+    model and its AdamW state took 1.5 s pageable, 1.2 s pinned with the allocation; later snapshots reuse the pinned
+    blocks through torch's caching host allocator)."""
     seen: dict = {}
     on_gpu = []
 
