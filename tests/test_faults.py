@@ -107,8 +107,7 @@ def test_a_torn_line_never_blocks_resume_summary_or_report(tiny_dir, tmp_path): 
     t = Trainer(tiny_config(tiny_dir, "train.steps=6"), run, resume=True)
     assert t.state.step == 2  # step-000004 is past the hole; step-000002 is covered
     t.train()
-    rows = _check_lines(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    check_run_dir(run, 6)
 
 
 @pytest.fixture
@@ -177,7 +176,7 @@ def test_sigterm_to_the_process_group_during_scoring_loses_no_reward(tiny_dir, t
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]
     marker.unlink()
     assert subprocess.run([*args, "--resume"], env=env, cwd=tmp_path, capture_output=True, timeout=300).returncode == 0
-    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    check_run_dir(run, 4)
 
 
 def test_resume_refuses_a_changed_objective_and_keeps_the_history(tiny_dir, tmp_path):  # noqa: F811
@@ -303,3 +302,59 @@ def test_file_system_inputs_end_in_one_line(tiny_dir, tmp_path, monkeypatch):  #
     gguf.write_bytes(b"GGUF")
     with pytest.raises(UserError, match="model cache .*cannot be written.*GSPO_CACHE"):
         load_model(str(gguf))
+
+
+def check_run_dir(run: Path, steps: int) -> list[dict]:
+    """What every fault must leave: every JSONL line parses, metrics steps run 1..steps once each, and every complete
+    checkpoint loads (weights and trainer state). Returns the metrics rows."""
+    import torch
+
+    from gspo.checkpoint import complete_checkpoints, load_model_weights
+    from gspo.models import load_model
+
+    for name in ("metrics.jsonl", "samples.jsonl", "histograms.jsonl", "traces.jsonl", "config_history.jsonl"):
+        if (run / name).exists():
+            _check_lines(run / name)
+    rows = _check_lines(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for ckpt in complete_checkpoints(run / "checkpoints"):
+        model, _ = load_model(str(ckpt))
+        load_model_weights(model, ckpt)
+        assert torch.load(ckpt / "trainer_state.pt", weights_only=False)["step"] == int(ckpt.name.split("-")[1])
+    return rows
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+
+
+def test_kills_at_random_moments_during_resume_leave_a_run_equal_to_an_uninterrupted_one(tiny_dir, tmp_path):  # noqa: F811
+    """`gspo train --resume` SIGKILLed at random moments (while it loads, trains, checkpoints or rewinds its logs),
+    three times, then resumed to the end: the run directory passes check_run_dir and its metrics equal those of a run
+    that was never interrupted, key for key (time keys aside)."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
+    args = [sys.executable, "-m", "gspo.cli", "train", f"model.name='{tiny_dir}'", "model.device='cpu'",
+            "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=8",
+            "train.minibatches=2", "train.lr=1e-3", "rewards.workers=0", "log.progress=false", "log.checkpoint_every=1",
+            "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"]
+
+    def train(run: Path, *extra: str, kill_after: float | None = None) -> int:
+        proc = subprocess.Popen([*args, "--run-dir", str(run), *extra], env=env, cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if kill_after is not None:
+            time.sleep(kill_after)
+            proc.kill()
+        _, err = proc.communicate(timeout=600)
+        assert kill_after is not None or proc.returncode == 0, err[-2000:]
+        return proc.returncode
+
+    train(tmp_path / "straight")
+    expected = _comparable(check_run_dir(tmp_path / "straight", 8))
+    chaos = tmp_path / "chaos"
+    train(chaos, "train.steps=2")
+    rng = random.Random(1)
+    for _ in range(3):
+        train(chaos, "--resume", kill_after=rng.uniform(4.0, 14.0))
+    train(chaos, "--resume")
+    assert _comparable(check_run_dir(chaos, 8)) == expected
