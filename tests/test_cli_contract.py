@@ -29,7 +29,8 @@ BAD_OVERRIDES = [
     "train.adam_betas=[0.9]", "train.adam_betas=[0.9, 1.5]", "model.device='gpu'", "log.run_dir='runs/{algo}'",
     "log.run_dir='runs/{0}'", "train.lr=-1", "train.lr=1e999", "rewards.workers=-1", "train.weight_decay=-0.1",
     "train.steps=10**400", "=5", "rollout.top_p=nan", "seed=1.5", "data.max_prompt_tokens=0",
-    "train.max_nonfinite_steps=0", "log.keep_checkpoints=0", "sentinel.lr_factor=nan",
+    "train.max_nonfinite_steps=0", "log.keep_checkpoints=-1", "sentinel.lr_factor=nan", "seed=18446744073709551616",
+    "log.run_dir='runs/{seed[0]}'", "log.run_dir='runs/{algorithm.upper}'",
 ]
 
 

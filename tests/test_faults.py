@@ -20,10 +20,16 @@ from gspo.train import Trainer
 from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module fixture)
 
 REWIND = """
-import sys
+import os, signal, sys
 sys.path.insert(0, {src!r})
 from pathlib import Path
 from gspo.metrics import JsonlWriter
+mode = {mode!r}
+if mode == "fsync":  # die with the kept lines fully written to the temporary file, before the rename
+    os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "replace":  # die right after the rename
+    real = os.replace
+    os.replace = lambda a, b: (real(a, b), os.kill(os.getpid(), signal.SIGKILL))
 print("ready", flush=True)
 JsonlWriter(Path({path!r}), keep=lambda row: row["step"] <= 15000).close()
 print("done", flush=True)
@@ -38,26 +44,36 @@ def _check_lines(path: Path) -> list[dict]:
 
 
 def test_a_kill_during_the_rewind_on_resume_loses_no_line(tmp_path):
-    """SIGKILL at random moments while the run log drops the lines past a checkpoint (what --resume and a rollback
-    do): the file afterwards holds either every old line or exactly the kept ones, never fewer, never a torn one.
-    (Rewriting in place emptied a 30,002-line file in one try.)"""
+    """SIGKILL while the run log drops the lines past a checkpoint (what --resume and a rollback do): before the rename
+    the file holds every old line, after it exactly the kept ones; at random moments, one or the other, never fewer,
+    never a torn one. (Rewriting in place emptied a 30,000-line file in one try.)"""
     src = str(Path(__file__).resolve().parents[1] / "src")
     path = tmp_path / "metrics.jsonl"
     original = "".join(json.dumps({"step": i, "loss": 0.1 * i, "pad": "x" * 60}) + "\n" for i in range(1, 30001))
-    rng = random.Random(0)
-    outcomes = set()
-    for attempt in range(6):
+
+    def rewind(mode: str, delay: float | None = None) -> tuple[int, int]:
         path.write_text(original)
-        proc = subprocess.Popen([sys.executable, "-c", REWIND.format(src=src, path=str(path))], stdout=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen([sys.executable, "-c", REWIND.format(src=src, path=str(path), mode=mode)],
+                                stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.15))
-        proc.send_signal(signal.SIGKILL)
+        if delay is not None:
+            time.sleep(delay)
+            proc.send_signal(signal.SIGKILL)
+        out = proc.stdout.read()
         proc.wait(timeout=60)
         rows = _check_lines(path)
-        assert len(rows) in (30000, 15000), len(rows)
         assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-        outcomes.add(len(rows))
+        return len(rows), proc.returncode if "done" not in out else 0
+
+    assert rewind("fsync") == (30000, -signal.SIGKILL)  # killed with the new copy complete but not yet renamed
+    assert rewind("replace") == (15000, -signal.SIGKILL)  # killed right after the rename
+    rng = random.Random(0)
+    killed = 0
+    for _ in range(6):
+        lines, code = rewind("random", rng.uniform(0.0, 0.15))
+        assert lines in (30000, 15000)
+        killed += code == -signal.SIGKILL
+    assert killed, "no random kill landed before the rewind finished; the delays are too long for this machine"
 
 
 def test_a_second_process_in_the_run_directory_is_refused(tiny_dir, tmp_path):  # noqa: F811
@@ -215,11 +231,13 @@ def test_a_failed_background_checkpoint_ends_the_run_at_once(tiny_dir, tmp_path,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gspo.train.state, "save_checkpoint", fail_second)
-    t = Trainer(tiny_config(tiny_dir, "train.steps=10", "sentinel.entropy_min=100.0"), tmp_path / "run")
-    with pytest.raises(UserError, match="checkpoint of step 4 .*No space left on device.*step-000002, is intact"):
+    # Checkpoints every 3 batches (steps 6, 12, 18): the one of step 12 fails; the next write would only come at
+    # step 18, so the run must notice the failure by itself, after the batch in flight.
+    t = Trainer(tiny_config(tiny_dir, "train.steps=20", "log.checkpoint_every=3"), tmp_path / "run")
+    with pytest.raises(UserError, match="checkpoint of step 12 .*No space left on device.*step-000006, is intact"):
         t.train()
-    assert t.state.step <= 6  # stopped within a batch of the failure, not at the end of the run
-    assert (tmp_path / "run" / "checkpoints" / "step-000002" / "COMPLETE").exists()
+    assert t.state.step == 14  # stopped after the batch during which the write failed, not at step 18 or the end
+    assert (tmp_path / "run" / "checkpoints" / "step-000006" / "COMPLETE").exists()
 
 
 def test_an_empty_loss_mask_is_not_a_collapse(tiny_dir, tmp_path):  # noqa: F811
@@ -335,7 +353,7 @@ def test_kills_at_random_moments_during_resume_leave_a_run_equal_to_an_uninterru
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
     args = [sys.executable, "-m", "gspo.cli", "train", f"model.name='{tiny_dir}'", "model.device='cpu'",
-            "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=8",
+            "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=16",
             "train.minibatches=2", "train.lr=1e-3", "rewards.workers=0", "log.progress=false", "log.checkpoint_every=1",
             "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"]
 
@@ -350,11 +368,83 @@ def test_kills_at_random_moments_during_resume_leave_a_run_equal_to_an_uninterru
         return proc.returncode
 
     train(tmp_path / "straight")
-    expected = _comparable(check_run_dir(tmp_path / "straight", 8))
+    expected = _comparable(check_run_dir(tmp_path / "straight", 16))
     chaos = tmp_path / "chaos"
     train(chaos, "train.steps=2")
     rng = random.Random(1)
-    for _ in range(3):
-        train(chaos, "--resume", kill_after=rng.uniform(4.0, 14.0))
+    for _ in range(3):  # each resume is killed once it has trained past its checkpoint, at a random moment after
+        done = len(read_jsonl(chaos / "metrics.jsonl"))
+        proc = subprocess.Popen([*args, "--run-dir", str(chaos), "--resume"], env=env, cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while proc.poll() is None and len(read_jsonl(chaos / "metrics.jsonl")) <= done:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.0))
+        proc.kill()
+        assert proc.wait(timeout=60) == -signal.SIGKILL, "the resumed run finished before it could be killed"
     train(chaos, "--resume")
-    assert _comparable(check_run_dir(chaos, 8)) == expected
+    assert _comparable(check_run_dir(chaos, 16)) == expected
+
+
+def test_a_rollback_abandons_the_checkpoints_after_its_target(tiny_dir, tmp_path):  # noqa: F811
+    """After a sentinel rollback the checkpoints of the abandoned timeline are renamed out of the way: a later --resume
+    cannot load one of them and mix two timelines in one run directory."""
+    import trainer_rewards
+
+    trainer_rewards._CALLS.clear()
+    run = tmp_path / "run"
+    t = Trainer(tiny_config(tiny_dir, "train.steps=12", "sentinel.action='rollback'", "sentinel.reward_drop=0.5",
+                            "sentinel.window=1", "rewards.functions=[{path='trainer_rewards:declining_later'}]"), run)
+    with pytest.raises(UserError, match="no checkpoint older"):
+        t.train()
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert any(n.startswith("rolled-back-step-000004") for n in names), names
+    resumed = Trainer(tiny_config(tiny_dir, "train.steps=12", "sentinel.action='rollback'", "sentinel.reward_drop=0.5",
+                                  "sentinel.window=1", "rewards.functions=[{path='trainer_rewards:declining_later'}]"),
+                      run, resume=True)
+    # The replay collapsed again before writing a checkpoint: the newest one left is the rollback's target, step 2, not
+    # the abandoned timeline's step 4 (whose metrics lines were replaced by the replay's).
+    assert resumed.state.step == 2
+    resumed.release()
+
+
+def test_a_start_that_failed_before_its_first_step_leaves_nothing_in_the_way(tiny_dir, tmp_path):  # noqa: F811
+    """A run that died in its first batch (here: every reward call failed) left only its config behind: the corrected
+    command starts there without --resume, and is not told the run 'was trained with' the broken settings."""
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match="failed on all"):
+        Trainer(tiny_config(tiny_dir, "rewards.functions=[{path='reward_fixtures:always_fails'}]"), run).train()
+    Trainer(tiny_config(tiny_dir), run).train()
+    check_run_dir(run, 2)
+
+
+def test_a_file_system_without_locks_warns_and_trains(tiny_dir, tmp_path, monkeypatch, caplog):  # noqa: F811
+    """Where flock is not supported (Lustre without it, NFS without a lock daemon: ENOLCK) the run warns and goes on
+    instead of calling the directory 'in use'."""
+    import errno
+    import fcntl
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING", logger="gspo"):
+        Trainer(tiny_config(tiny_dir), tmp_path / "run").train()
+    assert "cannot be locked on this file system" in caplog.text
+
+
+def test_the_trainer_process_never_runs_a_reward_packages_code(tmp_path, monkeypatch):
+    """With workers, a reward in a package whose __init__ is broken is found out by the workers (one line), not by
+    importing the package in the trainer's own process."""
+    from gspo.rewards import RewardRunner, RewardSpec
+    from gspo.types import Example
+
+    (tmp_path / "brokenpkg").mkdir()
+    (tmp_path / "brokenpkg" / "__init__.py").write_text("this is not python\n")
+    (tmp_path / "brokenpkg" / "mod.py").write_text("def f(c, e):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    runner = RewardRunner([RewardSpec("brokenpkg.mod:f")], workers=1)
+    assert "brokenpkg" not in sys.modules
+    with pytest.raises(UserError, match="brokenpkg.mod:f"):
+        runner.score(["x"], [Example("q", "1")])
+    runner.close()

@@ -98,11 +98,12 @@ def test_resume_continues_the_step_count(tiny_dir, tmp_path):
 
 
 def test_existing_run_dir_without_resume_is_refused(tiny_dir, tmp_path):
-    """Starting a run in a non-empty directory without --resume fails instead of overwriting it."""
+    """Starting a run in a directory that holds a trained run (metrics lines or a checkpoint) without --resume fails
+    instead of overwriting it."""
     from gspo.errors import UserError
 
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
     with pytest.raises(UserError, match="--resume"):
         Trainer(tiny_config(tiny_dir), tmp_path / "run")
 

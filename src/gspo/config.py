@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import math
 import re
+import string
 import tomllib
 import types
 import typing
@@ -474,12 +475,18 @@ def validate(cfg: Config) -> None:
     if m.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", m.device):
         raise UserError(f"model.device = {m.device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'.")
     try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(lg.run_dir) if f is not None]
         lg.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
-    except (KeyError, IndexError, ValueError) as e:
-        raise UserError(f"log.run_dir = {lg.run_dir!r} has a placeholder gspo does not fill ({e}); use {{algorithm}} "
-                        "and {seed} only (double a brace to write one).") from None
+        bad = [f for f in fields if f not in ("algorithm", "seed")]
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
+        bad = [str(e)]
+    if bad:
+        raise UserError(f"log.run_dir = {lg.run_dir!r} has a placeholder gspo does not fill ({', '.join(bad)}); use "
+                        "{algorithm} and {seed} only (double a brace to write one).")
+    if not 0 <= cfg.seed < 2**63:
+        raise UserError(f"seed = {cfg.seed} must be in 0 .. 2**63 - 1.")
     for key, value in (("train.logprob_chunk", t.logprob_chunk), ("train.max_nonfinite_steps", t.max_nonfinite_steps),
-                       ("log.keep_checkpoints", lg.keep_checkpoints), ("data.max_prompt_tokens", cfg.data.max_prompt_tokens)):
+                       ("data.max_prompt_tokens", cfg.data.max_prompt_tokens)):
         if value < 1:
             raise UserError(f"{key} = {value} must be at least 1.")
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
@@ -490,8 +497,9 @@ def validate(cfg: Config) -> None:
     if not cfg.rewards.timeout_s > 0 or cfg.rewards.workers < 0:
         raise UserError(f"rewards.timeout_s = {cfg.rewards.timeout_s} must be > 0 and rewards.workers = "
                         f"{cfg.rewards.workers} >= 0.")
-    if lg.checkpoint_every < 0 or lg.samples_per_batch < 0:
-        raise UserError("log.checkpoint_every and log.samples_per_batch must be >= 0 (0 turns them off).")
+    if lg.checkpoint_every < 0 or lg.samples_per_batch < 0 or lg.keep_checkpoints < 0:
+        raise UserError("log.checkpoint_every, log.samples_per_batch and log.keep_checkpoints must be >= 0 (0 turns the "
+                        "first two off and keeps every checkpoint).")
     if lg.wandb and not lg.wandb_project:
         raise UserError("log.wandb_project is empty; name the W&B project, e.g. log.wandb_project = 'gspo'.")
     for value, valid, key in ((lc.level, LEVELS, "loss.level"), (lc.aggregation, AGGREGATIONS, "loss.aggregation"),

@@ -35,12 +35,17 @@ class JsonlWriter:
 
     def __init__(self, path: Path, *, keep: Callable[[dict[str, Any]], bool] | None = None):
         self.path = path
-        if keep is not None and path.exists():
-            lines = [json.dumps(row) for row in read_jsonl(path) if keep(row)]
-            _replace_atomically(path, "".join(ln + "\n" for ln in lines))
+        try:
+            if keep is not None and path.exists():
+                lines = [json.dumps(row) for row in read_jsonl(path) if keep(row)]
+                _replace_atomically(path, "".join(ln + "\n" for ln in lines))
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"Rewriting or opening {str(path)!r} failed ({e.strerror or e}); free disk space or fix the "
+                            "directory, then continue with --resume (the file keeps its lines).") from None
         # Unbuffered, at the OS level: a line is on its way to the disk when write() returns, and a failed write can be
         # cut back exactly (a buffered file would keep the failed bytes and flush them again later).
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = fd
 
     def write(self, row: dict[str, Any]) -> None:
         data = (json.dumps({k: _clean(v) for k, v in row.items()}) + "\n").encode()
@@ -65,11 +70,15 @@ class JsonlWriter:
 
 def _replace_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the original is untouched; do not leave the half-written copy taking space
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)

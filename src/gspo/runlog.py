@@ -38,13 +38,17 @@ class RunLog:
             self.sinks = open_sinks(cfg.to_dict(), run_dir, step)
 
     def _open_files(self, step: int, rollout_batch: int) -> None:
-        by_step = lambda row: row["step"] <= step  # noqa: E731
-        self._files = {
-            "metrics": JsonlWriter(self.run_dir / "metrics.jsonl", keep=by_step),
-            "samples": JsonlWriter(self.run_dir / "samples.jsonl", keep=lambda row: row["rollout_batch"] < rollout_batch),
-            "histograms": JsonlWriter(self.run_dir / "histograms.jsonl", keep=by_step),
-            "traces": JsonlWriter(self.run_dir / "traces.jsonl", keep=by_step),
-        }
+        by_step = lambda row: isinstance(row.get("step"), int) and row["step"] <= step  # noqa: E731
+        by_batch = lambda row: isinstance(row.get("rollout_batch"), int) and row["rollout_batch"] < rollout_batch  # noqa: E731
+        keeps = {"metrics": by_step, "samples": by_batch,
+                 "histograms": by_step, "traces": by_step}
+        self._files = {}
+        try:
+            for name, keep in keeps.items():
+                self._files[name] = JsonlWriter(self.run_dir / f"{name}.jsonl", keep=keep)
+        except BaseException:
+            self._close_files()  # the ones already open
+            raise
 
     def _close_files(self) -> None:
         for f in self._files.values():

@@ -73,6 +73,7 @@ class _Worker:
         self.ready = False
         self.chunk: deque[Call] | None = None  # sent but unanswered calls; the first one is running
         self.started = 0.0  # monotonic time the running call started (as seen by the parent)
+        self.spawned = time.monotonic()  # its start-up limit counts from here, not from the score() call
 
     def kill(self) -> None:
         """SIGKILL the process: the only way to stop a call stuck in C code."""
@@ -101,7 +102,7 @@ def _shutdown(workers: list[_Worker], owner_pid: int) -> None:
 
 
 def _context() -> Any:
-    """A fork server that imports this module (and torch) once, so a new worker starts in milliseconds, not the
+    """A fork server that imports the worker module (no torch) once, so a new worker starts in milliseconds, not the
     ~1.5 s of a fresh interpreter (a fork server started earlier without this preload still works, just slower)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["gspo.rewards.forkserver"])
@@ -155,8 +156,8 @@ class RewardRunner:
         self._closed = False
         # Runs on close(), on garbage collection, or at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, os.getpid())
-        # The fork server imports torch before it serves its first worker (~2 s): start the workers from a thread, so
-        # that this overlaps the caller's own start-up (loading the model); score() waits for them.
+        # Starting the fork server and the workers takes a fraction of a second: do it from a thread, so that it
+        # overlaps the caller's own start-up (loading the model); score() waits for them.
         self._start_error: BaseException | None = None
         self._starting: threading.Thread | None = None
         self.start_seconds = 0.0  # how long starting the workers took (in the background)
@@ -181,7 +182,8 @@ class RewardRunner:
             self._starting = None
         if self._start_error is not None:  # stays: without workers, scoring must not fall back to in-process calls
             error = self._start_error
-            raise RuntimeError(f"the reward workers could not start ({type(error).__name__}: {error})") from error
+            raise UserError(f"The reward worker processes could not start ({type(error).__name__}: {error}); check the "
+                            "machine's process limits, or set rewards.workers = 0.") from error
         return self
 
     @property
@@ -302,7 +304,8 @@ class RewardRunner:
                         fail_running(w, f"timed out after {self.timeout_s:g} s; the worker was killed")
                 if remaining and not pending and all(w.chunk is None for w in self._workers):
                     raise RuntimeError(f"internal error: {remaining} reward calls were lost; please report this.")
-                if not any(w.ready for w in self._workers) and now > startup_deadline:
+                if not any(w.ready for w in self._workers) and \
+                        now > max(startup_deadline, max(w.spawned for w in self._workers) + STARTUP_TIMEOUT_S):
                     raise UserError(
                         f"loading the reward functions {self._paths()} in the workers did not finish within "
                         f"{STARTUP_TIMEOUT_S:g} s (an import or warm_up that blocks); make them load quickly, or set "

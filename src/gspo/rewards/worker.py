@@ -42,20 +42,21 @@ def resolve(path: str) -> RewardFn:
 
 
 def locate(path: str) -> str:
-    """Check ``"module:function"`` as far as it can be without running the module's code (which may block): the form,
-    and that the module exists on the path. Returns ``path``; the import itself happens in the worker processes."""
+    """Check ``"module:function"`` as far as it can be without running any of the module's code (which may block, or
+    fail): the form, and that the module's top-level package exists on the path. Returns ``path``; the import itself
+    happens in the worker processes, under their start-up limit."""
     import importlib.util
 
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise UserError(f"reward {path!r} is not 'module:function'; write it like 'gspo.rewards.builtin:last_number'.")
+    top = module_name.split(".")[0]
     try:
-        found = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError) as e:  # a parent package that fails to import, or a malformed name
-        raise UserError(f"reward {path!r}: {module_name!r} cannot be found ({type(e).__name__}: {e}); fix the module "
-                        "name, or put its folder on PYTHONPATH (or run from that folder).") from None
-    if found is None:
-        raise UserError(f"reward {path!r}: no module named {module_name!r}; fix the module name, or put its folder on "
+        found = top in sys.modules or importlib.util.find_spec(top) is not None  # a top-level name imports nothing
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UserError(f"reward {path!r}: no module named {top!r}; fix the module name, or put its folder on "
                         "PYTHONPATH (or run from that folder).")
     return path
 

@@ -91,17 +91,27 @@ class Collector:
         result = self.rewards.score(rollout.texts, row_examples)
         timing["reward"] += time.perf_counter() - t0
         timing["failures"] += float(sum(result.failures.values()))
-        self.check_failures(result, len(rollout.texts))
+        timing["calls"] = timing.get("calls", 0.0) + len(rollout.texts)
+        for name, failed in result.failures.items():
+            timing[f"failed/{name}"] = timing.get(f"failed/{name}", 0.0) + failed
+        if result.errors and "first_error" not in timing:
+            timing["first_error"] = result.errors[0]
+        self.warn_failures(result)
         return Groups(rollout, row_examples, result.total.float(), result.per_function)
 
-    def check_failures(self, result, calls: int) -> None:
-        """A reward function that failed on every completion of a batch is broken, not unlucky: one line naming it and
-        its first error. Occasional failures are warned about once (the metrics count every one)."""
+    def check_failures(self, timing: dict) -> None:
+        """A reward function that failed on every completion of a rollout batch (all its sampling rounds) is broken,
+        not unlucky: one line naming it and its first error."""
+        calls = timing.get("calls", 0)
+        for key, failed in timing.items():
+            if key.startswith("failed/") and calls and failed == calls:
+                raise UserError(f"The reward function {key[7:]!r} failed on all {int(calls)} completions of a rollout "
+                                f"batch (first error: {timing.get('first_error', 'no message')}); fix it (set "
+                                "rewards.workers = 0 to debug it in-process).")
+
+    def warn_failures(self, result) -> None:
+        """Occasional failures are warned about once (the metrics count every one)."""
         first = result.errors[0] if result.errors else "no message"
-        for name, failed in result.failures.items():
-            if calls and failed == calls:
-                raise UserError(f"The reward function {name!r} failed on all {calls} completions of a rollout batch "
-                                f"(first error: {first}); fix it (set rewards.workers = 0 to debug it in-process).")
         if any(result.failures.values()) and not self._warned_failures:
             self._warned_failures = True
             log.warning("reward calls failed (%s; first error: %s): those completions are left out of their group's "
@@ -151,6 +161,7 @@ class Collector:
         cfg = self.cfg
         timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
         groups, rounds, counters = self.fill(timing)
+        self.check_failures(timing)
         rollout = groups.rollout
         shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards
         adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale)  # (N,)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import signal
 import threading
@@ -96,14 +97,22 @@ def lock_run_dir(run_dir):
         return f
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            # Lustre without flock, NFS without a lock daemon: no lock to take, but no reason to refuse the run.
+            log.warning("%s cannot be locked on this file system (%s); nothing stops a second process from using it",
+                        run_dir, e.strerror or e)
+            return f
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
         raise UserError(f"Run directory {str(run_dir)!r} is in use by another gspo process (pid {holder}); wait for it "
                         "to finish or stop it, or choose another log.run_dir.") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+    except OSError:  # the pid is only for the message of a second process; the lock itself holds
+        pass
     return f

@@ -35,10 +35,15 @@ from gspo.train.actor import Actor
 from gspo.train.collect import Collector
 from gspo.train.guards import LOCK_FILE, NonFiniteSteps, StopSignals, lock_run_dir, out_of_memory
 from gspo.train.sentinel import collapse_findings, response, stop_reason
-from gspo.train.state import CheckpointWriter, TrainState, checkpoint_batch, load as load_state, newest_checkpoint
+from gspo.train.state import (CheckpointWriter, TrainState, checkpoint_batch, checkpoint_step, load as load_state,
+                              newest_checkpoint)
 from gspo.types import Batch
 
 log = logging.getLogger("gspo")
+
+
+def _has_lines(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
 
 
 @dataclass
@@ -130,6 +135,7 @@ class Trainer:
         cfg, state = self.cfg, self.state
         self.t_start = time.time() - state.elapsed
         t_train = time.perf_counter()
+        start_step = state.step
         runlog = None
         failed = True
         try:
@@ -149,7 +155,8 @@ class Trainer:
                         self.checkpoint()
                 t_loop_end = time.perf_counter()
                 self.timings["loop_s"] = round(t_loop_end - t_train, 3)
-                self.checkpoint()  # written while the run log and the reward workers close
+                if state.step > start_step or not (self.run_dir / "checkpoints" / f"step-{state.step:06d}").is_dir():
+                    self.checkpoint()  # written while the run log and the reward workers close
                 runlog.close()
                 self.rewards.close()
                 self.writer.wait()
@@ -170,7 +177,10 @@ class Trainer:
         self.timings.update({f"final_checkpoint_{k}": v for k, v in self.writer.phases.items()})
         self.timings["process_s"] = round(process_seconds(), 3)
         if self.runtime.is_main:
-            (self.run_dir / "timings.json").write_text(json.dumps(self.timings, indent=1))
+            try:
+                (self.run_dir / "timings.json").write_text(json.dumps(self.timings, indent=1))
+            except OSError as e:  # a diagnostic: the run itself is complete
+                log.warning("timings.json could not be written (%s)", e.strerror or e)
         if self.stop_signal is not None:
             log.warning("%s received: stopped after step %d with a checkpoint; continue with --resume",
                         self.stop_signal, state.step)
@@ -252,6 +262,7 @@ class Trainer:
             self.actor.lr_scale *= sc.lr_factor
             state.rollbacks = rollbacks
             self.restore(before_batch=state.rollout_batch - 1)
+            self._abandon_checkpoints_after(state.step)
             return True
         last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
         last += stop_reason(sc, state.rollbacks, bool(older))
@@ -263,8 +274,10 @@ class Trainer:
     def _prepare_run_dir(self, resume: bool) -> None:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise UserError(f"The run directory {str(self.run_dir)!r} is a file; choose another log.run_dir (or --run-dir).")
-        # A directory holding only what a failed start writes (its config and lock) has nothing to lose or continue.
-        exists = self.run_dir.exists() and any(p.name not in (LOCK_FILE, "config.json") for p in self.run_dir.iterdir())
+        # A directory without a checkpoint or a metrics line (a start that failed before its first step) has nothing to
+        # lose or continue: a plain start takes it over.
+        exists = self.run_dir.exists() and (bool(complete_checkpoints(self.run_dir / "checkpoints"))
+                                            or _has_lines(self.run_dir / "metrics.jsonl"))
         if exists and not resume:
             raise UserError(f"Run directory {str(self.run_dir)!r} already exists; pass --resume to continue it, "
                             "or choose another log.run_dir.")
@@ -278,6 +291,10 @@ class Trainer:
             try:
                 self._config_changes = self._check_resumed_config() if resume and exists else {}
                 (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+            except OSError as e:
+                self.release()
+                raise UserError(f"Writing {str(self.run_dir / 'config.json')!r} failed ({e.strerror or e}); free disk "
+                                "space or fix the directory.") from None
             except BaseException:
                 self.release()
                 raise
@@ -303,8 +320,12 @@ class Trainer:
         latest): one line per session that started or resumed the run."""
         entry = {"step": self.state.step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "changed": self._config_changes, "config": self.cfg.to_dict()}
-        with open(self.run_dir / "config_history.jsonl", "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        try:
+            with open(self.run_dir / "config_history.jsonl", "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as e:
+            raise UserError(f"Writing {str(self.run_dir / 'config_history.jsonl')!r} failed ({e.strerror or e}); free "
+                            "disk space or fix the directory.") from None
         if self._config_changes:
             log.info("resumed with changed settings: %s", ", ".join(f"{k} {v[0]!r} -> {v[1]!r}"
                                                                    for k, v in self._config_changes.items()))
@@ -314,6 +335,13 @@ class Trainer:
         lock, self._lock = getattr(self, "_lock", None), None
         if lock is not None:
             lock.close()
+
+    def _abandon_checkpoints_after(self, step: int) -> None:
+        """A rollback abandons the timeline after ``step``: its checkpoints are renamed out of the way (to
+        ``rolled-back-step-N``, never taken for a checkpoint), so neither --resume nor a message can pick them."""
+        for ckpt in complete_checkpoints(self.run_dir / "checkpoints"):
+            if checkpoint_step(ckpt) > step:
+                ckpt.rename(ckpt.with_name(f"rolled-back-{ckpt.name}-{int(time.time())}"))
 
     def newest_checkpoint(self) -> str | None:
         """The newest complete checkpoint, once the write in flight (if any) has finished (a failed write stays
