@@ -33,7 +33,7 @@ from gspo.runlog import RunLog
 from gspo.runtime import Runtime, finite, process_seconds
 from gspo.train.actor import Actor
 from gspo.train.collect import Collector
-from gspo.train.guards import LOCK_FILE, NonFiniteSteps, StopSignals, lock_run_dir, out_of_memory
+from gspo.train.guards import NonFiniteSteps, StopSignals, lock_run_dir, out_of_memory
 from gspo.train.sentinel import collapse_findings, response, stop_reason
 from gspo.train.state import (CheckpointWriter, TrainState, checkpoint_batch, checkpoint_step, load as load_state,
                               newest_checkpoint)
