@@ -160,7 +160,8 @@ class Trainer:
                 runlog.close()
                 self.rewards.close()
                 self.writer.wait()
-                self.stop_signal = stop.received
+                # A signal that came during the final checkpoint of a finished run stopped nothing: the run is done.
+                self.stop_signal = stop.received if state.step < cfg.train.steps else None
             failed = False
         finally:
             if runlog is not None:
