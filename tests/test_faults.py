@@ -448,3 +448,49 @@ def test_the_trainer_process_never_runs_a_reward_packages_code(tmp_path, monkeyp
     with pytest.raises(UserError, match="brokenpkg.mod:f"):
         runner.score(["x"], [Example("q", "1")])
     runner.close()
+
+
+@pytest.fixture
+def roomy_disk(tmp_path):
+    """A 512 MiB tmpfs for a whole tiny run (needs root and mount rights; skipped otherwise)."""
+    mnt = tmp_path / "roomy"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()[:100]}): the full-disk test needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_the_disk_filling_up_mid_run(tiny_dir, roomy_disk):  # noqa: F811
+    """A real file system fills up while training (another job's files): the run ends in one line naming what could
+    not be written and the fix; once space is freed, --resume completes a run that passes check_run_dir and equals an
+    uninterrupted one."""
+    import threading
+
+    run, filler = roomy_disk / "run", roomy_disk / "filler"
+    extra = ("train.steps=12", "log.checkpoint_every=2", "rewards.functions=[{path='trainer_rewards:dyadic_length'}]")
+    t = Trainer(tiny_config(tiny_dir, *extra), run)
+
+    def fill_when_training():
+        while not (run / "metrics.jsonl").exists() or len(read_jsonl(run / "metrics.jsonl")) < 4:
+            time.sleep(0.01)
+        with open(filler, "wb", buffering=0) as f:
+            for size in (1 << 20, 4096, 1):
+                try:
+                    while True:
+                        f.write(b"\0" * size)
+                except OSError:
+                    pass
+
+    watcher = threading.Thread(target=fill_when_training, daemon=True)
+    watcher.start()
+    with pytest.raises(UserError, match="No space left on device.*(Free disk space|free disk space)"):
+        t.train()
+    watcher.join(timeout=60)
+    assert t.state.step < 12
+    filler.unlink()
+    Trainer(tiny_config(tiny_dir, *extra), run, resume=True).train()
+    rows = check_run_dir(run, 12)
+    Trainer(tiny_config(tiny_dir, *extra), roomy_disk / "straight").train()
+    assert _comparable(rows) == _comparable(read_jsonl(roomy_disk / "straight" / "metrics.jsonl"))

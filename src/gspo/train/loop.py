@@ -156,10 +156,10 @@ class Trainer:
                 t_loop_end = time.perf_counter()
                 self.timings["loop_s"] = round(t_loop_end - t_train, 3)
                 if state.step > start_step or not (self.run_dir / "checkpoints" / f"step-{state.step:06d}").is_dir():
-                    self.checkpoint()  # written while the run log and the reward workers close
-                runlog.close()
+                    self.checkpoint()  # written while the reward workers close
                 self.rewards.close()
                 self.writer.wait()
+                runlog.close()  # after the final checkpoint: a failed write closes the sinks (W&B) as failed
                 # A signal that came during the final checkpoint of a finished run stopped nothing: the run is done.
                 self.stop_signal = stop.received if state.step < cfg.train.steps else None
             failed = False
