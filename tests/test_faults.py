@@ -126,16 +126,22 @@ def test_a_torn_line_never_blocks_resume_summary_or_report(tiny_dir, tmp_path): 
     check_run_dir(run, 6)
 
 
+def _tmpfs(path: Path, size: str):
+    """Mount a tmpfs of ``size`` at ``path`` for the test (needs root and a kernel that lets this container mount;
+    the test is skipped otherwise); unmounted afterwards."""
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()[:100]}): the full-disk tests need root")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 256 KiB tmpfs (needs root and a kernel that lets this container mount; skipped otherwise)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({proc.stderr.strip()[:100]}): the full-disk test needs root")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    """A 256 KiB tmpfs."""
+    yield from _tmpfs(tmp_path / "disk", "256k")
 
 
 def test_a_full_disk_while_logging_ends_in_one_line_and_keeps_whole_lines(small_disk):
@@ -452,14 +458,8 @@ def test_the_trainer_process_never_runs_a_reward_packages_code(tmp_path, monkeyp
 
 @pytest.fixture
 def roomy_disk(tmp_path):
-    """A 512 MiB tmpfs for a whole tiny run (needs root and mount rights; skipped otherwise)."""
-    mnt = tmp_path / "roomy"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()[:100]}): the full-disk test needs root")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    """A 512 MiB tmpfs, room for a whole tiny run."""
+    yield from _tmpfs(tmp_path / "roomy", "512m")
 
 
 def test_the_disk_filling_up_mid_run(tiny_dir, roomy_disk):  # noqa: F811
