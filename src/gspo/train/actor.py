@@ -16,7 +16,6 @@ micro-batches the update will use, so that in bf16 their numbers round as the up
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from gspo.algorithms import logprob_gap, policy_loss
 from gspo.config import Config
 from gspo.errors import UserError
 from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
-from gspo.models import attention_context, disable_dropout, eval_mode, named_weights
+from gspo.models import attention_context, disable_dropout, named_weights
 from gspo.runtime import Runtime, to_device
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout
@@ -151,17 +150,15 @@ class Actor:
                         model: torch.nn.Module | None = None) -> torch.Tensor:
         """Log-probs ``(N, T)`` of a frozen policy (default: the current one) over ``micro_batches`` (rows not in them
         stay 0), in eval mode, with the same rows and shapes as the update's passes."""
-        policy = model is None or model is self.model
         model = self.model if model is None else model
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=self.runtime.device)  # (N, T)
-        with contextlib.nullcontext() if policy else eval_mode(model):
-            if policy:
-                was_training = self.model.training
-                self.set_training(False)
+        was_training = self.model.training
+        self.set_training(False)  # the reference model is built in eval mode and never leaves it
+        try:
             for rows in micro_batches:
                 out[to_device(rows, self.runtime.device)] = self.logprobs(rollout, rows, model=model)[0]
-            if policy:
-                self.set_training(was_training)
+        finally:
+            self.set_training(was_training)
         return out
 
     # ------------------------------------------------------------------------------------------ the update
