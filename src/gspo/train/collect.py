@@ -45,6 +45,7 @@ class Collector:
         self._skips_in_row = 0
         self._shortest_skipped = 1 << 62
         self._warned_failures = False
+        self._first_error: str | None = None  # of the rollout batch being collected
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -91,22 +92,19 @@ class Collector:
         result = self.rewards.score(rollout.texts, row_examples)
         timing["reward"] += time.perf_counter() - t0
         timing["failures"] += float(sum(result.failures.values()))
-        timing["calls"] = timing.get("calls", 0.0) + len(rollout.texts)
-        for name, failed in result.failures.items():
-            timing[f"failed/{name}"] = timing.get(f"failed/{name}", 0.0) + failed
-        if result.errors and "first_error" not in timing:
-            timing["first_error"] = result.errors[0]
+        if result.errors and self._first_error is None:
+            self._first_error = result.errors[0]
         self.warn_failures(result)
         return Groups(rollout, row_examples, result.total.float(), result.per_function)
 
-    def check_failures(self, timing: dict) -> None:
-        """A reward function that failed on every completion of a rollout batch (all its sampling rounds) is broken,
-        not unlucky: one line naming it and its first error."""
-        calls = timing.get("calls", 0)
-        for key, failed in timing.items():
-            if key.startswith("failed/") and calls and failed == calls:
-                raise UserError(f"The reward function {key[7:]!r} failed on all {int(calls)} completions of a rollout "
-                                f"batch (first error: {timing.get('first_error', 'no message')}); fix it (set "
+    def check_failures(self, rounds: list[Groups]) -> None:
+        """A reward function that failed (NaN) on every completion of a rollout batch, all its sampling rounds, is
+        broken, not unlucky: one line naming it and its first error."""
+        for name in rounds[0].per_function:
+            values = torch.cat([r.per_function[name] for r in rounds])
+            if values.numel() and not torch.isfinite(values).any():
+                raise UserError(f"The reward function {name!r} failed on all {values.numel()} completions of a rollout "
+                                f"batch (first error: {self._first_error or 'no message'}); fix it (set "
                                 "rewards.workers = 0 to debug it in-process).")
 
     def warn_failures(self, result) -> None:
@@ -160,8 +158,9 @@ class Collector:
         """Sample, score and (DAPO) filter one rollout batch, and compute its advantages."""
         cfg = self.cfg
         timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
+        self._first_error = None
         groups, rounds, counters = self.fill(timing)
-        self.check_failures(timing)
+        self.check_failures(rounds)
         rollout = groups.rollout
         shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards
         adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale)  # (N,)
