@@ -494,3 +494,28 @@ def test_the_disk_filling_up_mid_run(tiny_dir, roomy_disk):  # noqa: F811
     rows = check_run_dir(run, 12)
     Trainer(tiny_config(tiny_dir, *extra), roomy_disk / "straight").train()
     assert _comparable(rows) == _comparable(read_jsonl(roomy_disk / "straight" / "metrics.jsonl"))
+
+
+def test_resume_accepts_a_moved_copy_of_the_data_and_model_but_not_another_file(tiny_dir, tmp_path):  # noqa: F811
+    """A dataset or model moved to another path (scratch, local disk) resumes: its fingerprint equals the one recorded
+    when the run started. A different file at the new path is refused in one line naming the key."""
+    import shutil
+
+    data, model = tmp_path / "data.jsonl", tmp_path / "model"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"})
+                            + "\n" for i in range(1, 9)))
+    shutil.copytree(tiny_dir, model)
+    run = tmp_path / "run"
+    Trainer(tiny_config(model, "data.task='gsm8k'", f"data.path='{data}'"), run).train()
+    assert set(read_jsonl(run / "config_history.jsonl")[0]["sources"]) >= {"model.name", "data.path"}
+    moved_data, moved_model = tmp_path / "scratch" / "d.jsonl", tmp_path / "local" / "m"
+    moved_data.parent.mkdir()
+    data.rename(moved_data)
+    shutil.move(str(model), moved_model)
+    Trainer(tiny_config(moved_model, "data.task='gsm8k'", f"data.path='{moved_data}'", "train.steps=4"), run,
+            resume=True).train()
+    assert read_jsonl(run / "config_history.jsonl")[-1]["changed"]["data.path"] == [str(data), str(moved_data)]
+    other = tmp_path / "other.jsonl"
+    other.write_text(moved_data.read_text().replace("1", "2"))
+    with pytest.raises(UserError, match="--resume cannot change data.path .*copy of the same file"):
+        Trainer(tiny_config(moved_model, "data.task='gsm8k'", f"data.path='{other}'", "train.steps=6"), run, resume=True)

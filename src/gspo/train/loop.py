@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from gspo.checkpoint import complete_checkpoints, seed_everything
-from gspo.config import Config, resume_changes
+from gspo.config import SOURCE_KEYS, Config, resume_changes, source_fingerprints
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.errors import UserError
 from gspo.metrics import read_jsonl
@@ -309,18 +309,27 @@ class Trainer:
         except (OSError, ValueError):
             log.warning("%s cannot be read; the resumed run's settings are not checked against it", path)
             return {}
-        changed, refused = resume_changes(old, self.cfg.to_dict())
+        changed, refused = resume_changes(old, self.cfg.to_dict(), self._recorded_sources())
         if refused:
             shown = "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused[:5])
-            raise UserError(f"--resume cannot change {', '.join(refused)} ({shown}): the run was trained with the old "
-                            f"values; resume with them, or start a new run in another log.run_dir.")
+            moved = " (a path may change only to a copy of the same file)" if set(refused) & set(SOURCE_KEYS) else ""
+            raise UserError(f"--resume cannot change {', '.join(refused)} ({shown}){moved}: the run was trained with the "
+                            f"old values; resume with them, or start a new run in another log.run_dir.")
         return changed
+
+    def _recorded_sources(self) -> dict[str, str]:
+        """The fingerprints of the model and data files the latest session of this run recorded (none for runs older
+        than the record: then a moved file is refused like any other change)."""
+        path = self.run_dir / "config_history.jsonl"
+        entries = read_jsonl(path) if path.exists() else []
+        return entries[-1].get("sources", {}) if entries else {}
 
     def _record_config(self) -> None:
         """Append what this session trains with, from which step, to config_history.jsonl (config.json holds the
         latest): one line per session that started or resumed the run."""
         entry = {"step": self.state.step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                 "changed": self._config_changes, "config": self.cfg.to_dict()}
+                 "changed": self._config_changes, "config": self.cfg.to_dict(),
+                 "sources": source_fingerprints(self.cfg.to_dict())}
         try:
             with open(self.run_dir / "config_history.jsonl", "a") as f:
                 f.write(json.dumps(entry) + "\n")
