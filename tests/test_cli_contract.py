@@ -63,6 +63,83 @@ def test_other_subcommands_refuse_bad_flags(capsys, tmp_path):
         _one_line_error(capsys, argv)
 
 
+def _subcommands():
+    import argparse
+
+    from gspo.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+def _value_actions():
+    """(subcommand, option string or positional name, action) for every argument that takes a value."""
+    for name, parser in _subcommands().items():
+        for action in parser._actions:
+            if action.nargs != 0:
+                yield name, (action.option_strings[0] if action.option_strings else action.dest), action
+
+
+def test_every_flag_of_every_subcommand_is_validated_where_it_enters():
+    """By construction: each value-taking argument has a gspo.cli validator as its type, or choices, or is one of the
+    few values checked at their single point of use (CHECKED_DOWNSTREAM). A flag added later without a check fails
+    here, not in a user's hands."""
+    from gspo.cli import CHECKED_DOWNSTREAM
+
+    unchecked = [(cmd, flag) for cmd, flag, action in _value_actions()
+                 if not action.choices and getattr(action.type, "__module__", None) != "gspo.cli"
+                 and flag not in CHECKED_DOWNSTREAM]
+    assert not unchecked, unchecked
+    assert {cmd for cmd, _, _ in _value_actions()} >= {"train", "eval", "summary", "compare", "report", "probe"}
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """Paths of every kind a flag can be given: a run directory, an empty directory, a file, a path under a file, a
+    missing one, a read-only directory."""
+    root = tmp_path_factory.mktemp("places")
+    (root / "run").mkdir()
+    (root / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (root / "empty").mkdir()
+    (root / "file").write_text("x")
+    (root / "ro").mkdir(mode=0o555)
+    return {"run": str(root / "run"), "empty": str(root / "empty"), "file": str(root / "file"),
+            "under_file": str(root / "file" / "x"), "missing": str(root / "no" / "such"), "ro": str(root / "ro" / "x"),
+            "json": str(root / "out.json"), "root": str(root)}
+
+
+FLAG_VALUES = st.one_of(
+    st.text(max_size=16), st.integers(-10**20, 10**20).map(str), st.floats().map(str),
+    st.sampled_from(["", " ", ",", ",,", "-", "--", "nan", "inf", "1e999", "0", "-1", "1,", "gspo,", "noise", "\x00",
+                     "a\nb", "run", "empty", "file", "under_file", "missing", "ro", "json"]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(target=st.sampled_from([(c, f) for c, f, _ in _value_actions() if f not in ("config", "overrides")]),
+       raw=FLAG_VALUES)
+def test_fuzzed_flags_of_every_subcommand_parse_or_end_in_one_line(target, raw, places, capsys):
+    """Any value for any flag of any subcommand (paths of every kind among them): the command line parses, or `gspo`
+    ends in one line and exit 2 before doing any work."""
+    from gspo.cli import main, parse_args
+    from gspo.errors import UserError
+
+    cmd, flag = target
+    value = places.get(raw, raw)
+    required = {"summary": [places["run"]], "report": [places["run"], "--out", places["empty"]],
+                "compare": ["--out", places["empty"]], "probe": ["noise", "--out", places["empty"]]}.get(cmd, [])
+    if flag.startswith("--"):
+        argv = [cmd, *required, f"{flag}={value}"]
+    elif flag == "run_dirs":
+        argv = [cmd, "--", value] if cmd == "summary" else [cmd, "--out", places["empty"], "--", value]
+    else:  # probe's `what`
+        argv = [cmd, value, "--out", places["empty"]]
+    try:
+        parse_args(argv)
+    except UserError as e:
+        assert "\n" not in str(e).strip() and str(e).strip(), (argv, str(e))
+        _one_line_error(capsys, argv)
+
+
 KEYS = ["train.lr", "train.steps", "train.minibatches", "rollout.group_size", "rollout.temperature", "rollout.top_p",
         "loss.eps_low", "loss.level", "loss.aggregation", "model.device", "model.precision", "data.task", "seed",
         "train.adam_betas", "log.run_dir", "rewards.timeout_s", "algorithm", "dapo.overlong_cache", "no.such_key"]

@@ -88,7 +88,7 @@ def test_compare_trains_each_algorithm_and_seed_then_reports(tiny_dir, tmp_path,
 
 def test_bad_seed_list_is_one_clear_error(tmp_path, capsys):
     assert main(["compare", "x.toml", "--seeds", "one", "--out", str(tmp_path)]) == 2
-    assert "--seeds 'one' is not a comma-separated list of integers" in capsys.readouterr().err
+    assert "argument --seeds: 'one' is not a comma-separated list of integers" in capsys.readouterr().err
 
 
 def test_length_bins_and_bin_summary_hand_worked():

@@ -54,15 +54,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from gspo.evaluate import evaluate
 
-    for flag, value, least in (("--n", args.n, 1), ("--batch-size", args.batch_size, 1), ("--samples", args.samples, 0)):
-        if value < least:
-            raise UserError(f"gspo eval {flag} {value} must be at least {least}.")
-
     cfg = _config(args.config, args.overrides)
     result = evaluate(cfg, model_name=args.model, n=args.n, samples=args.samples, batch_size=args.batch_size)
     print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        except OSError as e:
+            raise UserError(f"gspo eval --out {args.out!r} could not be written ({e.strerror or e}); the result is "
+                            "printed above; pick another path.") from None
     return 0
 
 
@@ -77,15 +78,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from gspo.report import group_means, key_metrics, load_run, metrics_table, write_report
     from gspo.train import Trainer
 
-    from gspo.config import PRESETS
-
-    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    unknown = [a for a in algos if a not in PRESETS]
-    if not algos or unknown:
-        raise UserError(f"--algos {args.algos!r} names {'no preset' if not algos else ', '.join(map(repr, unknown))}; "
-                        f"use a comma-separated list of {', '.join(PRESETS)}.")
-    seeds = _int_list(args.seeds, "--seeds")
-    out = Path(args.out)
+    algos, seeds, out = args.algos, args.seeds, Path(args.out)
     run_dirs = []
     for algo in algos:
         for seed in seeds:
@@ -111,7 +104,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    page = write_report(run_dirs, out / "report", title=f"gspo compare: {', '.join(algos)} x seeds {args.seeds}")
+    page = write_report(run_dirs, out / "report", title=f"gspo compare: {', '.join(algos)} x seeds {', '.join(map(str, seeds))}")
     rows = [key_metrics(load_run(d)) for d in run_dirs]
     print(metrics_table(rows + group_means(rows), markdown=True))
     print(f"report: {page}")
@@ -120,10 +113,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from gspo.report import write_report
-
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UserError(f"gspo report --out {args.out!r} is a file; name a directory (it is created if missing).")
-    _need_runs(args.run_dirs)
 
     page = write_report(args.run_dirs, args.out, title=args.title)
     print(f"report: {page}")
@@ -145,22 +134,108 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def _need_runs(run_dirs: list[str]) -> None:
-    """Each of ``run_dirs`` must be a run directory with a metrics.jsonl."""
-    for run in run_dirs:
-        if not (Path(run) / "metrics.jsonl").is_file():
-            what = "does not exist" if not Path(run).exists() else "has no metrics.jsonl"
-            raise UserError(f"{run!r} {what}; pass the run directory of a `gspo train` run.")
+# Every flag's value is checked where it enters, by the parser: each option below has one of these as its ``type`` (or
+# ``choices``), so a bad value ends in one line before any work, whatever the subcommand. Values checked later, at the
+# one place they are used, are listed in CHECKED_DOWNSTREAM. tests/test_cli_contract.py enforces both.
+def _count(least: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {least}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"
+    return parse
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
     if not values:
-        raise UserError(f"{flag} {text!r} is not a comma-separated list of integers; write e.g. {flag} 1,2.")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 1,2)")
     return values
+
+
+def _presets(text: str) -> list[str]:
+    from gspo.config import PRESETS
+
+    algos = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in algos if a not in PRESETS]
+    if not algos or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r} names {'no preset' if not algos else ', '.join(map(repr, unknown))};"
+                                         f" use a comma-separated list of {', '.join(PRESETS)}")
+    return algos
+
+
+def _writable_ancestor(path: Path) -> None:
+    """The nearest existing ancestor of ``path`` must be a directory this process can write into."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(path)!r} lies under {str(parent)!r}, which is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{str(path)!r} cannot be created: {str(parent)!r} is not writable")
+
+
+def _out_dir(text: str) -> str:
+    """A directory to write into: it may exist (as a directory) or be creatable."""
+    path = Path(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path names no directory")
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; name a directory (it is created if missing)")
+    if not path.exists():
+        _writable_ancestor(path)
+    elif not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return text
+
+
+def _out_file(text: str) -> str:
+    """A file to write (its directory is created): not an existing directory."""
+    path = Path(text)
+    if not text.strip() or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is {'a directory' if text.strip() else 'empty'}; name a file")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    if not path.exists():
+        _writable_ancestor(path)
+    return text
+
+
+def _probe_out(text: str) -> str:
+    """A run directory (probe_noise.json goes in it) or a path ending in .json."""
+    return _out_file(text) if Path(text).suffix == ".json" else _out_dir(text)
+
+
+def _run_dir(text: str) -> str:
+    """The directory of a `gspo train` run: it holds metrics.jsonl."""
+    if not (Path(text) / "metrics.jsonl").is_file():
+        what = "does not exist" if not Path(text).exists() else "has no metrics.jsonl"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}; pass the run directory of a `gspo train` run")
+    return text
+
+
+def _text(text: str) -> str:
+    """Free text (a title): anything printable on one line."""
+    if not text.isprintable():
+        raise argparse.ArgumentTypeError(f"{text!r} has control characters; write it on one line")
+    return text
+
+
+VALIDATORS = (_int_list, _presets, _out_dir, _out_file, _probe_out, _run_dir, _text)
+# Values checked at their one point of use (each raises a UserError naming the value there).
+CHECKED_DOWNSTREAM = {
+    "config": "gspo.config.load_toml (a UTF-8 TOML file)",
+    "overrides": "gspo.config.build_config (dotted key=value, every value validated)",
+    "--model": "gspo.models.load_model (a checkpoint, HF directory or id, GGUF or alias)",
+}
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -180,7 +255,6 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_summary(args: argparse.Namespace) -> int:
     from gspo.metrics import summarize
 
-    _need_runs(args.run_dirs)
     for run in args.run_dirs:
         s = summarize(run)
         if not s["steps"]:
@@ -189,48 +263,56 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as a UserError: one line ``gspo: error: ...``, exit 2, like every other bad input."""
+
+    def error(self, message: str):  # noqa: D102
+        raise UserError(f"{self.prog}: {message}; see `{self.prog} --help`.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gspo", description="RL fine-tuning of language models with GSPO, GSPO-token, GRPO, DAPO.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = _Parser(prog="gspo", description="RL fine-tuning of language models with GSPO, GSPO-token, GRPO, DAPO.",
+                epilog=EPILOG, formatter_class=fmt)
     p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a policy from a TOML config", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = sub.add_parser("train", help="train a policy from a TOML config", epilog=EPILOG, formatter_class=fmt)
     t.add_argument("config", help="TOML config file (see configs/ and `gspo config`)")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.eps_high=5e-4 rollout.group_size=16")
     t.add_argument("--resume", action="store_true", help="continue the run directory from its newest complete checkpoint")
-    t.add_argument("--run-dir", help="run directory (default: log.run_dir of the config)")
+    t.add_argument("--run-dir", type=_out_dir, help="run directory (default: log.run_dir of the config)")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("eval", help="greedy accuracy and pass@1 over k samples on the config's data")
     e.add_argument("config", nargs="?", help="TOML config whose model / data / rollout / rewards sections are used")
     e.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     e.add_argument("--model", help="model to evaluate (a checkpoint directory, HF id, GGUF or alias); default model.name")
-    e.add_argument("--n", type=int, default=200, help="number of examples (default 200)")
-    e.add_argument("--samples", type=int, default=4, help="samples per example for pass@1 (0 = greedy only; default 4)")
-    e.add_argument("--batch-size", type=int, default=64, help="prompts per generation batch")
-    e.add_argument("--out", help="also write the result JSON here")
+    e.add_argument("--n", type=_count(1), default=200, help="number of examples (default 200)")
+    e.add_argument("--samples", type=_count(0), default=4, help="samples per example for pass@1 (0 = greedy only; default 4)")
+    e.add_argument("--batch-size", type=_count(1), default=64, help="prompts per generation batch")
+    e.add_argument("--out", type=_out_file, help="also write the result JSON here")
     e.set_defaults(func=cmd_eval)
     s = sub.add_parser("summary", help="headline numbers of finished runs (reward first/last, clipping, entropy)")
-    s.add_argument("run_dirs", nargs="+", help="run directories")
+    s.add_argument("run_dirs", nargs="+", type=_run_dir, help="run directories")
     s.set_defaults(func=cmd_summary)
     m = sub.add_parser("compare", help="train one config under several algorithms and seeds, then report")
     m.add_argument("config", nargs="?", help="TOML config shared by every run (default: the built-in defaults)")
     m.add_argument("overrides", nargs="*", help="dotted key=value overrides for every run")
-    m.add_argument("--algos", default="gspo,grpo", help="comma-separated presets (default gspo,grpo)")
-    m.add_argument("--seeds", default="1", help="comma-separated seeds (default 1)")
-    m.add_argument("--out", required=True, help="directory for the runs (<algo>-seed<seed>) and report/")
+    m.add_argument("--algos", type=_presets, default="gspo,grpo", help="comma-separated presets (default gspo,grpo)")
+    m.add_argument("--seeds", type=_int_list, default="1", help="comma-separated seeds (default 1)")
+    m.add_argument("--out", type=_out_dir, required=True, help="directory for the runs (<algo>-seed<seed>) and report/")
     m.set_defaults(func=cmd_compare)
     r = sub.add_parser("report", help="figures and an HTML page from run directories")
-    r.add_argument("run_dirs", nargs="+", help="run directories")
-    r.add_argument("--out", required=True, help="directory for index.html and the PNGs")
-    r.add_argument("--title", default="gspo report")
+    r.add_argument("run_dirs", nargs="+", type=_run_dir, help="run directories")
+    r.add_argument("--out", type=_out_dir, required=True, help="directory for index.html and the PNGs")
+    r.add_argument("--title", type=_text, default="gspo report")
     r.set_defaults(func=cmd_report)
     q = sub.add_parser("probe", help="measurements on one rollout batch (noise: GRPO vs GSPO gradient noise by length)")
     q.add_argument("what", choices=["noise"], help="what to probe")
     q.add_argument("config", nargs="?", help="TOML config (model, data, rollout, train settings)")
     q.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    q.add_argument("--out", required=True, help="run directory (probe_noise.json is written in it) or a .json path")
-    q.add_argument("--rows", type=int, default=48, help="responses probed (default 48)")
-    q.add_argument("--bins", type=int, default=5, help="length bins (default 5)")
+    q.add_argument("--out", type=_probe_out, required=True, help="run directory (probe_noise.json is written in it) or a .json path")
+    q.add_argument("--rows", type=_count(2), default=48, help="responses probed (default 48)")
+    q.add_argument("--bins", type=_count(1), default=5, help="length bins (default 5)")
     q.set_defaults(func=cmd_probe)
     c = sub.add_parser("config", help="print every config key with its default and meaning")
     c.add_argument("--markdown", action="store_true", help="as a Markdown table")
@@ -238,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as a namespace; a bad flag or value raises a UserError naming it."""
     parser = build_parser()
     # key=value overrides may come after options (argparse stops collecting positionals at the first option).
     args, rest = parser.parse_known_args(argv)
@@ -250,6 +333,18 @@ def main(argv: list[str] | None = None) -> int:
     config = getattr(args, "config", None)
     if config and "=" in config and not Path(config).exists():  # no config file given: the first override took its place
         args.overrides, args.config = [config, *args.overrides], None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv)
+    except UserError as e:
+        if debug:
+            raise
+        print(f"gspo: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="[gspo] %(message)s", stream=sys.stderr)
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
