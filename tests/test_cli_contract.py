@@ -10,10 +10,12 @@ import json
 
 import pytest
 
+from gspo.metrics import read_jsonl
+
 from gspo.cli import main
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings, strategies as st  # noqa: E402
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -215,3 +217,83 @@ def _tokenizer():
 
         _TOK.append(AutoTokenizer.from_pretrained(ASSETS))
     return _TOK[0]
+
+
+@st.composite
+def _whole_run_overrides(draw):
+    """Settings a user may combine freely, drawn so that most combinations are valid (the group shape divides into
+    minibatches, steps are a multiple of them) and some are not (to check those end in one line)."""
+    from gspo.algorithms.losses import AGGREGATIONS, LEVELS
+    from gspo.config import PRESETS
+
+    ppb, group = draw(st.integers(1, 3)), draw(st.integers(2, 4))
+    minibatches = draw(st.sampled_from([d for d in range(1, ppb * group + 1) if (ppb * group) % d == 0]))
+    chosen = {
+        "algorithm": draw(st.sampled_from(list(PRESETS))), "seed": draw(st.integers(0, 2**31)),
+        "rollout.prompts_per_batch": ppb, "rollout.group_size": group, "train.minibatches": minibatches,
+        "train.steps": minibatches * draw(st.integers(1, 2)),
+        "rollout.max_new_tokens": draw(st.integers(1, 8)), "rollout.temperature": draw(st.sampled_from([0.3, 1.0, 1.7])),
+        "rollout.top_p": draw(st.sampled_from([0.05, 0.5, 1.0])), "rollout.top_k": draw(st.sampled_from([0, 1, 5])),
+        "train.micro_batch_size": draw(st.sampled_from([0, *(d for d in range(1, ppb * group // minibatches + 1)
+                                                             if (ppb * group // minibatches) % d == 0)])), "train.packing": draw(st.sampled_from(["auto", "on", "off"])),
+        "train.logprob_chunk": draw(st.sampled_from([1, 7, 1024])), "train.warmup_steps": draw(st.integers(0, 3)),
+        "train.schedule": draw(st.sampled_from(["constant", "cosine", "linear"])),
+        "train.old_logprobs": draw(st.sampled_from(["recompute", "rollout"])),
+        "loss.level": draw(st.sampled_from([None, *LEVELS])), "loss.aggregation": draw(st.sampled_from([None, *AGGREGATIONS])),
+        "loss.allow_length_weighted_sequence": True,
+        "loss.beta": draw(st.sampled_from([0.0, 0.04])), "loss.mask_truncated": draw(st.sampled_from([None, True, False])),
+        "dapo.dynamic_sampling": draw(st.sampled_from([None, True, False])),
+        "dapo.max_resample_rounds": draw(st.integers(1, 2)),
+        "dapo.overlong_penalty": draw(st.sampled_from([None, True, False])), "dapo.overlong_cache": draw(st.integers(0, 8)),
+        "log.histograms": draw(st.booleans()), "log.trace_every": draw(st.integers(0, 2)),
+        "log.samples_per_batch": draw(st.integers(0, 3)), "sentinel.reward_drop": draw(st.sampled_from([0.0, 0.5])),
+        "sentinel.action": draw(st.sampled_from(["warn", "stop", "rollback"])),
+    }
+    if draw(st.integers(0, 5)) == 0:  # now and then a neighbour of the valid space
+        key, bad = draw(st.sampled_from([("train.steps", minibatches + 1 if minibatches > 1 else 0),
+                                         ("rollout.group_size", 1), ("train.minibatches", ppb * group + 1),
+                                         ("rollout.top_p", 0.0), ("dapo.overlong_cache", -1),
+                                         ("rollout.temperature", 0.0), ("train.micro_batch_size", -1)]))
+        chosen[key] = bad
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    from conftest import tiny_llama
+
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.02).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(chosen=_whole_run_overrides())
+def test_fuzzed_whole_training_runs_finish_or_end_in_one_line(chosen, tiny_model_dir, tmp_path_factory, capsys):
+    """Whole `gspo train` runs on a tiny model with settings drawn at random from everything a user may combine
+    (algorithms, group shapes, packing, chunking, schedules, DAPO, KL, sentinel actions, engine log-probs): each run
+    either finishes with exit 0 and a run directory that passes check_run_dir, or ends in one line with exit 2."""
+    from test_faults import check_run_dir
+
+    run = tmp_path_factory.mktemp("run") / "r"
+    overrides = [f"{k}={_toml(v)}" for k, v in chosen.items() if v is not None]
+    argv = ["train", f"model.name='{tiny_model_dir}'", "model.device='cpu'", "rewards.workers=0", "log.progress=false",
+            "rewards.functions=[{path='trainer_rewards:text_length'}]", "log.checkpoint_every=1", *overrides,
+            "--run-dir", str(run)]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    if code == 2:
+        assert err.count("gspo: error:") == 1, err[-3000:]
+        event("refused: " + err.split("gspo: error:")[1].strip()[:90])
+        return
+    assert code == 0, (argv, err[-3000:])
+    rows = read_jsonl(run / "metrics.jsonl")
+    event("trained" if rows and rows[-1]["step"] == chosen["train.steps"] else "stopped by the sentinel")
+    check_run_dir(run, len(rows))
+
+
+def _toml(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gspo.config import build_config
 from gspo.errors import UserError
 from gspo.metrics import JsonlWriter, read_jsonl
 from gspo.train import Trainer
@@ -519,3 +520,82 @@ def test_resume_accepts_a_moved_copy_of_the_data_and_model_but_not_another_file(
     other.write_text(moved_data.read_text().replace("1", "2"))
     with pytest.raises(UserError, match="--resume cannot change data.path .*copy of the same file"):
         Trainer(tiny_config(moved_model, "data.task='gsm8k'", f"data.path='{other}'", "train.steps=6"), run, resume=True)
+
+
+KILL_IN_ROLLBACK = """
+import os, signal, sys
+from gspo.cli import main
+from gspo.runlog import RunLog
+from gspo.train.loop import Trainer
+
+kill_at, seen, armed = int(os.environ["GSPO_TEST_KILL_AT"]), [0], [False]
+
+
+def counted(real):
+    def call(*args, **kwargs):
+        if armed[0]:
+            seen[0] += 1
+            if seen[0] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            print(f"operation {seen[0]}: {real.__name__} {args[:1]}", file=sys.stderr, flush=True)
+        return real(*args, **kwargs)
+    return call
+
+
+os.rename, os.replace, os.fsync = counted(os.rename), counted(os.replace), counted(os.fsync)
+real_restore, real_rewind = Trainer.restore, RunLog.rewind
+
+
+def restore(self, before_batch=None):  # a rollback begins: every rename, replace and fsync from here on may be the last
+    armed[0] = before_batch is not None
+    return real_restore(self, before_batch)
+
+
+def rewind(self, step, rollout_batch):  # the rollback's last act; then one more kill point, right after it
+    real_rewind(self, step, rollout_batch)
+    counted(lambda: None)()
+    armed[0] = False
+    print("rollback complete", file=sys.stderr, flush=True)
+
+
+Trainer.restore, RunLog.rewind = restore, rewind
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kills_at_every_file_operation_of_a_rollback_leave_a_resumable_run(tiny_dir, tmp_path):  # noqa: F811
+    """A sentinel rollback renames the abandoned checkpoints and rewinds the log files. The run is SIGKILLed at each
+    of the rollback's file operations in turn (every rename, replace and fsync after it begins, then right after it
+    ends); after each kill, `--resume` trains to the end, and the run directory passes check_run_dir (every line
+    parses, steps 1..N once each, every complete checkpoint loads)."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
+    overrides = [f"model.name='{tiny_dir}'", "model.device='cpu'", "rollout.prompts_per_batch=2",
+                 "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=8", "train.minibatches=2",
+                 "train.lr=1e-3", "rewards.workers=0", "log.progress=false", "log.checkpoint_every=1",
+                 "log.histograms=false", "log.trace_every=0", "sentinel.action='rollback'", "sentinel.reward_drop=0.05",
+                 "sentinel.window=1", "rewards.functions=[{path='trainer_rewards:collapses_in_third_batch'}]"]
+
+    def run_killed_at(kill_at: int, run: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", KILL_IN_ROLLBACK, "train", *overrides, "--run-dir", str(run)],
+                              cwd=tmp_path, env={**env, "GSPO_TEST_KILL_AT": str(kill_at), "GSPO_TEST_COLLAPSE": "1"},
+                              capture_output=True, text=True, timeout=300)
+
+    whole = run_killed_at(10**6, tmp_path / "whole")  # the rollback's file operations, in order
+    assert whole.returncode == 0 and "rollback complete" in whole.stderr, whole.stderr[-2000:]
+    check_run_dir(tmp_path / "whole", 8)
+    ops = [line for line in whole.stderr.splitlines() if line.startswith("operation ")]
+    # Every operation on the checkpoints and on metrics.jsonl (the directory's fsync after its rename included), and
+    # the last one, right after the rollback. The other logs go through the same JsonlWriter; each kill point costs a
+    # process start.
+    last_metrics = max(i for i, line in enumerate(ops, 1) if "metrics.jsonl" in line) + 1
+    points = [*range(1, last_metrics + 1), len(ops)]
+    for kill_at in points:
+        run = tmp_path / f"kill-{kill_at}"
+        assert run_killed_at(kill_at, run).returncode == -signal.SIGKILL
+        # The resume runs in this process (no collapse is asked for here): a process start per point is enough.
+        Trainer(build_config({}, overrides, device="cpu"), run, resume=True).train()
+        check_run_dir(run, 8)
+        assert not any(p.name.endswith(".tmp") for p in (run / "checkpoints").iterdir())
+    # a rename per abandoned checkpoint, an fsync and a replace per log file and the directory's fsync, the end
+    assert any("rename" in op and "step-" in op for op in ops) and any("metrics.jsonl" in op for op in ops), ops

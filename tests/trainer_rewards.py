@@ -67,3 +67,17 @@ def slow_length(completion, example):
         open(marker, "w").close()
     time.sleep(0.3)
     return len(completion) / 128.0
+
+
+_BATCH_CALLS = []
+
+
+def collapses_in_third_batch(completion, example):
+    """Dyadic length, except 0.0 for calls 17..24 (the third rollout batch of a process of the tiny config) when
+    GSPO_TEST_COLLAPSE is set: a reward collapse on cue, once per process, in the process that asks for it."""
+    import os
+
+    _BATCH_CALLS.append(1)
+    if os.environ.get("GSPO_TEST_COLLAPSE") and 16 < len(_BATCH_CALLS) <= 24:
+        return 0.0
+    return len(completion) / 128.0
