@@ -136,6 +136,14 @@ def load_model_weights(model, ckpt: Path) -> None:
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(ckpt.glob("*.safetensors")):
         sd.update(load_file(f))
+    own = model.state_dict()
+    if set(sd) - set(own):
+        # save_pretrained wrote some weights in the family's on-disk layout (an MoE's fused experts go out per expert):
+        # transformers' loader converts them back.
+        from transformers import AutoModelForCausalLM
+
+        dtype = next(model.parameters()).dtype
+        sd = AutoModelForCausalLM.from_pretrained(ckpt, config=model.config, dtype=dtype).state_dict()
     missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(model.config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:

@@ -131,6 +131,17 @@ class DapoConfig:
 
 
 @dataclass
+class MoEConfig:
+    routing_replay: str = "off"
+    """Routing Replay for Mixture-of-Experts models: ``off``, or ``old`` (R2: each token's top-k experts recorded in
+    the old-policy pass are forced in every update forward of that rollout batch; the gate weights are recomputed from
+    the current router, so it keeps learning). Needs ``train.old_logprobs = "recompute"``."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing auxiliary loss (transformers' Switch-Transformer loss) added to the policy loss;
+    0 (off) for RL, where the reward, not the pre-training balance, should drive the router."""
+
+
+@dataclass
 class RewardConfig:
     path: str = ""
     """``module:function`` taking ``(completion: str, example: gspo.types.Example) -> float``."""
@@ -249,6 +260,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     dapo: DapoConfig = field(default_factory=DapoConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -512,7 +524,8 @@ def validate(cfg: Config) -> None:
                               (t.schedule, ("constant", "linear", "cosine"), "train.schedule"),
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),
                               (r.engine, ("auto", "graph", "hf"), "rollout.engine"),
-                              (r.fused_step, ("auto", "off"), "rollout.fused_step")):
+                              (r.fused_step, ("auto", "off"), "rollout.fused_step"),
+                              (cfg.moe.routing_replay, ("off", "old"), "moe.routing_replay")):
         if value not in valid:
             raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:
@@ -525,6 +538,11 @@ def validate(cfg: Config) -> None:
     if lc.level != "token" and max(lc.eps_low, lc.eps_high) >= 0.05:
         log.warning("loss.eps_* = (%g, %g) on a sequence-level ratio clips almost nothing (TRL #3834); the GSPO "
                     "paper uses (3e-4, 4e-4).", lc.eps_low, lc.eps_high)
+    if cfg.moe.routing_replay == "old" and t.old_logprobs != "recompute":
+        raise UserError("moe.routing_replay = 'old' records the experts in the old-policy pass, which "
+                        "train.old_logprobs = 'rollout' skips; set train.old_logprobs = 'recompute'.")
+    if cfg.moe.router_aux_loss_coef < 0:
+        raise UserError(f"moe.router_aux_loss_coef = {cfg.moe.router_aux_loss_coef} must be >= 0 (0 turns it off).")
     if r.group_size < 2:
         raise UserError(f"rollout.group_size = {r.group_size} leaves no group to compare against; use 2 or more (the paper uses 8+).")
     if r.prompts_per_batch < 1 or r.max_new_tokens < 1:

@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 from gspo.errors import UserError
 from gspo.models import (attention_context, attention_implementation, autocast_context, final_logits, pad_prompts,
                          positions_from_mask)
+from gspo.moe import packed_layout, padded_layout
 from gspo.runtime import to_device
 
 
@@ -44,10 +45,15 @@ def sequence_logprobs(
     autocast_dtype: torch.dtype | None = None,
     packed: bool = False,
     graphs: "PackedGraphs | None" = None,
+    routing: "Routing | None" = None,
+    row_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities ``(N, T)`` float32 of ``completion_ids`` given ``prompt_ids`` under
     ``softmax(logits / temperature)``, differentiable w.r.t. the model, 0 where ``completion_mask`` is False;
-    and the per-token entropies ``(N, T)`` float32 (no grad) when ``with_entropy``, else ``None``."""
+    and the per-token entropies ``(N, T)`` float32 (no grad) when ``with_entropy``, else ``None``.
+
+    With ``routing`` (an MoE model's :class:`gspo.moe.Routing`), the forward's token layout is handed to it first:
+    row ``i`` here is row ``row_ids[i]`` of the rollout batch, so routing records follow rows whatever the layout."""
     if len(prompt_ids) != completion_ids.shape[0] or any(len(p) == 0 for p in prompt_ids):
         raise UserError(f"sequence_logprobs got {len(prompt_ids)} prompts for {completion_ids.shape[0]} completions "
                         f"or an empty prompt: pass one non-empty prompt per completion row.")
@@ -59,18 +65,24 @@ def sequence_logprobs(
     flat_cpu = mask_cpu.reshape(-1).nonzero().squeeze(-1)  # (M,) completion tokens, row-major
     flat = to_device(flat_cpu, device)
     targets = to_device(ids_cpu.reshape(-1).index_select(0, flat_cpu), device)  # (M,)
+    if routing is not None and row_ids is None:
+        row_ids = torch.arange(n_rows)
     if packed:
-        hidden = _packed_hidden(model, prompt_ids, ids_cpu, mask_cpu, autocast_dtype, graphs)  # (M, H)
+        hidden = _packed_hidden(model, prompt_ids, ids_cpu, mask_cpu, autocast_dtype, graphs, routing, row_ids)  # (M, H)
     else:
         prompt, prompt_mask = pad_prompts(prompt_ids, pad_id)  # (N, P)
         prompt_len = prompt.shape[1]
         input_ids = to_device(torch.cat([prompt, ids_cpu.masked_fill(~mask_cpu, pad_id)], 1), device)  # (N, P+T)
         attention_mask = to_device(torch.cat([prompt_mask, mask_cpu.long()], 1), device)  # (N, P+T)
+        position_ids = positions_from_mask(attention_mask)
+        if routing is not None:  # position P-1+t predicts completion token t
+            predicts = torch.nn.functional.pad(mask_cpu, (prompt_len - 1, 1))  # (N, P+T)
+            routing.set_layout(padded_layout(attention_mask, position_ids, to_device(predicts, device), row_ids))
         with autocast_context(device, autocast_dtype), attention_context():
             hidden = model.get_decoder()(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                position_ids=positions_from_mask(attention_mask),
+                position_ids=position_ids,
                 use_cache=False,
             ).last_hidden_state  # (N, P+T, H)
         # Position P-1+t predicts completion token t.
@@ -99,7 +111,8 @@ def sequence_logprobs(
     return logp.view(n_rows, width), entropy
 
 
-def _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_dtype, graphs=None) -> torch.Tensor:
+def _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_dtype, graphs=None, routing=None,
+                   row_ids=None) -> torch.Tensor:
     """Final hidden states ``(M, H)`` at the positions that predict each completion token (row-major, as ``flat``),
     from one packed row of every ``prompt_i + completion_i``. ``completion_ids`` and ``completion_mask`` are CPU
     tensors: the layout is worked out here and sent to the device without a synchronisation.
@@ -121,6 +134,8 @@ def _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_
     # Row i's token t is predicted at packed index start_i + len(prompt_i) - 1 + t.
     first = torch.tensor([s + len(p) - 1 for s, p in zip(cu_cpu[:-1].tolist(), prompt_ids)])  # (N,)
     at = to_device((first[:, None] + torch.arange(completion_mask.shape[1])[None, :])[completion_mask], device)  # (M,)
+    if routing is not None:
+        routing.set_layout(packed_layout(seq_lens, pos, at, row_ids))
     hidden = graphs.hidden(ids, pos, cu) if graphs is not None else None  # (1, S, H) or None: not graphable
     if hidden is None:
         with autocast_context(device, autocast_dtype):

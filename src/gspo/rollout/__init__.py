@@ -8,6 +8,7 @@ reading the trainer's parameters between two calls of ``sync_weights``.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -15,6 +16,8 @@ import torch
 
 from gspo.rollout.hf import HFEngine, sample_next
 from gspo.types import Rollout, SamplingParams
+
+log = logging.getLogger("gspo")
 
 ENGINES = ("auto", "graph", "hf")
 FUSED_STEPS = ("auto", "off")
@@ -44,6 +47,9 @@ def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: tor
 
     if kind == "auto":
         kind = "graph" if device.type == "cuda" and graph.supports(model) else "hf"
+        if device.type == "cuda" and kind == "hf":
+            log.info("rollout engine: hf (model.generate); the graph engine does not run model_type %r (it runs %s)",
+                     getattr(model.config, "model_type", None), ", ".join(graph.SUPPORTED))
     if kind == "graph":
         return graph.GraphEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
                                  fused=False if fused_step == "off" else None)

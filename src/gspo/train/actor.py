@@ -16,6 +16,7 @@ micro-batches the update will use, so that in bf16 their numbers round as the up
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from gspo.config import Config
 from gspo.errors import UserError
 from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
 from gspo.models import attention_context, disable_dropout, named_weights
+from gspo.moe import Routing, disable_router_noise, is_moe
 from gspo.runtime import Runtime, to_device
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout
@@ -92,6 +94,23 @@ class Actor:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.loss.beta > 0 else None
+        self.routing = self._setup_routing()  # after the reference copy: its hooks belong to the policy only
+
+    def _setup_routing(self) -> Routing | None:
+        """Hooks on an MoE policy's routers (flip rate always; replay and the auxiliary loss as configured)."""
+        moe = self.cfg.moe
+        if not is_moe(self.model):
+            if moe.routing_replay != "off" or moe.router_aux_loss_coef:
+                raise UserError(f"moe.routing_replay / moe.router_aux_loss_coef are set, but {self.cfg.model.name!r} is a "
+                                "dense model (no top-k routers); remove the [moe] settings or train an MoE model.")
+            return None
+        disable_router_noise(self.model)
+        routing = Routing(self.model, moe.routing_replay, moe.router_aux_loss_coef)
+        log.info("MoE: %d routed layers, %d experts, top-%d; routing replay %s; router auxiliary loss %s",
+                 len(routing.routers), routing.num_experts, routing.top_k, moe.routing_replay,
+                 f"x {moe.router_aux_loss_coef}" if moe.router_aux_loss_coef else
+                 "off for RL (moe.router_aux_loss_coef = 0; set it > 0 to add the load-balancing loss)")
+        return routing
 
     def _setup_passes(self) -> None:
         """Packed sequences where a fast kernel runs them (or asked for), CUDA graphs of the packed passes on a GPU."""
@@ -105,6 +124,10 @@ class Actor:
         self.packed = t.packing == "on" or (t.packing == "auto" and not why_not and packing_available(device, compute_dtype))
         use_graphs = (self.packed and device.type == "cuda" and t.cuda_graphs == "auto"
                       and not self.cfg.model.gradient_checkpointing)
+        if use_graphs and self.routing is not None:
+            log.info("CUDA graphs of the update are off for MoE models (the routing hooks index per batch); the "
+                     "update runs eager")
+            use_graphs = False
         self.graphs = PackedGraphs(self.model, self.runtime.autocast) if use_graphs else None
 
     def _setup_optimizer(self) -> None:
@@ -139,11 +162,13 @@ class Actor:
         differentiable when grad is enabled; CUDA graphs are used for the policy only, and not with ``graphs=False``."""
         model = self.model if model is None else model
         r = rollout if rows is None else rollout.select(rows.tolist())
+        routing = self.routing if model is self.model else None
         return sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask,
                                  temperature=self.cfg.rollout.temperature, pad_id=r.pad_id,
                                  chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
                                  autocast_dtype=self.runtime.autocast, packed=self.packed,
-                                 graphs=self.graphs if graphs and model is self.model else None)
+                                 graphs=self.graphs if graphs and model is self.model else None,
+                                 routing=routing, row_ids=None if routing is None or rows is None else rows)
 
     @torch.no_grad()
     def frozen_logprobs(self, rollout: Rollout, micro_batches: list[torch.Tensor],
@@ -178,10 +203,15 @@ class Actor:
         rollout, dev = batch.rollout, self.runtime.device
         self._on_device = {"loss_mask": to_device(batch.loss_mask, dev), "advantages": to_device(batch.advantages, dev),
                            "completion_mask": to_device(rollout.completion_mask, dev)}
+        if self.routing is not None:
+            lengths = [len(p) + int(n) for p, n in zip(rollout.prompt_ids, rollout.completion_mask.sum(-1).tolist())]
+            self.routing.begin_batch(len(lengths), max(lengths), dev)
         if self.cfg.train.old_logprobs == "recompute":
-            # Minibatch 0 fills its own rows from its update forward (see step); the others need the frozen pass now.
+            # Minibatch 0 fills its own rows from its update forward (see step); the others need the frozen pass now,
+            # which is also where an MoE policy's routing is recorded (replay, flip rate).
             later = [chunk for chunks in plan.micro[1:] for chunk in chunks]
-            batch.old_logprobs = self.frozen_logprobs(rollout, later)  # (N, T)
+            with self.routing.recording() if self.routing is not None else contextlib.nullcontext():
+                batch.old_logprobs = self.frozen_logprobs(rollout, later)  # (N, T)
         else:
             batch.old_logprobs = to_device(rollout.logprobs, dev)
         if self.ref_model is not None:
@@ -210,18 +240,33 @@ class Actor:
         self.set_training(True)
         self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphed backwards keep .grad allocated
         start = 0
-        for sub in plan.micro[k]:
-            logp, ent = self.logprobs(batch.rollout, sub, with_entropy=True)  # (n, T)
-            sub_dev = to_device(sub, dev)
-            if on_policy_fill:
-                old[sub_dev] = logp.detach()
-            loss, _ = policy_loss(logp, old[sub_dev], adv[sub_dev], mask[sub_dev],
-                                  ref_logp=None if ref is None else ref[sub_dev], with_metrics=False, **counts, **loss_kw)
-            with attention_context():
-                loss.backward()
-            loss_total += loss.detach().double()
-            mb_logp[start:start + len(sub)], mb_ent[start:start + len(sub)] = logp.detach(), ent
-            start += len(sub)
+        aux_total = torch.zeros((), dtype=torch.float64, device=dev)
+        with self.routing.updating() if self.routing is not None else contextlib.nullcontext():
+            for sub in plan.micro[k]:
+                logp, ent = self.logprobs(batch.rollout, sub, with_entropy=True)  # (n, T)
+                sub_dev = to_device(sub, dev)
+                if on_policy_fill:
+                    old[sub_dev] = logp.detach()
+                loss, _ = policy_loss(logp, old[sub_dev], adv[sub_dev], mask[sub_dev],
+                                      ref_logp=None if ref is None else ref[sub_dev], with_metrics=False, **counts,
+                                      **loss_kw)
+                aux = self.routing.aux_loss() if self.routing is not None else None
+                if aux is not None:  # a mean over the micro-batch's tokens: weighted by its share of the minibatch
+                    aux = aux * (len(sub) / len(rows))
+                    aux_total += aux.detach().double()
+                    loss = loss + aux
+                with attention_context():
+                    loss.backward()
+                loss_total += loss.detach().double()
+                mb_logp[start:start + len(sub)], mb_ent[start:start + len(sub)] = logp.detach(), ent
+                start += len(sub)
+        moe_metrics = {}
+        if self.routing is not None:
+            # Minibatch 0 under recompute is trained by the old policy itself: no flip to count there.
+            moe_metrics = {} if on_policy_fill else self.routing.flip_metrics()
+            moe_metrics["moe/record_mb"] = self.routing.record_bytes() / 2**20
+            if self.cfg.moe.router_aux_loss_coef:
+                moe_metrics["moe/aux_loss"] = aux_total
         if on_policy_fill:  # every row's old log-probs exist from here on
             batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev), old,
                                              self._on_device["completion_mask"]))
@@ -234,6 +279,7 @@ class Actor:
         metrics["loss"] = loss_total
         metrics["grad_norm"] = self._apply(loss_total, step)
         metrics["trained_tokens"] = tokens
+        metrics.update(moe_metrics)
         self.set_training(False)
         return StepOutput(metrics, rows, mb_logp)
 

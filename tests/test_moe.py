@@ -1,0 +1,260 @@
+"""Mixture-of-Experts on tiny random models of every HF family with a top-k router module: routers are found and their
+gate weights reproduced, recording changes nothing, replaying the native choices changes nothing, replay forces the
+recorded experts after the router moved (and the router still gets gradients), in padded and packed layouts and under
+gradient checkpointing, and a whole training run with replay logs the flip rate, checkpoints and resumes."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM
+
+from gspo.logprobs import sequence_logprobs
+from gspo.moe import Routing, check_router, find_routers, gate_weights
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=2, initializer_range=0.3,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+def _configs():
+    return {
+        "mixtral": MixtralConfig(**COMMON, num_local_experts=4),
+        "qwen2_moe": Qwen2MoeConfig(**COMMON, num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=32,
+                                    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False),
+        "qwen3_moe": Qwen3MoeConfig(**COMMON, num_experts=4, moe_intermediate_size=48, decoder_sparse_step=1,
+                                    mlp_only_layers=[], norm_topk_prob=True, head_dim=16),
+        "olmoe": OlmoeConfig(**COMMON, num_experts=4, norm_topk_prob=False),
+    }
+
+
+FAMILIES = list(_configs())
+
+
+def tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_configs()[family]).float().eval()
+    for router in find_routers(model):  # routers start at zero in some families: give them opinions
+        torch.nn.init.normal_(router.weight, std=0.5)
+    return model
+
+
+def _batch(n: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 256, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    lengths = torch.randint(1, 9, (n,), generator=g)
+    ids = torch.randint(3, 256, (n, 8), generator=g)
+    mask = torch.arange(8)[None] < lengths[:, None]
+    return prompts, ids, mask
+
+
+def _logp(model, batch, routing=None, rows=None, packed=False):
+    prompts, ids, mask = batch
+    sel = list(range(len(prompts))) if rows is None else rows.tolist()
+    return sequence_logprobs(model, [prompts[i] for i in sel], ids[sel], mask[sel], pad_id=0, packed=packed,
+                             routing=routing, row_ids=None if rows is None else rows)[0]
+
+
+def _begin(routing, batch):
+    prompts, _, mask = batch
+    routing.begin_batch(len(prompts), max(len(p) + int(m) for p, m in zip(prompts, mask.sum(-1))), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routers_are_found_and_their_gate_weights_reproduced(family):
+    """One router per MoE layer; gate_weights at the router's own choices equals its weights bit for bit."""
+    model = tiny_moe(family)
+    routers = find_routers(model)
+    assert len(routers) == 2
+    for router in routers:
+        check_router(router)
+    assert find_routers(AutoModelForCausalLM.from_config(MixtralConfig(**COMMON, num_local_experts=4)).model.embed_tokens) == []
+
+
+def test_gate_weights_hand_worked():
+    """logits (0, ln 2, ln 4) -> softmax (1/7, 2/7, 4/7); experts (2, 0) -> (4/7, 1/7), renormalised (0.8, 0.2)."""
+    logits = torch.log(torch.tensor([[1.0, 2.0, 4.0]]))
+    idx = torch.tensor([[2, 0]])
+    like = torch.zeros(1, 2)
+    torch.testing.assert_close(gate_weights(logits, idx, like, False), torch.tensor([[4 / 7, 1 / 7]]))
+    torch.testing.assert_close(gate_weights(logits, idx, like, True), torch.tensor([[0.8, 0.2]]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_recording_and_replaying_the_native_choices_change_nothing(family, packed):
+    """Recording is invisible (bit-identical log-probs); replaying what was recorded, in another layout and other
+    micro-batches, gives the same log-probs and a flip rate of 0."""
+    model, batch = tiny_moe(family), _batch()
+    plain = _logp(model, batch)
+    routing = Routing(model, "old")
+    _begin(routing, batch)
+    with routing.recording(), torch.no_grad():
+        recorded = _logp(model, batch, routing, rows=torch.arange(6), packed=False)
+    assert torch.equal(recorded, plain)
+    with routing.updating(), torch.no_grad():
+        for rows in (torch.tensor([4, 1]), torch.tensor([0, 5, 2, 3])):
+            replayed = _logp(model, batch, routing, rows=rows, packed=packed)
+            routing._mode, mode = None, routing._mode  # the same forward with the hooks idle
+            native = _logp(model, batch, rows=rows, packed=packed)
+            routing._mode = mode
+            assert torch.equal(replayed, native)
+    metrics = routing.flip_metrics()
+    assert metrics["moe/flip_rate"].item() == 0.0 and routing._slots.sum() > 0
+    routing.close()
+
+
+def _used_experts(model):
+    """Capture the expert indices each MoE block's experts module receives (after any replay)."""
+    seen = []
+    handles = [m.register_forward_hook(lambda mod, args, out: seen.append(args[1].clone()))
+               for m in model.modules() if type(m).__name__.endswith("Experts")]
+    return seen, handles
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_forces_the_recorded_experts_after_the_router_moved(family):
+    """With the routers perturbed, the experts modules receive exactly the recorded experts under replay (and other
+    ones without it); the flip rate counts the difference; the router still gets a gradient. Packed layout: every
+    token has a record (padding routes natively, with no record to force)."""
+    model, batch = tiny_moe(family), _batch()
+    routing = Routing(model, "old")
+    _begin(routing, batch)
+    seen, handles = _used_experts(model)
+    with routing.recording(), torch.no_grad():
+        _logp(model, batch, routing, rows=torch.arange(6), packed=True)
+    recorded = [s.clone() for s in seen]
+    with torch.no_grad():
+        for router in routing.routers:
+            router.weight.add_(torch.randn_like(router.weight) * 2.0)
+    seen.clear()
+    with torch.no_grad():
+        _logp(model, batch, packed=True)  # native routing of the moved routers
+    assert any(not torch.equal(a, b) for a, b in zip(seen, recorded))
+    seen.clear()
+    with routing.updating():
+        logp = _logp(model, batch, routing, rows=torch.arange(6), packed=True)
+        logp.sum().backward()
+    for h in handles:
+        h.remove()
+    assert all(torch.equal(a, b) for a, b in zip(seen, recorded))
+    assert routing.flip_metrics()["moe/flip_rate"].item() > 0
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routing.routers)
+    routing.close()
+
+
+def test_flip_rate_hand_worked():
+    """Recorded experts (0, 1) at every token; the current router prefers (1, 2) whatever the input: one of two slots
+    flipped at every token and layer, 0.5; replay then hands the experts (0, 1) on."""
+    model, batch = tiny_moe("mixtral"), _batch(n=2)
+    routing = Routing(model, "old")
+    _begin(routing, batch)
+    routing.records.zero_()
+    routing.records[..., 1] = 1
+    routing.recorded.fill_(True)
+
+    def prefers_1_then_2(self, hidden):
+        logits = torch.zeros(hidden.reshape(-1, self.hidden_dim).shape[0], self.num_experts)
+        logits[:, 1], logits[:, 2] = 2.0, 1.0
+        top, idx = torch.topk(torch.softmax(logits, -1), 2, -1)
+        return logits, top / top.sum(-1, keepdim=True), idx
+
+    for r in routing.routers:
+        r.forward = prefers_1_then_2.__get__(r)
+    seen, handles = _used_experts(model)
+    with routing.updating(), torch.no_grad():
+        _logp(model, batch, routing, rows=torch.arange(2), packed=True)  # packed: no padding token (routes natively)
+    for h in handles:
+        h.remove()
+    assert routing.flip_metrics()["moe/flip_rate"].item() == 0.5
+    assert all(set(s.flatten().tolist()) == {0, 1} for s in seen)
+    routing.close()
+
+
+def test_replay_under_gradient_checkpointing_counts_once_and_matches():
+    """Checkpointed layers recompute their forward in the backward: the replay applies there too (same gradients as
+    without checkpointing) and flips are not counted twice."""
+    batch = _batch()
+    grads, slots = [], []
+    for checkpointing in (False, True):
+        model = tiny_moe("qwen3_moe")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        routing = Routing(model, "old")
+        _begin(routing, batch)
+        with routing.recording(), torch.no_grad():
+            _logp(model, batch, routing, rows=torch.arange(6))
+        with torch.no_grad():
+            for router in routing.routers:
+                router.weight.add_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(3)))
+        with routing.updating():
+            _logp(model, batch, routing, rows=torch.arange(6)).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        slots.append(routing._slots.sum().item())
+        routing.close()
+    torch.testing.assert_close(grads[0], grads[1])
+    assert slots[0] == slots[1] > 0
+
+
+def test_aux_loss_is_transformers_load_balancing_loss():
+    """With a coefficient, the collected router logits give coef x transformers' Switch loss (>= 1 x coef for any
+    routing: it is E * sum_e f_e P_e, minimised at 1 by a uniform router)."""
+    model, batch = tiny_moe("mixtral"), _batch()
+    routing = Routing(model, "off", aux_loss_coef=0.1)
+    _begin(routing, batch)
+    with routing.updating():
+        _logp(model, batch, routing, rows=torch.arange(6))
+        aux = routing.aux_loss()
+    assert aux is not None and aux.item() >= 0.1 * 2 - 1e-6  # top-2: the minimum is k x coef
+    assert routing.aux_loss() is None  # consumed
+    routing.close()
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory, tokenizer):
+    d = tmp_path_factory.mktemp("moe")
+    cfg = MixtralConfig(**{**COMMON, "vocab_size": len(tokenizer), "pad_token_id": 2}, num_local_experts=4)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def test_training_an_moe_with_replay_logs_flips_and_resumes_exactly(moe_dir, tmp_path):
+    """A Mixtral trained with moe.routing_replay = 'old': every later minibatch logs moe/flip_rate per layer, the
+    checkpoint is the MoE, and 2 + --resume 2 steps equal 4 straight."""
+    from gspo.config import build_config
+    from gspo.metrics import read_jsonl
+    from gspo.train import Trainer
+
+    def cfg(*extra):
+        return build_config({}, [f"model.name='{moe_dir}'", "rollout.prompts_per_batch=2", "rollout.group_size=4",
+                                 "rollout.max_new_tokens=6", "train.minibatches=2", "train.lr=1e-2",
+                                 "rewards.workers=0", "log.progress=false", "moe.routing_replay='old'",
+                                 "rewards.functions=[{path='trainer_rewards:dyadic_length'}]", "log.checkpoint_every=1",
+                                 *extra], device="cpu")
+
+    Trainer(cfg("train.steps=4"), tmp_path / "straight").train()
+    rows = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
+    assert [("moe/flip_rate" in r) for r in rows] == [False, True, False, True]
+    assert all("moe/flip_rate/layer_1" in r for r in rows[1::2]) and all(r["moe/record_mb"] > 0 for r in rows)
+    Trainer(cfg("train.steps=2"), tmp_path / "resumed").train()
+    Trainer(cfg("train.steps=4"), tmp_path / "resumed", resume=True).train()
+    again = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    drop = ("time/", "throughput/")
+    assert [{k: v for k, v in r.items() if not k.startswith(drop)} for r in again] == \
+           [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+
+
+def test_moe_settings_on_a_dense_model_are_refused():
+    from conftest import tiny_llama
+    from gspo.config import build_config
+    from gspo.errors import UserError
+    from gspo.runtime import Runtime
+    from gspo.train.actor import Actor
+
+    cfg = build_config({}, ["moe.routing_replay='old'", "model.device='cpu'"], device="cpu")
+    with pytest.raises(UserError, match="dense model"):
+        Actor(cfg, Runtime.from_config(cfg.model), tiny_llama())
