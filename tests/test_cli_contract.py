@@ -92,7 +92,7 @@ def test_every_flag_of_every_subcommand_is_validated_where_it_enters():
                  if not action.choices and getattr(action.type, "__module__", None) != "gspo.cli"
                  and flag not in CHECKED_DOWNSTREAM]
     assert not unchecked, unchecked
-    assert {cmd for cmd, _, _ in _value_actions()} >= {"train", "eval", "summary", "compare", "report", "probe"}
+    assert {cmd for cmd, _, _ in _value_actions()} >= {"train", "eval", "summary", "compare", "report", "probe", "upcycle"}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,8 @@ def test_fuzzed_flags_of_every_subcommand_parse_or_end_in_one_line(target, raw, 
     cmd, flag = target
     value = places.get(raw, raw)
     required = {"summary": [places["run"]], "report": [places["run"], "--out", places["empty"]],
-                "compare": ["--out", places["empty"]], "probe": ["noise", "--out", places["empty"]]}.get(cmd, [])
+                "compare": ["--out", places["empty"]], "probe": ["noise", "--out", places["empty"]],
+                "upcycle": ["--out", places["empty"]]}.get(cmd, [])
     if flag.startswith("--"):
         argv = [cmd, *required, f"{flag}={value}"]
     elif flag == "run_dirs":

@@ -1,4 +1,4 @@
-"""``gspo train | eval | compare | report | summary | config``: the command line."""
+"""``gspo train | eval | compare | report | summary | probe | upcycle | config``: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,7 @@ EPILOG = """examples:
   gspo compare configs/quickstart.toml --algos gspo,grpo --seeds 1,2 --out runs/compare
   gspo report runs/gspo-seed1 runs/grpo-seed1 --out runs/report
   gspo probe noise configs/quickstart.toml --out runs/gspo-seed1   # then gspo report shows the noise figure
+  gspo upcycle --out models/smollm2-moe                 # a Mixtral MoE (8 experts, top-2) from the dense model
   gspo config                                           # every config key with its default and meaning
 """
 
@@ -222,6 +223,26 @@ def _run_dir(text: str) -> str:
     return text
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 1]")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
 def _text(text: str) -> str:
     """Free text (a title): anything printable on one line."""
     if not text.isprintable():
@@ -229,13 +250,30 @@ def _text(text: str) -> str:
     return text
 
 
-VALIDATORS = (_int_list, _presets, _out_dir, _out_file, _probe_out, _run_dir, _text)
+VALIDATORS = (_int_list, _presets, _out_dir, _out_file, _probe_out, _run_dir, _fraction, _positive, _text)
 # Values checked at their one point of use (each raises a UserError naming the value there).
 CHECKED_DOWNSTREAM = {
     "config": "gspo.config.load_toml (a UTF-8 TOML file)",
     "overrides": "gspo.config.build_config (dotted key=value, every value validated)",
     "--model": "gspo.models.load_model (a checkpoint, HF directory or id, GGUF or alias)",
 }
+
+
+def cmd_upcycle(args: argparse.Namespace) -> int:
+    from gspo.upcycle import run_upcycle
+
+    cfg = _config(args.config, args.overrides)
+    result = run_upcycle(cfg, args.out, experts=args.experts, top_k=args.top_k, drop=args.drop,
+                         steps=args.distill_steps, lr=args.distill_lr, batch=args.distill_batch, eval_n=args.eval_n)
+    summary = {k: result[k] for k in ("experts", "top_k", "drop", "kl_first", "kl_last", "parameters", "wall_s")}
+    for name in ("dense_eval", "moe_eval"):
+        if name in result:
+            summary[name.replace("_eval", "_accuracy")] = result[name]["greedy_accuracy"]
+    summary["pairwise_distance"] = result["experts_after_distill"]["pairwise_distance"]
+    summary["routing_entropy"] = result["experts_after_distill"]["routing_entropy"]
+    print(json.dumps(summary, indent=1))
+    print(f"upcycled model: {args.out} (report: {Path(args.out) / 'upcycle.json'})")
+    return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -314,6 +352,20 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--rows", type=_count(2), default=48, help="responses probed (default 48)")
     q.add_argument("--bins", type=_count(1), default=5, help="length bins (default 5)")
     q.set_defaults(func=cmd_probe)
+    u = sub.add_parser("upcycle", help="a Mixtral MoE from the dense model.name: upcycle, Drop-Upcycling, self-distillation")
+    u.add_argument("config", nargs="?", help="TOML config (model.name = the dense model; data = the task's prompts)")
+    u.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    u.add_argument("--out", type=_out_dir, required=True, help="directory for the MoE model and upcycle.json")
+    u.add_argument("--experts", type=_count(2), default=8, help="experts per layer (default 8)")
+    u.add_argument("--top-k", type=_count(1), default=2, help="experts per token (default 2)")
+    u.add_argument("--drop", type=_fraction, default=0.5,
+                   help="Drop-Upcycling: fraction of each expert's intermediate channels re-initialised (default 0.5)")
+    u.add_argument("--distill-steps", type=_count(0), default=200, help="self-distillation steps (default 200)")
+    u.add_argument("--distill-lr", type=_positive, default=1e-4, help="self-distillation learning rate (default 1e-4)")
+    u.add_argument("--distill-batch", type=_count(1), default=32, help="completions per distillation step (default 32)")
+    u.add_argument("--eval-n", type=_count(0), default=200,
+                   help="examples for the greedy accuracy of the dense and the MoE model (0 = skip; default 200)")
+    u.set_defaults(func=cmd_upcycle)
     c = sub.add_parser("config", help="print every config key with its default and meaning")
     c.add_argument("--markdown", action="store_true", help="as a Markdown table")
     c.set_defaults(func=cmd_config)
