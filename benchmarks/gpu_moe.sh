@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# MoE evidence on one GPU, after ../shared/device/stage.sh's two transfers (the model at /root/smollm2/model.gguf).
+#   bash benchmarks/gpu_moe.sh upcycle   # function preservation on the real model, then gspo upcycle (8 x top-2)
+#   bash benchmarks/gpu_moe.sh train     # GSPO, GRPO, GRPO + R2 on the upcycled model, concurrently, time-boxed
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+M=/root/smollm2/model.gguf
+MOE=/root/smollm2-moe
+nvidia-smi -L
+case "$1" in
+upcycle)
+  [ -n "${CHECK-1}" ] && python3 benchmarks/moe_check.py $M $OUT/function_preservation.json 2>&1 | grep "moe_check\|rror"
+  python3 -m gspo.cli upcycle configs/quickstart.toml model.name="'$M'" --out $MOE --experts 8 --top-k 2 \
+    --drop 0.5 --distill-steps ${STEPS:-300} --distill-batch 32 --distill-lr ${LR:-1e-4} --eval-n 200 2>&1 \
+    | grep -v "Loading weights\|Writing model" | tail -40
+  cp $MOE/upcycle.json $OUT/
+  ;;
+train)
+  secs=${SECS:-500}
+  run() {  # name, overrides...
+    local name=$1; shift
+    timeout $secs python3 -m gspo.cli train configs/quickstart.toml model.name="'$MOE'" log.progress=false \
+      log.checkpoint_every=0 train.steps=${TRAIN_STEPS:-200} "$@" --run-dir /tmp/moe/$name > /tmp/moe-$name.log 2>&1
+    echo "$name exit $?"
+  }
+  mkdir -p /tmp/moe
+  run gspo algorithm="'gspo'" &
+  run grpo algorithm="'grpo'" &
+  run grpo_r2 algorithm="'grpo'" moe.routing_replay="'old'" &
+  wait
+  for n in gspo grpo grpo_r2; do
+    grep "MoE:\|rollout engine\|CUDA graphs\|rror" /tmp/moe-$n.log | head -5
+    mkdir -p $OUT/$n && cp /tmp/moe/$n/metrics.jsonl /tmp/moe/$n/config.json $OUT/$n/ 2>/dev/null
+    python3 - $n <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(f"/tmp/moe/{sys.argv[1]}/metrics.jsonl")]
+flips = [r["moe/flip_rate"] for r in rows if r.get("moe/flip_rate") is not None]
+print(sys.argv[1], "steps", len(rows), "reward first/last", rows[0]["reward/mean"], rows[-1]["reward/mean"],
+      "flip mean", sum(flips) / max(len(flips), 1), "first flips", [round(f, 4) for f in flips[:6]])
+PY
+  done
+  ;;
+esac
