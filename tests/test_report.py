@@ -136,3 +136,31 @@ def test_compare_moves_a_run_without_checkpoint_aside(tiny_dir, tmp_path, capsys
     assert main(args) == 0
     assert "had no checkpoint; moved to" in capsys.readouterr().err
     assert len(list(out.glob("gspo-seed1.incomplete-*"))) == 1 and (out / "gspo-seed1" / "checkpoints").exists()
+
+
+def test_moe_runs_get_arm_labels_a_flip_figure_and_summary_numbers(tmp_path, capsys):
+    """The H100 runs of docs/moe (GSPO, GRPO, GRPO + R2 on the upcycled SmolLM2): the report labels the replay arm
+    `grpo+r2`, draws the flip-rate figure with a layer heat map per arm, and gspo summary gives the mean flip rate."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "moe_first_runs"
+    runs = [root / n for n in ("gspo", "grpo", "grpo_r2")]
+    page = write_report(runs, tmp_path / "report")
+    assert (tmp_path / "report" / "moe_flips.png").stat().st_size > 10_000
+    assert "grpo+r2" in page.read_text() and "moe_flips.png" in page.read_text()
+    groups = json.loads((tmp_path / "report" / "summary.json").read_text())["groups"]
+    flips = {g["algorithm"]: g["flip_rate"] for g in groups}
+    assert set(flips) == {"gspo", "grpo", "grpo+r2"} and flips["grpo+r2"] < flips["grpo"]
+    assert main(["summary", str(runs[2])]) == 0
+    assert 0 < json.loads(capsys.readouterr().out)["moe_flip_rate_mean"] < 0.01
+
+
+def test_compare_arms_parse_and_refuse_unknown_suffixes():
+    from gspo.config import parse_arm
+    from gspo.errors import UserError
+
+    assert parse_arm("grpo+r2") == ("grpo", {"moe.routing_replay": "old"})
+    assert parse_arm("gspo") == ("gspo", {})
+    with pytest.raises(UserError, match="unknown suffix"):
+        parse_arm("grpo+r9")

@@ -81,9 +81,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     algos, seeds, out = args.algos, args.seeds, Path(args.out)
     run_dirs = []
+    from gspo.config import parse_arm
+
     for algo in algos:
+        preset, extra = parse_arm(algo)
         for seed in seeds:
-            cfg = _config(args.config, [*args.overrides, f"algorithm={algo!r}", f"seed={seed}"])
+            cfg = _config(args.config, [*args.overrides, f"algorithm={preset!r}", f"seed={seed}",
+                                        *(f"{k}={v!r}" for k, v in extra.items())])
             run_dir = out / f"{algo}-seed{seed}"
             run_dirs.append(run_dir)
             rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
@@ -163,13 +167,20 @@ def _int_list(text: str) -> list[int]:
 
 
 def _presets(text: str) -> list[str]:
-    from gspo.config import PRESETS
+    """Comparison arms: presets, each optionally with "+"-suffixes (``grpo+r2``: GRPO with Routing Replay R2)."""
+    from gspo.config import ARM_SUFFIXES, PRESETS, parse_arm
 
     algos = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = [a for a in algos if a not in PRESETS]
+    unknown = []
+    for a in algos:
+        try:
+            parse_arm(a)
+        except UserError:
+            unknown.append(a)
     if not algos or unknown:
         raise argparse.ArgumentTypeError(f"{text!r} names {'no preset' if not algos else ', '.join(map(repr, unknown))};"
-                                         f" use a comma-separated list of {', '.join(PRESETS)}")
+                                         f" use a comma-separated list of {', '.join(PRESETS)}, each optionally with "
+                                         f"{', '.join('+' + k for k in ARM_SUFFIXES)}")
     return algos
 
 
@@ -335,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("compare", help="train one config under several algorithms and seeds, then report")
     m.add_argument("config", nargs="?", help="TOML config shared by every run (default: the built-in defaults)")
     m.add_argument("overrides", nargs="*", help="dotted key=value overrides for every run")
-    m.add_argument("--algos", type=_presets, default="gspo,grpo", help="comma-separated presets (default gspo,grpo)")
+    m.add_argument("--algos", type=_presets, default="gspo,grpo",
+                   help="comma-separated presets, each optionally +r2 (Routing Replay R2; default gspo,grpo)")
     m.add_argument("--seeds", type=_int_list, default="1", help="comma-separated seeds (default 1)")
     m.add_argument("--out", type=_out_dir, required=True, help="directory for the runs (<algo>-seed<seed>) and report/")
     m.set_defaults(func=cmd_compare)

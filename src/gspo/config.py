@@ -296,6 +296,32 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dr_grpo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.2,
                 "loss.aggregation": "seq-mean-token-sum-norm", "loss.advantage_scale": "none"},
 }
+
+
+# Arms of a comparison: a preset, then "+"-suffixes that switch a technique on (`gspo compare --algos grpo,grpo+r2`).
+ARM_SUFFIXES: dict[str, dict[str, Any]] = {"r2": {"moe.routing_replay": "old"}}
+
+
+def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
+    """``"grpo+r2"`` -> ``("grpo", {"moe.routing_replay": "old"})``; a UserError for an unknown preset or suffix."""
+    preset, *suffixes = [part.strip() for part in arm.split("+")]
+    if preset not in PRESETS:
+        raise _unknown_key(preset, list(PRESETS), "algorithm value ")
+    extra: dict[str, Any] = {}
+    for suffix in suffixes:
+        if suffix not in ARM_SUFFIXES:
+            raise UserError(f"{arm!r}: unknown suffix +{suffix}; known: {', '.join('+' + k for k in ARM_SUFFIXES)}.")
+        extra.update(ARM_SUFFIXES[suffix])
+    return preset, extra
+
+
+def arm_label(config: dict[str, Any]) -> str:
+    """The arm a resolved config (``Config.to_dict()``) trains: its algorithm and the suffixes its settings switch on."""
+    label = str(config.get("algorithm", "?"))
+    for suffix, keys in ARM_SUFFIXES.items():
+        if all(config.get(k.split(".")[0], {}).get(k.split(".")[1]) == v for k, v in keys.items()):
+            label += "+" + suffix
+    return label
 _PRESET_FALLBACK = {"loss.mask_truncated": False, "dapo.dynamic_sampling": False, "dapo.overlong_penalty": False}
 
 

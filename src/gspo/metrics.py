@@ -164,4 +164,6 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "entropy_first": rows[0].get("entropy"), "entropy_last": rows[-1].get("entropy"),
         "len_first": rows[0].get("completion/len_mean"), "len_last": rows[-1].get("completion/len_mean"),
         "wall_s": rows[-1].get("time/elapsed"),
+        **({"moe_flip_rate_mean": mean([r.get("moe/flip_rate") for r in rows])}
+           if any(r.get("moe/flip_rate") is not None for r in rows) else {}),
     }

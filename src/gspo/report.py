@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo.config import arm_label
 from gspo.errors import UserError
 from gspo.metrics import read_jsonl
 
@@ -72,7 +73,7 @@ def load_run(path: str | Path) -> Run:
     config = json.loads((p / "config.json").read_text()) if (p / "config.json").exists() else {}
     opt = lambda name: read_jsonl(p / name) if (p / name).exists() else []  # noqa: E731
     probe = json.loads((p / "probe_noise.json").read_text()) if (p / "probe_noise.json").exists() else None
-    return Run(p, config.get("algorithm", "?"), int(config.get("seed", 0)), config, metrics, opt("histograms.jsonl"),
+    return Run(p, arm_label(config), int(config.get("seed", 0)), config, metrics, opt("histograms.jsonl"),
                opt("traces.jsonl"), probe)
 
 
@@ -111,6 +112,7 @@ def key_metrics(run: Run) -> dict[str, Any]:
         "reward_final": sum(rewards[-10:]) / len(rewards[-10:]) if rewards else None,
         "reward_best": max(smooth) if smooth else None, "largest_drop": drop,
         "entropy_end": mean("entropy", last_batch), "wall_s": run.metrics[-1].get("time/elapsed"),
+        "flip_rate": mean("moe/flip_rate", run.metrics),
     }
 
 
@@ -336,6 +338,39 @@ def fig_length_entropy(plt, groups, colors, out: Path) -> str:
     return _save(fig, out / "length_entropy.png")
 
 
+def fig_moe(plt, groups, colors, out: Path) -> str | None:
+    """Expert volatility: ``moe/flip_rate`` per optimizer step (mean over seeds, band over seeds), and for each arm a
+    layer x step heat map of ``moe/flip_rate/layer_<i>`` (mean over seeds). None for dense runs."""
+    moe = {g: runs for g, runs in groups.items() if any(r.get("moe/flip_rate") is not None for run in runs for r in run.metrics)}
+    if not moe:
+        return None
+    fig, axes = plt.subplots(1, 1 + len(moe), figsize=(5.5 * (1 + len(moe)), 3.8), squeeze=False)
+    axes = axes[0]
+    for ax, (g, runs) in zip(axes[1:], moe.items()):
+        steps = [r["step"] for r in runs[0].metrics]
+        series = [[r.get("moe/flip_rate") for r in run.metrics] for run in runs]
+        idx, mean, lo, hi = _band(series)
+        if not idx:
+            continue
+        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
+        layers = sorted({int(k.rsplit("_", 1)[1]) for k in runs[0].metrics[-1] if k.startswith("moe/flip_rate/layer_")})
+        grid = [[_mean_of([run.metrics[i].get(f"moe/flip_rate/layer_{layer}") for run in runs if i < len(run.metrics)])
+                 for i in idx] for layer in layers]
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", origin="lower", interpolation="nearest",
+                          extent=(steps[idx[0]] - 0.5, steps[idx[-1]] + 0.5, -0.5, len(layers) - 0.5))
+        ax.set(xlabel="optimizer step (off-policy steps)", ylabel="layer", title=f"{g}: flip rate per layer")
+        fig.colorbar(image, ax=ax, fraction=0.05)
+    axes[0].set(xlabel="optimizer step", ylabel="fraction of (token, layer, slot)", title="MoE routing flips per update")
+    axes[0].grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    return _save(fig, out / "moe_flips.png")
+
+
+def _mean_of(values: list[float | None]) -> float:
+    xs = [v for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -350,7 +385,8 @@ def _save(fig, path: Path) -> str:
 _COLUMNS = [("run", "run"), ("algorithm", "algorithm"), ("seed", "seed"), ("steps", "steps"),
             ("clip_token", "clipped tokens"), ("clip_seq", "clipped sequences"), ("reward_first", "reward, first"),
             ("reward_final", "reward, final (last 10)"), ("reward_best", "best (5-batch mean)"),
-            ("largest_drop", "largest drop"), ("entropy_end", "entropy, end"), ("wall_s", "wall-clock s")]
+            ("largest_drop", "largest drop"), ("entropy_end", "entropy, end"), ("flip_rate", "MoE flip rate"),
+            ("wall_s", "wall-clock s")]
 
 
 def _fmt(key: str, v: Any) -> str:
@@ -400,6 +436,9 @@ _CAPTIONS = {
                  "variance of the per-token gradient weights (GRPO: token ratios; GSPO: one sequence ratio per "
                  "response), the per-response gradient norm, and the share of the gradient the importance weights add.",
     "length_entropy.png": "Mean response length and policy entropy per rollout batch (mean over seeds, band over seeds).",
+    "moe_flips.png": "MoE expert volatility: the fraction of (token, layer, top-k slot) whose old-policy expert is not "
+                     "among the current policy's top-k, per off-policy optimizer step (left; with Routing Replay, "
+                     "measured inside the replay), and per layer (right, one map per arm, mean over seeds).",
 }
 
 _LOADED_CHECK = """<script>
@@ -427,7 +466,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
     colors = _colors(groups)
     figures = [fig_reward(plt, groups, colors, out), fig_clipping(plt, groups, colors, out),
                fig_ratios(plt, groups, colors, out), fig_token_strip(plt, groups, out),
-               fig_noise(plt, groups, colors, out), fig_length_entropy(plt, groups, colors, out)]
+               fig_noise(plt, groups, colors, out), fig_length_entropy(plt, groups, colors, out),
+               fig_moe(plt, groups, colors, out)]
     rows = [key_metrics(r) for r in runs]
     table_rows = rows + (group_means(rows) if any(len(v) > 1 for v in groups.values()) else [])
     (out / "summary.json").write_text(json.dumps({"runs": rows, "groups": group_means(rows)}, indent=1))
