@@ -180,7 +180,11 @@ def test_replay_under_gradient_checkpointing_counts_once_and_matches():
     for checkpointing in (False, True):
         model = tiny_moe("qwen3_moe")
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5.2x; 5.17 has the old name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         routing = Routing(model, "old")
         _begin(routing, batch)
@@ -258,3 +262,58 @@ def test_moe_settings_on_a_dense_model_are_refused():
     cfg = build_config({}, ["moe.routing_replay='old'", "model.device='cpu'"], device="cpu")
     with pytest.raises(UserError, match="dense model"):
         Actor(cfg, Runtime.from_config(cfg.model), tiny_llama())
+
+
+def test_the_hf_engine_records_every_fed_token_and_agrees_with_the_trainer():
+    """R3 recording in the hf engine (fp32, CPU): every position of prompt and completion except the last sampled token
+    is recorded (the samples of a prompt share its prefill's records), and the trainer's old-policy pass, replaying
+    those records, routes the same way (engine-vs-trainer flip rate ~0: the same weights in the same precision)."""
+    from gspo.rollout import HFEngine
+    from gspo.types import SamplingParams
+
+    class Tok:  # ids only: the tiny model's vocabulary is not a real tokenizer's
+        pad_token_id = 0
+
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return [" ".join(map(str, r)) for r in rows]
+
+    model = tiny_moe("qwen3_moe")
+    routing = Routing(model, "rollout")
+    engine = HFEngine(model, Tok(), stop_ids=[2], device="cpu")
+    engine.routing = routing
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    r = engine.generate(prompts, 3, SamplingParams(max_new_tokens=7), generator=torch.Generator().manual_seed(0))
+    assert r.routes.shape[:2] == r.routes_mask.shape and r.routes.dtype == torch.uint8
+    for i, prompt in enumerate(r.prompt_ids):
+        fed = len(prompt) + int(r.completion_mask[i].sum()) - 1
+        assert r.routes_mask[i].nonzero().flatten().tolist() == list(range(fed))
+    assert torch.equal(r.routes[0, :3], r.routes[2, :3]) and torch.equal(r.routes[3, :5], r.routes[5, :5])
+    routing.begin_batch(6, int(r.routes_mask.sum(-1).max()) + 1, torch.device("cpu"))
+    routing.load_rollout_routes(r.routes, r.routes_mask)
+    with routing.updating(), torch.no_grad():
+        sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=0, routing=routing,
+                          row_ids=torch.arange(6))
+    assert routing._slots.sum() > 0 and routing.flip_metrics()["moe/flip_rate"].item() <= 0.01
+    routing.close()
+
+
+def test_training_with_r3_and_dapo_refill_logs_engine_and_update_flips(moe_dir, tmp_path):
+    """moe.routing_replay = 'rollout' with DAPO's dynamic sampling (rounds of rollouts concatenated, routes padded by
+    position): every step logs moe/flip_rate (minibatch 0 too: it compares with the engine), the batch logs
+    moe/engine_flip_rate; the graph engine is refused for R3 in one line."""
+    from gspo.config import build_config
+    from gspo.errors import UserError
+    from gspo.metrics import read_jsonl
+    from gspo.train import Trainer
+
+    base = [f"model.name='{moe_dir}'", "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
+            "train.minibatches=2", "train.steps=4", "train.lr=1e-2", "rewards.workers=0", "log.progress=false",
+            "moe.routing_replay='rollout'", "rewards.functions=[{path='trainer_rewards:even_a_dyadic'}]",
+            "algorithm='dapo'", "dapo.overlong_cache=2", "log.checkpoint_every=0"]
+    Trainer(build_config({}, base, device="cpu"), tmp_path / "run").train()
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert any(r["dynamic/rounds"] > 1 for r in rows)  # zero-variance groups (even a) were refilled
+    assert all(r.get("moe/flip_rate") is not None for r in rows)
+    assert all(r.get("moe/engine_flip_rate") is not None for r in rows)
+    with pytest.raises(UserError, match="rollout.engine = 'hf'"):
+        Trainer(build_config({}, [*base, "rollout.engine='graph'"], device="cpu"), tmp_path / "run2")

@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("config", nargs="?", help="TOML config shared by every run (default: the built-in defaults)")
     m.add_argument("overrides", nargs="*", help="dotted key=value overrides for every run")
     m.add_argument("--algos", type=_presets, default="gspo,grpo",
-                   help="comma-separated presets, each optionally +r2 (Routing Replay R2; default gspo,grpo)")
+                   help="comma-separated presets, each optionally +r2 or +r3 (Routing Replay R2 / R3; default gspo,grpo)")
     m.add_argument("--seeds", type=_int_list, default="1", help="comma-separated seeds (default 1)")
     m.add_argument("--out", type=_out_dir, required=True, help="directory for the runs (<algo>-seed<seed>) and report/")
     m.set_defaults(func=cmd_compare)

@@ -133,9 +133,10 @@ class DapoConfig:
 @dataclass
 class MoEConfig:
     routing_replay: str = "off"
-    """Routing Replay for Mixture-of-Experts models: ``off``, or ``old`` (R2: each token's top-k experts recorded in
-    the old-policy pass are forced in every update forward of that rollout batch; the gate weights are recomputed from
-    the current router, so it keeps learning). Needs ``train.old_logprobs = "recompute"``."""
+    """Routing Replay for Mixture-of-Experts models: ``off``; ``old`` (R2: each token's top-k experts recorded in the
+    old-policy pass are forced in every update forward of that rollout batch; needs ``train.old_logprobs =
+    "recompute"``); ``rollout`` (R3: recorded by the rollout engine while sampling, forced in the old-policy pass and
+    the update; the hf engine). Only the choice is forced: gate weights come from the current router, which learns."""
     router_aux_loss_coef: float = 0.0
     """Weight of the load-balancing auxiliary loss (transformers' Switch-Transformer loss) added to the policy loss;
     0 (off) for RL, where the reward, not the pre-training balance, should drive the router."""
@@ -299,7 +300,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # Arms of a comparison: a preset, then "+"-suffixes that switch a technique on (`gspo compare --algos grpo,grpo+r2`).
-ARM_SUFFIXES: dict[str, dict[str, Any]] = {"r2": {"moe.routing_replay": "old"}}
+ARM_SUFFIXES: dict[str, dict[str, Any]] = {"r2": {"moe.routing_replay": "old"}, "r3": {"moe.routing_replay": "rollout"}}
 
 
 def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
@@ -551,7 +552,7 @@ def validate(cfg: Config) -> None:
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),
                               (r.engine, ("auto", "graph", "hf"), "rollout.engine"),
                               (r.fused_step, ("auto", "off"), "rollout.fused_step"),
-                              (cfg.moe.routing_replay, ("off", "old"), "moe.routing_replay")):
+                              (cfg.moe.routing_replay, ("off", "old", "rollout"), "moe.routing_replay")):
         if value not in valid:
             raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:

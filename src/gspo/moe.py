@@ -5,8 +5,10 @@ Every MoE family transformers >= 5 ships with a separate top-k router (Mixtral, 
 ``(router_logits (n, E), gate weights (n, k), expert indices (n, k))``, and the experts consume the weights and indices.
 A forward hook on that module sees every routing decision and may replace it; nothing else in the model changes.
 
-Routing Replay (the GSPO paper, section 5.3): the experts a token was routed to under the old policy are forced in
-every update forward of that rollout batch, so that token-level importance ratios compare the same sub-networks:
+Routing Replay (the GSPO paper, section 5.3): the experts a token was routed to under the old policy (R2,
+``replay = "old"``: recorded in the old-policy pass) or under the policy that sampled it (R3, ``"rollout"``: recorded
+by the rollout engine, then forced in the old-policy pass too) are forced in every update forward of that rollout
+batch, so that token-level importance ratios compare the same sub-networks:
 
     idx_t  = recorded top-k experts of token t (old policy)          (only the discrete choice is forced)
     g_t    = softmax(W_router h_t)            in fp32, the *current* router
@@ -36,7 +38,7 @@ from gspo.errors import UserError
 
 log = logging.getLogger("gspo")
 
-REPLAY_MODES = ("off", "old")
+REPLAY_MODES = ("off", "old", "rollout")
 
 
 def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -84,6 +86,24 @@ def disable_router_noise(model: torch.nn.Module) -> None:
     for m in model.modules():
         if getattr(m, "jitter_noise", 0.0):
             m.jitter_noise = 0.0
+
+
+@dataclass
+class EngineRecords:
+    """What a rollout engine recorded: ``records`` (L, N+1, S, k) (row N takes padding) and ``recorded`` (N+1, S)."""
+
+    records: torch.Tensor
+    recorded: torch.Tensor
+
+    def copy_prefill(self, first_row: torch.Tensor) -> None:
+        """Row ``i`` takes the records of row ``first_row[i]`` (the samples of a prompt share one prefill)."""
+        n = first_row.numel()
+        self.records[:, :n] = self.records[:, first_row]
+        self.recorded[:n] = self.recorded[first_row]
+
+    def as_routes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(routes (N, S, L, k), routes_mask (N, S))`` on the CPU, for ``Rollout``."""
+        return self.records[:, :-1].permute(1, 2, 0, 3).cpu(), self.recorded[:-1].cpu()
 
 
 @dataclass
@@ -151,6 +171,30 @@ class Routing:
             yield
         finally:
             self._mode, self._layout = None, None
+
+    @contextlib.contextmanager
+    def engine_recording(self, n_rows: int, max_positions: int, device: torch.device) -> Iterator["EngineRecords"]:
+        """Forwards inside (a rollout engine sampling with this model) record into a fresh buffer, returned as
+        ``EngineRecords``; the batch's records are left alone."""
+        shape = (len(self.routers), n_rows + 1, max_positions, self.top_k)
+        out = EngineRecords(torch.zeros(shape, dtype=self.dtype, device=device),
+                            torch.zeros(shape[1:3], dtype=torch.bool, device=device))
+        saved = self.records, self.recorded
+        self.records, self.recorded = out.records, out.recorded
+        self._mode = "record"
+        try:
+            yield out
+        finally:
+            self._mode, self._layout = None, None
+            self.records, self.recorded = saved
+
+    def load_rollout_routes(self, routes: torch.Tensor, routes_mask: torch.Tensor) -> None:
+        """Take the engine's records of a rollout batch (``Rollout.routes`` (N, S, L, k), ``routes_mask`` (N, S)) as
+        the batch's records, after :meth:`begin_batch`."""
+        n, width = routes_mask.shape
+        width = min(width, self.records.shape[2])
+        self.records[:, :n, :width] = routes[:, :width].permute(2, 0, 1, 3).to(self.records.device, self.dtype)
+        self.recorded[:n, :width] = routes_mask[:, :width].to(self.recorded.device)
 
     @contextlib.contextmanager
     def updating(self) -> Iterator[None]:
@@ -223,7 +267,7 @@ class Routing:
             missing = (old[:, :, None] != idx[:, None, :]).all(-1).sum(-1)  # (n,) old experts not in the current top-k
             self._flips[layer] += (missing * counted).sum()
             self._slots[layer] += counted.sum() * idx.shape[1]
-        if self.replay != "old":
+        if self.replay == "off":
             return None
         forced = torch.where(has[:, None], old, idx)
         return logits, gate_weights(logits, forced, scores, renormalises(router)), forced

@@ -50,8 +50,12 @@ def _concat(values: list[Any], pad: Any) -> Any:
     if isinstance(first, torch.Tensor):
         if pad is None:
             return torch.cat(values)
-        T = max(v.shape[1] for v in values)
-        return torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1]), value=pad) for v in values])
+        T = max(v.shape[1] for v in values)  # pad dimension 1 (positions), whatever the rank
+
+        def widen(v: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, T - v.shape[1]), value=pad)
+
+        return torch.cat([widen(v) for v in values])
     if isinstance(first, dict):
         return {k: _concat([v[k] for v in values], pad) for k in first}
     if isinstance(first, RowFields):
@@ -95,6 +99,10 @@ class Rollout(RowFields):
     finish_reasons: list[str]  # N of FINISH_STOP | FINISH_LENGTH
     texts: list[str]  # N decoded completions, special tokens removed
     pad_id: int = 0
+    # MoE with moe.routing_replay = "rollout": the experts the engine routed each token to, by sequence position
+    # (prompt and completion; the last sampled token was never fed back, so it has none)
+    routes: torch.Tensor | None = field(default=None, metadata={"pad": 0})  # (N, S, L, k) uint8
+    routes_mask: torch.Tensor | None = field(default=None, metadata={"pad": False})  # (N, S) bool: position recorded
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from gspo.errors import UserError
 from gspo.models import (attention_context, autocast_context, cache_kwarg, eval_mode, pad_prompts, pad_token_id,
                          positions_from_mask, stop_token_ids)
+from gspo.moe import Layout, padded_layout
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
 
@@ -110,6 +111,10 @@ class HFEngine:
         self.autocast_dtype = autocast_dtype
         self._keeps_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_arg = cache_kwarg(model.forward)
+        # An MoE policy's gspo.moe.Routing, set by the trainer for moe.routing_replay = "rollout" (R3): each generate
+        # call then records every fed token's experts by (row, position) into Rollout.routes.
+        self.routing = None
+        self._recording = None
 
     def sync_weights(self, weights) -> None:
         """Nothing to do: this engine samples from the model object it was given, the trainer's own, so an optimizer
@@ -127,10 +132,20 @@ class HFEngine:
         if generator is not None and generator.device.type != self.device.type:
             raise UserError(f"generate() got a torch.Generator on {generator.device} for a model on {self.device}: "
                             f"create it with torch.Generator(device={str(self.device)!r}).")
+        routes = routes_mask = None
         with eval_mode(self.model), torch.no_grad(), self._autocast(), attention_context():
-            tokens, mask, logprobs, stopped = self._generate(prompts, n, params, generator)
+            if self.routing is None:
+                tokens, mask, logprobs, stopped = self._generate(prompts, n, params, generator)
+            else:
+                width = max(len(p) for p in prompts) + params.max_new_tokens
+                with self.routing.engine_recording(len(prompts) * n, width, self.device) as self._recording:
+                    tokens, mask, logprobs, stopped = self._generate(prompts, n, params, generator)
+                routes, routes_mask = self._recording.as_routes()
+                self._recording = None
         tokens, mask, logprobs = tokens.cpu(), mask.cpu(), logprobs.cpu()
         return Rollout(
+            routes=routes,
+            routes_mask=routes_mask,
             prompt_ids=[list(p) for p in prompts for _ in range(n)],
             completion_ids=tokens,
             completion_mask=mask,
@@ -165,6 +180,9 @@ class HFEngine:
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], -1)  # (N, P + t)
             positions = positions + 1  # (N, 1)
+            if self._recording is not None:  # the token fed now sits at `positions` of its row; ended rows feed padding
+                row_ids = torch.where(alive, torch.arange(rows, device=self.device), -1)
+                self.routing.set_layout(Layout(row_ids, positions[:, 0], torch.zeros_like(alive)))
             logits = self._decode_step(tokens, cache, attention_mask, positions)
         # The loop stops at the first step after which all rows ended, so T is already the longest completion.
         return (
@@ -181,6 +199,9 @@ class HFEngine:
         positions = positions_from_mask(attention_mask)  # (B, P)
         cache = DynamicCache(config=self.model.config)
         extra = {"logits_to_keep": 1} if self._keeps_last_logits else {}
+        if self._recording is not None:  # prompt b is recorded as its first sample's row, then copied to the others
+            first = torch.arange(input_ids.shape[0], device=self.device) * n  # (B,)
+            self.routing.set_layout(padded_layout(attention_mask, positions, torch.zeros_like(attention_mask, dtype=torch.bool), first))
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -189,6 +210,8 @@ class HFEngine:
             **{self._cache_arg: cache},
             **extra,
         )
+        if self._recording is not None:
+            self._recording.copy_prefill(torch.arange(input_ids.shape[0] * n, device=self.device) // n * n)
         if n > 1:
             cache.batch_repeat_interleave(n)  # the n samples of a prompt share its prefill
         logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # (N, V)

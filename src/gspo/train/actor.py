@@ -203,15 +203,23 @@ class Actor:
         rollout, dev = batch.rollout, self.runtime.device
         self._on_device = {"loss_mask": to_device(batch.loss_mask, dev), "advantages": to_device(batch.advantages, dev),
                            "completion_mask": to_device(rollout.completion_mask, dev)}
+        replay = self.cfg.moe.routing_replay
+        routing_pass = contextlib.nullcontext()
         if self.routing is not None:
             lengths = [len(p) + int(n) for p, n in zip(rollout.prompt_ids, rollout.completion_mask.sum(-1).tolist())]
             self.routing.begin_batch(len(lengths), max(lengths), dev)
+            if replay == "rollout":  # R3: the engine's records, forced from the old-policy pass on
+                self.routing.load_rollout_routes(rollout.routes, rollout.routes_mask)
+                routing_pass = self.routing.updating()
+            else:  # the old-policy pass records (R2 replays it; without replay, the flip rate compares with it)
+                routing_pass = self.routing.recording()
         if self.cfg.train.old_logprobs == "recompute":
-            # Minibatch 0 fills its own rows from its update forward (see step); the others need the frozen pass now,
-            # which is also where an MoE policy's routing is recorded (replay, flip rate).
+            # Minibatch 0 fills its own rows from its update forward (see step); the others need the frozen pass now.
             later = [chunk for chunks in plan.micro[1:] for chunk in chunks]
-            with self.routing.recording() if self.routing is not None else contextlib.nullcontext():
+            with routing_pass:
                 batch.old_logprobs = self.frozen_logprobs(rollout, later)  # (N, T)
+            if replay == "rollout" and later:  # the trainer re-routing what the engine routed, same weights
+                batch.metrics["moe/engine_flip_rate"] = self.routing.flip_metrics()["moe/flip_rate"]
         else:
             batch.old_logprobs = to_device(rollout.logprobs, dev)
         if self.ref_model is not None:
@@ -262,8 +270,9 @@ class Actor:
                 start += len(sub)
         moe_metrics = {}
         if self.routing is not None:
-            # Minibatch 0 under recompute is trained by the old policy itself: no flip to count there.
-            moe_metrics = {} if on_policy_fill else self.routing.flip_metrics()
+            # Minibatch 0 under recompute is trained by the old policy itself: no flip to count there (R3 compares
+            # with the engine's routing, so it has one).
+            moe_metrics = {} if on_policy_fill and self.cfg.moe.routing_replay != "rollout" else self.routing.flip_metrics()
             moe_metrics["moe/record_mb"] = self.routing.record_bytes() / 2**20
             if self.cfg.moe.router_aux_loss_coef:
                 moe_metrics["moe/aux_loss"] = aux_total
