@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MoE evidence on one GPU, after ../shared/device/stage.sh's two transfers (the model at /root/smollm2/model.gguf).
 #   bash benchmarks/gpu_moe.sh upcycle   # function preservation on the real model, then gspo upcycle (8 x top-2)
-#   bash benchmarks/gpu_moe.sh train     # GSPO, GRPO, GRPO + R2 on the upcycled model, concurrently, time-boxed
+#   ARMS='gspo grpo grpo+r2' bash benchmarks/gpu_moe.sh train   # arms on the upcycled model, concurrently, time-boxed
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 M=/root/smollm2/model.gguf
@@ -24,11 +24,13 @@ train)
     echo "$name exit $?"
   }
   mkdir -p /tmp/moe
-  run gspo algorithm="'gspo'" &
-  run grpo algorithm="'grpo'" &
-  run grpo_r2 algorithm="'grpo'" moe.routing_replay="'old'" &
+  arms=${ARMS:-"gspo grpo grpo+r2"}
+  for arm in $arms; do  # preset[+r2|+r3], as gspo compare names arms
+    replay=off; case $arm in *+r2) replay=old;; *+r3) replay=rollout;; esac
+    run ${arm/+/_} algorithm="'${arm%%+*}'" moe.routing_replay="'$replay'" &
+  done
   wait
-  for n in gspo grpo grpo_r2; do
+  for n in ${arms//+/_}; do
     grep "MoE:\|rollout engine\|CUDA graphs\|rror" /tmp/moe-$n.log | head -5
     mkdir -p $OUT/$n && cp /tmp/moe/$n/metrics.jsonl /tmp/moe/$n/config.json $OUT/$n/ 2>/dev/null
     python3 - $n <<'PY'
