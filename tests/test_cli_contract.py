@@ -12,6 +12,8 @@ import pytest
 
 from gspo.metrics import read_jsonl
 
+from test_trainer import tiny_dir  # noqa: F401,E402  (the module fixture)
+
 from gspo.cli import main
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -122,7 +124,7 @@ FLAG_VALUES = st.one_of(
 def test_fuzzed_flags_of_every_subcommand_parse_or_end_in_one_line(target, raw, places, capsys):
     """Any value for any flag of any subcommand (paths of every kind among them): the command line parses, or `gspo`
     ends in one line and exit 2 before doing any work."""
-    from gspo.cli import main, parse_args
+    from gspo.cli import parse_args
     from gspo.errors import UserError
 
     cmd, flag = target
@@ -194,7 +196,6 @@ def test_fuzzed_data_rows_keep_the_contract(rows, tmp_path_factory):
     jsonl tasks: the dataset builds and every example renders to a prompt, or a UserError names the row."""
     from gspo.data import build_dataset
     from gspo.errors import UserError
-    from gspo.models import load_tokenizer
     from gspo.prompts import encode_prompts
 
     path = tmp_path_factory.mktemp("data") / "d.jsonl"
@@ -259,20 +260,10 @@ def _whole_run_overrides(draw):
     return chosen
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, tokenizer):
-    from conftest import tiny_llama
-
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.02).save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return d
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(chosen=_whole_run_overrides())
-def test_fuzzed_whole_training_runs_finish_or_end_in_one_line(chosen, tiny_model_dir, tmp_path_factory, capsys):
+def test_fuzzed_whole_training_runs_finish_or_end_in_one_line(chosen, tiny_dir, tmp_path_factory, capsys):  # noqa: F811
     """Whole `gspo train` runs on a tiny model with settings drawn at random from everything a user may combine
     (algorithms, group shapes, packing, chunking, schedules, DAPO, KL, sentinel actions, engine log-probs): each run
     either finishes with exit 0 and a run directory that passes check_run_dir, or ends in one line with exit 2."""
@@ -280,7 +271,7 @@ def test_fuzzed_whole_training_runs_finish_or_end_in_one_line(chosen, tiny_model
 
     run = tmp_path_factory.mktemp("run") / "r"
     overrides = [f"{k}={_toml(v)}" for k, v in chosen.items() if v is not None]
-    argv = ["train", f"model.name='{tiny_model_dir}'", "model.device='cpu'", "rewards.workers=0", "log.progress=false",
+    argv = ["train", f"model.name='{tiny_dir}'", "model.device='cpu'", "rewards.workers=0", "log.progress=false",
             "rewards.functions=[{path='trainer_rewards:text_length'}]", "log.checkpoint_every=1", *overrides,
             "--run-dir", str(run)]
     code = main(argv)

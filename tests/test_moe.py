@@ -317,3 +317,17 @@ def test_training_with_r3_and_dapo_refill_logs_engine_and_update_flips(moe_dir, 
     assert all(r.get("moe/engine_flip_rate") is not None for r in rows)
     with pytest.raises(UserError, match="rollout.engine = 'hf'"):
         Trainer(build_config({}, [*base, "rollout.engine='graph'"], device="cpu"), tmp_path / "run2")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["moe.routing_replay='old'", "train.old_logprobs='rollout'"], "old-policy pass"),
+    (["moe.routing_replay='sometimes'"], "moe.routing_replay"),
+    (["moe.router_aux_loss_coef=-1"], "router_aux_loss_coef"),
+    (["moe.router_aux_loss_coef=nan"], "router_aux_loss_coef"),
+])
+def test_bad_moe_settings_end_in_one_line(overrides, match):
+    from gspo.config import build_config
+    from gspo.errors import UserError
+
+    with pytest.raises(UserError, match=match):
+        build_config({}, overrides, device="cpu")

@@ -234,24 +234,23 @@ def _run_dir(text: str) -> str:
     return text
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 1]")
-    return value
+def _number(accept, what: str):
+    """A float flag that ``accept(value)`` must hold for; ``what`` says what it must be."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
+        return value
+
+    parse.__name__ = what
+    return parse
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and value < float("inf")):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
-    return value
+_fraction = _number(lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")
+_positive = _number(lambda v: 0 < v < float("inf"), "a finite number > 0")
 
 
 def _text(text: str) -> str:
@@ -261,7 +260,7 @@ def _text(text: str) -> str:
     return text
 
 
-VALIDATORS = (_int_list, _presets, _out_dir, _out_file, _probe_out, _run_dir, _fraction, _positive, _text)
+VALIDATORS = (_count, _number, _int_list, _presets, _out_dir, _out_file, _probe_out, _run_dir, _text)
 # Values checked at their one point of use (each raises a UserError naming the value there).
 CHECKED_DOWNSTREAM = {
     "config": "gspo.config.load_toml (a UTF-8 TOML file)",

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from gspo.errors import UserError
 from gspo.models import (attention_context, attention_implementation, autocast_context, final_logits, pad_prompts,
                          positions_from_mask)
-from gspo.moe import packed_layout, padded_layout
+from gspo.moe import Routing, packed_layout, padded_layout
 from gspo.runtime import to_device
 
 
@@ -45,7 +45,7 @@ def sequence_logprobs(
     autocast_dtype: torch.dtype | None = None,
     packed: bool = False,
     graphs: "PackedGraphs | None" = None,
-    routing: "Routing | None" = None,
+    routing: Routing | None = None,
     row_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities ``(N, T)`` float32 of ``completion_ids`` given ``prompt_ids`` under

@@ -252,10 +252,10 @@ class Routing:
         if layout is None or self.records is None or layout.rows.numel() != idx.shape[0]:
             return None
         layer = self._index[id(router)]
-        n_rows = self.records.shape[1] - 1
-        real = layout.rows >= 0
+        n_rows, width = self.records.shape[1] - 1, self.records.shape[2]
+        real = (layout.rows >= 0) & (layout.pos >= 0) & (layout.pos < width)  # a position past the records: none
         rows = torch.where(real, layout.rows, n_rows)  # padding writes to (and reads from) the spare row
-        pos = layout.pos.clamp(0, self.records.shape[2] - 1)
+        pos = torch.where(real, layout.pos, 0)
         if self._mode == "record":
             self.records[layer, rows, pos] = idx.to(self.dtype)
             self.recorded[rows, pos] = True

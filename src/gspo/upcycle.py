@@ -218,7 +218,10 @@ def run_upcycle(cfg, out: str, *, experts: int, top_k: int, drop: float, steps: 
         "experts_after_distill": after, "parameters": sum(p.numel() for p in moe.parameters()),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
-    del engine, moe
+    stream.close()
+    moe = engine = None  # free the GPU for the evaluations
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if eval_n:
         result["dense_eval"] = evaluate(cfg, n=eval_n, samples=0)
         result["moe_eval"] = evaluate(cfg, model_name=str(out_dir), n=eval_n, samples=0)
