@@ -114,3 +114,30 @@ def test_requests_larger_than_the_batch_cap_are_split(make_tiny_model, tokenizer
         assert a[ma].tolist() == b[mb].tolist()
     assert split.prompt_ids == whole.prompt_ids
 
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_moe_families_decode_like_generate(family, tokenizer, prompts):
+    """MoE models run in the graph engine on the HF modules' step (routers and experts of the engine's own copy; the
+    trainer's routing hooks are not copied into it): greedy decoding equals model.generate token for token."""
+    from test_moe import _configs
+
+    cfg = _configs()[family]
+    cfg.vocab_size, cfg.pad_token_id = len(tokenizer), STOP
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    from gspo.moe import Routing, find_routers
+
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    for router in find_routers(model):
+        torch.nn.init.normal_(router.weight, std=0.5)
+    routing = Routing(model, "off")  # hooks on the trainer's model: the engine's copy must not carry them
+    engine = GraphEngine(model, tokenizer, stop_ids=[STOP])
+    assert all(not m._forward_hooks for m in engine.model.modules())
+    rollout = engine.generate(prompts, 1, SamplingParams(max_new_tokens=8, greedy=True))
+    for row, prompt in enumerate(prompts):
+        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  do_sample=False, max_new_tokens=8, eos_token_id=[STOP], pad_token_id=STOP)[0, len(prompt):]
+        assert rollout.completion_ids[row][rollout.completion_mask[row]].tolist() == expected.tolist()
+    routing.close()

@@ -43,7 +43,10 @@ from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
 # whose inner model has embed_tokens / layers / norm / rotary_emb with nothing else between them.
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3",
+             # MoE: the HF modules' step (transformers' grouped-GEMM experts are CUDA-graph safe: offsets from histc, no
+             # host sync); the fused step is dense-only
+             "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def supports(model) -> bool:
@@ -157,6 +160,8 @@ class EngineWeights:
                 for p in model.parameters()}
         replica = copy.deepcopy(model, memo)
         for prefix, module in replica.named_modules():
+            module._forward_hooks.clear()  # the trainer's hooks (MoE routing) belong to the trainer's modules
+            module._forward_pre_hooks.clear()
             for name, buf in list(module._buffers.items()):
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
@@ -164,7 +169,9 @@ class EngineWeights:
                 if param is None:
                     continue
                 master = source[f"{prefix}.{name}" if prefix else name]
-                dtype = linear_dtype if isinstance(module, torch.nn.Linear) and master.dtype.is_floating_point else master.dtype
+                # Linear weights and MoE experts' stacked weights (read by grouped GEMMs, not through nn.Linear)
+                low = isinstance(module, torch.nn.Linear) or type(module).__name__.endswith("Experts")
+                dtype = linear_dtype if low and master.dtype.is_floating_point else master.dtype
                 module._parameters[name] = torch.nn.Parameter(torch.empty(master.shape, dtype=dtype, device=device),
                                                               requires_grad=False)
         self.model = replica.eval().requires_grad_(False)
