@@ -315,8 +315,39 @@ def test_training_with_r3_and_dapo_refill_logs_engine_and_update_flips(moe_dir, 
     assert any(r["dynamic/rounds"] > 1 for r in rows)  # zero-variance groups (even a) were refilled
     assert all(r.get("moe/flip_rate") is not None for r in rows)
     assert all(r.get("moe/engine_flip_rate") is not None for r in rows)
-    with pytest.raises(UserError, match="rollout.engine = 'hf'"):
-        Trainer(build_config({}, [*base, "rollout.engine='graph'"], device="cpu"), tmp_path / "run2")
+    Trainer(build_config({}, [*base, "rollout.engine='graph'", "train.steps=2"], device="cpu"), tmp_path / "run2").train()
+    rows = read_jsonl(tmp_path / "run2" / "metrics.jsonl")
+    assert all(r.get("moe/engine_flip_rate") is not None for r in rows)
+
+
+def test_the_graph_engine_records_the_same_routes_as_the_hf_engine(tokenizer):
+    """R3 from the graph engine (its own weight copy, static cache; eager on a CPU, the same step it captures on a GPU)
+    equals the hf engine's records, position for position, on the same greedy completions."""
+    from gspo.rollout import HFEngine
+    from gspo.rollout.graph import GraphEngine
+    from gspo.types import SamplingParams
+
+    cfg = _configs()["qwen2_moe"]
+    cfg.vocab_size, cfg.pad_token_id = len(tokenizer), 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    for router in find_routers(model):
+        torch.nn.init.normal_(router.weight, std=0.5)
+    routing = Routing(model, "rollout")
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat."]]
+    params = SamplingParams(max_new_tokens=9, greedy=True)
+    out = []
+    for engine in (HFEngine(model, tokenizer, stop_ids=[2]), GraphEngine(model, tokenizer, stop_ids=[2])):
+        engine.routing = routing
+        out.append(engine.generate(prompts, 2, params))
+    hf, graph = out
+    assert torch.equal(hf.completion_ids, graph.completion_ids)
+    width = min(hf.routes_mask.shape[1], graph.routes_mask.shape[1])
+    assert torch.equal(hf.routes_mask[:, :width], graph.routes_mask[:, :width])
+    assert not hf.routes_mask[:, width:].any() and not graph.routes_mask[:, width:].any()
+    m = hf.routes_mask[:, :width]
+    assert torch.equal(hf.routes[:, :width][m], graph.routes[:, :width][m])
+    routing.close()
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -136,7 +136,7 @@ class MoEConfig:
     """Routing Replay for Mixture-of-Experts models: ``off``; ``old`` (R2: each token's top-k experts recorded in the
     old-policy pass are forced in every update forward of that rollout batch; needs ``train.old_logprobs =
     "recompute"``); ``rollout`` (R3: recorded by the rollout engine while sampling, forced in the old-policy pass and
-    the update; the hf engine). Only the choice is forced: gate weights come from the current router, which learns."""
+    the update). Only the choice is forced: gate weights come from the current router, which keeps learning."""
     router_aux_loss_coef: float = 0.0
     """Weight of the load-balancing auxiliary loss (transformers' Switch-Transformer loss) added to the policy loss;
     0 (off) for RL, where the reward, not the pre-training balance, should drive the router."""

@@ -46,10 +46,10 @@ def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: tor
     from gspo.rollout import graph
 
     if kind == "auto":
-        kind = "graph" if device.type == "cuda" and graph.supports(model) else "hf"
+        why_not = graph.unsupported(model, autocast_dtype)
+        kind = "graph" if device.type == "cuda" and why_not is None else "hf"
         if device.type == "cuda" and kind == "hf":
-            log.info("rollout engine: hf (model.generate); the graph engine does not run model_type %r (it runs %s)",
-                     getattr(model.config, "model_type", None), ", ".join(graph.SUPPORTED))
+            log.info("rollout engine: hf (the simple engine); the graph engine cannot run this model: %s", why_not)
     if kind == "graph":
         return graph.GraphEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
                                  fused=False if fused_step == "off" else None)

@@ -35,6 +35,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gspo.errors import UserError
+from gspo.moe import find_routers
 from gspo.models import (attention_context, attention_implementation, autocast_context, cache_kwarg, final_logits,
                          head_dim, kv_heads, named_weights, pad_prompts, pad_token_id, stop_token_ids)
 from gspo.rollout.fused import FusedDecoder, fused_unsupported
@@ -50,10 +51,20 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3",
 
 
 def supports(model) -> bool:
-    """Whether the graph engine can run this model (else use :class:`gspo.rollout.hf.HFEngine`)."""
+    """Whether the graph engine can run this model's architecture (else use :class:`gspo.rollout.hf.HFEngine`)."""
     inner = getattr(model, "model", None)
     return (getattr(model.config, "model_type", None) in SUPPORTED
             and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
+
+
+def unsupported(model, autocast_dtype: torch.dtype | None) -> str | None:
+    """Why the graph engine cannot run ``model`` on CUDA with this precision, or None when it can."""
+    if not supports(model):
+        return f"model_type {getattr(model.config, 'model_type', None)!r} is not one of {', '.join(SUPPORTED)}"
+    if autocast_dtype is None and next(model.parameters()).dtype == torch.float32 and find_routers(model):
+        return ("an fp32 MoE: transformers' grouped-GEMM experts copy to the host in fp32, which a CUDA graph cannot "
+                "capture (bf16 autocast, the GPU default, can)")
+    return None
 
 
 def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, gspo_live=None, **kwargs):
@@ -212,6 +223,16 @@ class EngineWeights:
 class _Bucket:
     """Everything static for one (batch, length) shape: cache, step buffers, and the captured graphs."""
 
+    def routes(self, routing) -> torch.Tensor:
+        """The static route records ``(Lr, B+1, L, k)`` of this bucket (row B takes prompt padding), zeroed."""
+        shape = (len(routing.routers), self.batch + 1, self.length, routing.top_k)
+        if self._routes is None or self._routes.shape != shape:
+            self._routes = torch.zeros(shape, dtype=routing.dtype, device=self.route_rows.device)
+            self.graphs.clear()  # captured graphs point at the old buffer
+        else:
+            self._routes.zero_()
+        return self._routes
+
     def __init__(self, engine: "GraphEngine", batch: int, length: int):
         cfg, dev = engine.model.config, engine.device
         self.cache = StaticKV(cfg.num_hidden_layers, batch, kv_heads(cfg), length, head_dim(cfg), engine.cache_dtype, dev)
@@ -229,6 +250,8 @@ class _Bucket:
         self.out_tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, T) grown per call
         self.out_logp = torch.zeros(batch, 1, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.route_rows = torch.arange(batch, device=dev)  # (B,) static: the rows a decode step records
+        self._routes: torch.Tensor | None = None
         # The fused step, unless a sliding window is shorter than this bucket's cache.
         self.fused = engine.fused is not None and fused_unsupported(engine.model, length) is None
 
@@ -264,6 +287,9 @@ class GraphEngine:
         self.cache_dtype = autocast_dtype or master_dtype
         self.sync_every = sync_every
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and (why_not := unsupported(model, autocast_dtype)) is not None:
+            raise UserError(f"The graph rollout engine cannot capture this model: {why_not}; set model.precision = "
+                            "'bf16-autocast' or rollout.engine = 'hf'.")
         self.max_batch = max_batch
         self._stop = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
@@ -289,6 +315,41 @@ class GraphEngine:
         if flash_decode is None:
             flash_decode = self.device.type == "cuda" and _flash_decode_works(self.device, self.cache_dtype, model.config)
         self.flash_decode = flash_decode
+        self._routing = None  # the trainer's gspo.moe.Routing when the engine records routes (R3)
+        self._route_layout: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of the forward
+        self._route_buffer: torch.Tensor | None = None  # (Lr, B+1, L, k) of the bucket in use
+        self._route_hooks: list = []
+
+    @property
+    def routing(self):
+        return self._routing
+
+    @routing.setter
+    def routing(self, routing) -> None:
+        """Record each fed token's experts (R3): hooks on the engine's own routers write into a static per-bucket
+        buffer at static (row, position) tensors, so the writes are captured in the decode step's CUDA graph (Python
+        hooks do not run when a graph replays; the kernels they launched at capture do)."""
+        from gspo.moe import find_routers
+
+        for h in self._route_hooks:
+            h.remove()
+        self._routing, self._route_hooks = routing, []
+        if routing is None:
+            return
+        if self.fused is not None:
+            raise UserError("moe.routing_replay = 'rollout' cannot record in the fused decode step; the graph engine "
+                            "runs MoE models on the HF modules' step (set rollout.fused_step = 'off').")
+        self._routers = find_routers(self.model)
+        self._route_hooks = [r.register_forward_hook(self._record_route) for r in self._routers]
+        self._router_index = {id(r): i for i, r in enumerate(self._routers)}
+        for b in self._buckets.values():
+            b.graphs.clear()  # captured without the recording kernels
+
+    def _record_route(self, router, args, output) -> None:
+        if self._route_layout is None or self._route_buffer is None:
+            return
+        rows, pos = self._route_layout
+        self._route_buffer[self._router_index[id(router)], rows, pos] = output[2].to(self._route_buffer.dtype)
 
     def sync_weights(self, weights) -> None:
         """Copy the policy's ``(name, tensor)`` pairs into the engine's own copy, in place (captured graphs stay valid)."""
@@ -354,7 +415,7 @@ class GraphEngine:
         b.step += 1
 
     def _graph(self, b: _Bucket, params: SamplingParams) -> torch.cuda.CUDAGraph:
-        key = (params.greedy, params.temperature, params.top_p, params.top_k, id(self._gen))
+        key = (params.greedy, params.temperature, params.top_p, params.top_k, id(self._gen), self._routing is not None)
         if key not in b.graphs:
             t0 = time.perf_counter()
             state = (b.tok, b.pos, b.cur, b.step, b.valid, b.used, b.done, b.out_tok, b.out_logp)
@@ -439,7 +500,15 @@ class GraphEngine:
         attn = key_ok[:, None, :] & (slot[None, None, :] <= q[None, :, None])  # (U, P, L)
         attn |= (~mask)[:, :, None] & (slot[None, None, :] == q[None, :, None])
         b.cache.rows, b.cache.slots = U, torch.arange(P, device=dev)
+        if self._routing is not None:  # prompt u is recorded as its first sample's row; padding goes to the spare row
+            self._route_buffer = b.routes(self._routing)
+            first = torch.where(mask, (torch.arange(U, device=dev) * n)[:, None], b.batch)  # (U, P)
+            self._route_layout = (first.reshape(-1), pos.reshape(-1))
         hidden = self._forward(ids, pos, attn[:, None], b.cache)  # (U, H)
+        if self._routing is not None:
+            src_first = torch.arange(b.batch, device=dev).div(n, rounding_mode="floor").clamp(max=U - 1) * n
+            self._route_buffer[:, :b.batch] = self._route_buffer[:, src_first]
+            self._route_layout = (b.route_rows, b.pos[:, 0])  # decode: every row, at its fed token's position
         # Each prompt's K/V goes to its n rows (bucket rows past N copy the last prompt and are marked done).
         src = torch.arange(b.batch, device=dev).div(n, rounding_mode="floor").clamp(max=U - 1)  # (B,)
         for k, v in zip(b.cache.k, b.cache.v):
@@ -495,5 +564,12 @@ class GraphEngine:
         logp = torch.where(mask, logp[:, :width], torch.zeros_like(logp[:, :width]))
         finish = [FINISH_STOP if int(first_stop[i]) < T else FINISH_LENGTH for i in range(rows)]
         texts = self.tokenizer.batch_decode([t[m].tolist() for t, m in zip(tok, mask)], skip_special_tokens=True)
+        routes = routes_mask = None
+        if self._routing is not None:  # every fed token: the prompt and the completion but its last token
+            routes = self._route_buffer[:, :rows].permute(1, 2, 0, 3).cpu()  # (N, L, Lr, k)
+            fed = torch.tensor([len(prompts[i // n]) for i in range(rows)]) + lengths - 1  # (N,)
+            routes_mask = torch.arange(routes.shape[1])[None, :] < fed[:, None]  # (N, L)
+            self._route_layout = self._route_buffer = None
         return Rollout(prompt_ids=[list(prompts[i // n]) for i in range(rows)], completion_ids=tok, completion_mask=mask,
-                       logprobs=logp, finish_reasons=finish, texts=texts, pad_id=self.pad_id)
+                       logprobs=logp, finish_reasons=finish, texts=texts, pad_id=self.pad_id, routes=routes,
+                       routes_mask=routes_mask)

@@ -83,17 +83,12 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         lap("model_load")
         actor = Actor(cfg, runtime, model)
         lap("actor")
-        kind = cfg.rollout.engine
-        if cfg.moe.routing_replay == "rollout" and kind == "auto":
-            log.info("rollout engine: hf, which records routing for moe.routing_replay = 'rollout' (R3); the graph "
-                     "engine does not record it yet")
-            kind = "hf"
-        engine = make_engine(kind, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
+        engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step)
         if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
             if not hasattr(engine, "routing") or actor.routing is None:
                 raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
-                                f"(the hf engine; {type(engine).__name__} does not yet); set rollout.engine = 'hf'.")
+                                f"({type(engine).__name__} does not); set rollout.engine = 'hf' or 'graph'.")
             engine.routing = actor.routing
         lap("engine")
         stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
