@@ -329,8 +329,6 @@ class GraphEngine:
         """Record each fed token's experts (R3): hooks on the engine's own routers write into a static per-bucket
         buffer at static (row, position) tensors, so the writes are captured in the decode step's CUDA graph (Python
         hooks do not run when a graph replays; the kernels they launched at capture do)."""
-        from gspo.moe import find_routers
-
         for h in self._route_hooks:
             h.remove()
         self._routing, self._route_hooks = routing, []

@@ -201,7 +201,8 @@ class HFEngine:
         extra = {"logits_to_keep": 1} if self._keeps_last_logits else {}
         if self._recording is not None:  # prompt b is recorded as its first sample's row, then copied to the others
             first = torch.arange(input_ids.shape[0], device=self.device) * n  # (B,)
-            self.routing.set_layout(padded_layout(attention_mask, positions, torch.zeros_like(attention_mask, dtype=torch.bool), first))
+            no_loss = torch.zeros_like(attention_mask, dtype=torch.bool)
+            self.routing.set_layout(padded_layout(attention_mask, positions, no_loss, first))
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
