@@ -226,9 +226,11 @@ def moe_dir(tmp_path_factory, tokenizer):
     return d
 
 
-def test_training_an_moe_with_replay_logs_flips_and_resumes_exactly(moe_dir, tmp_path):
-    """A Mixtral trained with moe.routing_replay = 'old': every later minibatch logs moe/flip_rate per layer, the
-    checkpoint is the MoE, and 2 + --resume 2 steps equal 4 straight."""
+@pytest.mark.parametrize("replay", ["old", "rollout"])
+def test_training_an_moe_with_replay_logs_flips_and_resumes_exactly(moe_dir, tmp_path, replay):
+    """A Mixtral trained with R2 or R3: the off-policy minibatches (R3: every one) log moe/flip_rate per layer, the
+    checkpoint is the MoE, and 2 + --resume 2 steps equal 4 straight (replay state lives in the batch, rebuilt on
+    resume from the same rollouts)."""
     from gspo.config import build_config
     from gspo.metrics import read_jsonl
     from gspo.train import Trainer
@@ -236,13 +238,13 @@ def test_training_an_moe_with_replay_logs_flips_and_resumes_exactly(moe_dir, tmp
     def cfg(*extra):
         return build_config({}, [f"model.name='{moe_dir}'", "rollout.prompts_per_batch=2", "rollout.group_size=4",
                                  "rollout.max_new_tokens=6", "train.minibatches=2", "train.lr=1e-2",
-                                 "rewards.workers=0", "log.progress=false", "moe.routing_replay='old'",
+                                 "rewards.workers=0", "log.progress=false", f"moe.routing_replay={replay!r}",
                                  "rewards.functions=[{path='trainer_rewards:dyadic_length'}]", "log.checkpoint_every=1",
                                  *extra], device="cpu")
 
     Trainer(cfg("train.steps=4"), tmp_path / "straight").train()
     rows = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
-    assert [("moe/flip_rate" in r) for r in rows] == [False, True, False, True]
+    assert [("moe/flip_rate" in r) for r in rows] == ([False, True] * 2 if replay == "old" else [True] * 4)
     assert all("moe/flip_rate/layer_1" in r for r in rows[1::2]) and all(r["moe/record_mb"] > 0 for r in rows)
     Trainer(cfg("train.steps=2"), tmp_path / "resumed").train()
     Trainer(cfg("train.steps=4"), tmp_path / "resumed", resume=True).train()
