@@ -364,3 +364,19 @@ def test_bad_moe_settings_end_in_one_line(overrides, match):
 
     with pytest.raises(UserError, match=match):
         build_config({}, overrides, device="cpu")
+
+
+def test_the_aux_loss_knob_trains_with_transformers_loss(moe_dir, tmp_path):
+    """moe.router_aux_loss_coef > 0: a training run adds it, and every step logs moe/aux_loss (>= k x coef, the
+    minimum of transformers' Switch loss for top-k routing)."""
+    from gspo.config import build_config
+    from gspo.metrics import read_jsonl
+    from gspo.train import Trainer
+
+    cfg = build_config({}, [f"model.name='{moe_dir}'", "rollout.prompts_per_batch=2", "rollout.group_size=4",
+                            "rollout.max_new_tokens=6", "train.minibatches=2", "train.steps=2", "rewards.workers=0",
+                            "log.progress=false", "moe.router_aux_loss_coef=0.01", "log.checkpoint_every=0",
+                            "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"], device="cpu")
+    Trainer(cfg, tmp_path / "run").train()
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert all(r["moe/aux_loss"] >= 0.02 - 1e-6 for r in rows)
