@@ -79,12 +79,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from gspo.report import group_means, key_metrics, load_run, metrics_table, write_report
     from gspo.train import Trainer
 
-    algos, seeds, out = args.algos, args.seeds, Path(args.out)
+    seeds, out = args.seeds, Path(args.out)
+    algos = [arm for arm, _, _ in args.algos]
     run_dirs = []
-    from gspo.config import parse_arm
-
-    for algo in algos:
-        preset, extra = parse_arm(algo)
+    for algo, preset, extra in args.algos:
         for seed in seeds:
             cfg = _config(args.config, [*args.overrides, f"algorithm={preset!r}", f"seed={seed}",
                                         *(f"{k}={v!r}" for k, v in extra.items())])
@@ -142,18 +140,23 @@ def cmd_probe(args: argparse.Namespace) -> int:
 # Every flag's value is checked where it enters, by the parser: each option below has one of these as its ``type`` (or
 # ``choices``), so a bad value ends in one line before any work, whatever the subcommand. Values checked later, at the
 # one place they are used, are listed in CHECKED_DOWNSTREAM. tests/test_cli_contract.py enforces both.
-def _count(least: int):
-    def parse(text: str) -> int:
+def _number(accept, what: str, kind: type = float):
+    """A numeric flag (``kind``: float or int) that ``accept(value)`` must hold for; ``what`` says what it must be."""
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{value} must be at least {least}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
         return value
 
-    parse.__name__ = f"integer >= {least}"
+    parse.__name__ = what
     return parse
+
+
+def _count(least: int):
+    return _number(lambda v: v >= least, f"at least {least}", int)
 
 
 def _int_list(text: str) -> list[int]:
@@ -166,22 +169,23 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _presets(text: str) -> list[str]:
-    """Comparison arms: presets, each optionally with "+"-suffixes (``grpo+r2``: GRPO with Routing Replay R2)."""
+def _presets(text: str) -> list[tuple[str, str, dict]]:
+    """Comparison arms: presets, each optionally with "+"-suffixes (``grpo+r2``: GRPO with Routing Replay R2), as
+    ``(arm, preset, overrides)``."""
     from gspo.config import ARM_SUFFIXES, PRESETS, parse_arm
 
     algos = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = []
+    arms, unknown = [], []
     for a in algos:
         try:
-            parse_arm(a)
+            arms.append((a, *parse_arm(a)))
         except UserError:
             unknown.append(a)
     if not algos or unknown:
         raise argparse.ArgumentTypeError(f"{text!r} names {'no preset' if not algos else ', '.join(map(repr, unknown))};"
                                          f" use a comma-separated list of {', '.join(PRESETS)}, each optionally with "
                                          f"{', '.join('+' + k for k in ARM_SUFFIXES)}")
-    return algos
+    return arms
 
 
 def _writable_ancestor(path: Path) -> None:
@@ -234,21 +238,6 @@ def _run_dir(text: str) -> str:
     return text
 
 
-def _number(accept, what: str):
-    """A float flag that ``accept(value)`` must hold for; ``what`` says what it must be."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not accept(value):
-            raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
-        return value
-
-    parse.__name__ = what
-    return parse
-
-
 _fraction = _number(lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")
 _positive = _number(lambda v: 0 < v < float("inf"), "a finite number > 0")
 
@@ -260,7 +249,6 @@ def _text(text: str) -> str:
     return text
 
 
-VALIDATORS = (_count, _number, _int_list, _presets, _out_dir, _out_file, _probe_out, _run_dir, _text)
 # Values checked at their one point of use (each raises a UserError naming the value there).
 CHECKED_DOWNSTREAM = {
     "config": "gspo.config.load_toml (a UTF-8 TOML file)",

@@ -299,6 +299,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+_PRESET_FALLBACK = {"loss.mask_truncated": False, "dapo.dynamic_sampling": False, "dapo.overlong_penalty": False}
+
+
 # Arms of a comparison: a preset, then "+"-suffixes that switch a technique on (`gspo compare --algos grpo,grpo+r2`).
 ARM_SUFFIXES: dict[str, dict[str, Any]] = {"r2": {"moe.routing_replay": "old"}, "r3": {"moe.routing_replay": "rollout"}}
 
@@ -318,12 +321,12 @@ def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
 
 def arm_label(config: dict[str, Any]) -> str:
     """The arm a resolved config (``Config.to_dict()``) trains: its algorithm and the suffixes its settings switch on."""
+    flat = _flatten(config)
     label = str(config.get("algorithm", "?"))
     for suffix, keys in ARM_SUFFIXES.items():
-        if all(config.get(k.split(".")[0], {}).get(k.split(".")[1]) == v for k, v in keys.items()):
+        if all(flat.get(k) == v for k, v in keys.items()):
             label += "+" + suffix
     return label
-_PRESET_FALLBACK = {"loss.mask_truncated": False, "dapo.dynamic_sampling": False, "dapo.overlong_penalty": False}
 
 
 # --------------------------------------------------------------------------------------------- building

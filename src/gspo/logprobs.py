@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
 from gspo.errors import UserError
-from gspo.models import (attention_context, attention_implementation, autocast_context, final_logits, pad_prompts,
+from gspo.models import (attention_context, attention_implementation, autocast_context, final_logits, pad_sequences,
                          positions_from_mask)
 from gspo.moe import Routing, packed_layout, padded_layout
 from gspo.runtime import to_device
@@ -70,10 +70,8 @@ def sequence_logprobs(
     if packed:
         hidden = _packed_hidden(model, prompt_ids, ids_cpu, mask_cpu, autocast_dtype, graphs, routing, row_ids)  # (M, H)
     else:
-        prompt, prompt_mask = pad_prompts(prompt_ids, pad_id)  # (N, P)
-        prompt_len = prompt.shape[1]
-        input_ids = to_device(torch.cat([prompt, ids_cpu.masked_fill(~mask_cpu, pad_id)], 1), device)  # (N, P+T)
-        attention_mask = to_device(torch.cat([prompt_mask, mask_cpu.long()], 1), device)  # (N, P+T)
+        input_ids, attention_mask, prompt_len = pad_sequences(prompt_ids, ids_cpu, mask_cpu, pad_id)  # (N, P+T)
+        input_ids, attention_mask = to_device(input_ids, device), to_device(attention_mask, device)
         position_ids = positions_from_mask(attention_mask)
         if routing is not None:  # position P-1+t predicts completion token t
             predicts = torch.nn.functional.pad(mask_cpu, (prompt_len - 1, 1))  # (N, P+T)

@@ -140,6 +140,12 @@ class Console:
             self._bar.stop()
 
 
+def mean_present(values: list[float | None], empty: float | None = float("nan")) -> float | None:
+    """The mean of the values that are not None (a metric not measured on some steps); ``empty`` when there is none."""
+    xs = [v for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else empty
+
+
 def summarize(run_dir: str | Path) -> dict[str, Any]:
     """The headline numbers of a run from its metrics.jsonl: reward at the start and end, clipping, entropy, time."""
     rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
@@ -150,11 +156,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         batches.setdefault(r["rollout_batch"], r)
     rewards = [b["reward/mean"] for b in batches.values() if b.get("reward/mean") is not None]
     off = [r for r in rows if r.get("minibatch", 0) > 0] or rows
-
-    def mean(xs: list[float]) -> float:
-        xs = [x for x in xs if x is not None]
-        return sum(xs) / len(xs) if xs else float("nan")
-
+    mean = mean_present
     return {
         "run_dir": str(run_dir), "steps": rows[-1]["step"], "rollout_batches": len(batches),
         "reward_first": rewards[0], "reward_first3": mean(rewards[:3]), "reward_last3": mean(rewards[-3:]),

@@ -151,12 +151,18 @@ class Routing:
 
     # ------------------------------------------------------------------------------------------ per rollout batch
 
+    def empty_records(self, n_rows: int, max_positions: int, device: torch.device) -> "EngineRecords":
+        """Zeroed buffers for ``n_rows`` rows of up to ``max_positions`` positions (and the spare padding row)."""
+        shape = (len(self.routers), n_rows + 1, max_positions, self.top_k)
+        return EngineRecords(torch.zeros(shape, dtype=self.dtype, device=device),
+                             torch.zeros(shape[1:3], dtype=torch.bool, device=device))
+
     def begin_batch(self, n_rows: int, max_positions: int, device: torch.device) -> None:
         """Forget the previous batch's records; room for ``n_rows`` rows of up to ``max_positions`` positions."""
         shape = (len(self.routers), n_rows + 1, max_positions, self.top_k)
         if self.records is None or self.records.shape != shape or self.records.device != device:
-            self.records = torch.zeros(shape, dtype=self.dtype, device=device)
-            self.recorded = torch.zeros(shape[1:3], dtype=torch.bool, device=device)
+            fresh = self.empty_records(n_rows, max_positions, device)
+            self.records, self.recorded = fresh.records, fresh.recorded
         else:
             self.recorded.zero_()
 
@@ -176,9 +182,7 @@ class Routing:
     def engine_recording(self, n_rows: int, max_positions: int, device: torch.device) -> Iterator["EngineRecords"]:
         """Forwards inside (a rollout engine sampling with this model) record into a fresh buffer, returned as
         ``EngineRecords``; the batch's records are left alone."""
-        shape = (len(self.routers), n_rows + 1, max_positions, self.top_k)
-        out = EngineRecords(torch.zeros(shape, dtype=self.dtype, device=device),
-                            torch.zeros(shape[1:3], dtype=torch.bool, device=device))
+        out = self.empty_records(n_rows, max_positions, device)
         saved = self.records, self.recorded
         self.records, self.recorded = out.records, out.recorded
         self._mode = "record"

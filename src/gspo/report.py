@@ -24,7 +24,7 @@ from typing import Any
 
 from gspo.config import arm_label
 from gspo.errors import UserError
-from gspo.metrics import read_jsonl
+from gspo.metrics import mean_present, read_jsonl
 
 GSPO_BAND = (3e-4, 4e-4)  # the paper's sequence-level clip range, drawn on the ratio histogram
 GRPO_BAND = (0.2, 0.28)
@@ -101,8 +101,7 @@ def key_metrics(run: Run) -> dict[str, Any]:
     off = [r for r in run.metrics if r.get("minibatch", 0) > 0]
 
     def mean(key: str, rows: list[dict[str, Any]]) -> float | None:
-        xs = [r[key] for r in rows if r.get(key) is not None]
-        return sum(xs) / len(xs) if xs else None
+        return mean_present([r.get(key) for r in rows], empty=None)
 
     last_batch = [r for r in run.metrics if r["rollout_batch"] == run.metrics[-1]["rollout_batch"]]
     return {
@@ -354,8 +353,8 @@ def fig_moe(plt, groups, colors, out: Path) -> str | None:
             continue
         _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
         layers = sorted({int(k.rsplit("_", 1)[1]) for k in runs[0].metrics[-1] if k.startswith("moe/flip_rate/layer_")})
-        grid = [[_mean_of([run.metrics[i].get(f"moe/flip_rate/layer_{layer}") for run in runs if i < len(run.metrics)])
-                 for i in idx] for layer in layers]
+        grid = [[mean_present([run.metrics[i].get(f"moe/flip_rate/layer_{layer}") for run in runs
+                               if i < len(run.metrics)]) for i in idx] for layer in layers]
         image = ax.imshow(grid, aspect="auto", cmap="viridis", origin="lower", interpolation="nearest",
                           extent=(steps[idx[0]] - 0.5, steps[idx[-1]] + 0.5, -0.5, len(layers) - 0.5))
         ax.set(xlabel="optimizer step (off-policy steps)", ylabel="layer", title=f"{g}: flip rate per layer")
@@ -364,11 +363,6 @@ def fig_moe(plt, groups, colors, out: Path) -> str | None:
     axes[0].grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     return _save(fig, out / "moe_flips.png")
-
-
-def _mean_of(values: list[float | None]) -> float:
-    xs = [v for v in values if v is not None]
-    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def _save(fig, path: Path) -> str:

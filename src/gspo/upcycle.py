@@ -97,7 +97,7 @@ def distill(moe: torch.nn.Module, dense: torch.nn.Module, batches, *, steps: int
             autocast_dtype: torch.dtype | None = None, log_every: int = 10) -> list[float]:
     """Train ``moe`` for ``steps`` AdamW steps on ``KL(p_dense || p_moe)`` over the completion tokens of the batches
     ``batches()`` yields (``(prompt_ids, completion_ids (N, T), completion_mask (N, T))``); returns the loss per step."""
-    from gspo.models import autocast_context, pad_prompts, positions_from_mask
+    from gspo.models import autocast_context, pad_sequences, positions_from_mask
     from gspo.runtime import to_device
 
     device = next(moe.parameters()).device
@@ -106,11 +106,10 @@ def distill(moe: torch.nn.Module, dense: torch.nn.Module, batches, *, steps: int
     moe.train()
     for step in range(steps):
         prompts, ids, mask = next(batches)
-        prompt, prompt_mask = pad_prompts(prompts, pad_id)  # (N, P)
-        input_ids = to_device(torch.cat([prompt, ids.masked_fill(~mask, pad_id)], 1), device)  # (N, P+T)
-        attention = to_device(torch.cat([prompt_mask, mask.long()], 1), device)
+        input_ids, attention, prompt_len = pad_sequences(prompts, ids, mask, pad_id)  # (N, P+T)
+        input_ids, attention = to_device(input_ids, device), to_device(attention, device)
         positions = positions_from_mask(attention)
-        at = to_device(F.pad(mask, (prompt.shape[1] - 1, 1)), device)  # (N, P+T): positions predicting a completion
+        at = to_device(F.pad(mask, (prompt_len - 1, 1)), device)  # (N, P+T): positions predicting a completion
         with autocast_context(device, autocast_dtype):
             with torch.no_grad():
                 teacher = dense(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits[at]
@@ -198,12 +197,11 @@ def run_upcycle(cfg, out: str, *, experts: int, top_k: int, drop: float, steps: 
 
     stream = batches()
     probe_prompts, probe_ids, probe_mask = next(stream)
-    from gspo.models import pad_prompts
+    from gspo.models import pad_sequences
     from gspo.runtime import to_device
 
-    prompt, prompt_mask = pad_prompts(probe_prompts, tok.pad_token_id)
-    probe = (to_device(torch.cat([prompt, probe_ids.masked_fill(~probe_mask, tok.pad_token_id)], 1), device),
-             to_device(torch.cat([prompt_mask, probe_mask.long()], 1), device))
+    probe_ids, probe_attention, _ = pad_sequences(probe_prompts, probe_ids, probe_mask, tok.pad_token_id)
+    probe = (to_device(probe_ids, device), to_device(probe_attention, device))
     before = expert_report(moe, *probe)
     losses = distill(moe, dense, stream, steps=steps, lr=lr, pad_id=tok.pad_token_id, autocast_dtype=runtime.autocast)
     after = expert_report(moe, *probe)

@@ -39,6 +39,16 @@ def pad_prompts(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return input_ids, attention_mask
 
 
+def pad_sequences(prompts: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``[left-padded prompt | right-padded completion]`` rows: ``(input_ids, attention_mask)``, both ``(N, P+T)``
+    int64, and the padded prompt length ``P`` (position ``P-1+t`` predicts completion token ``t``)."""
+    prompt, prompt_mask = pad_prompts(prompts, pad_id)  # (N, P)
+    mask = completion_mask.bool()
+    input_ids = torch.cat([prompt, completion_ids.masked_fill(~mask, pad_id)], 1)  # (N, P+T)
+    return input_ids, torch.cat([prompt_mask, mask.long()], 1), prompt.shape[1]
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that count only attended tokens, so a left-padded row starts at position 0.  (B, L)"""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -227,7 +227,7 @@ class _Bucket:
         """The static route records ``(Lr, B+1, L, k)`` of this bucket (row B takes prompt padding), zeroed."""
         shape = (len(routing.routers), self.batch + 1, self.length, routing.top_k)
         if self._routes is None or self._routes.shape != shape:
-            self._routes = torch.zeros(shape, dtype=routing.dtype, device=self.route_rows.device)
+            self._routes = routing.empty_records(self.batch, self.length, self.route_rows.device).records
             self.graphs.clear()  # captured graphs point at the old buffer
         else:
             self._routes.zero_()

@@ -332,9 +332,9 @@ class Trainer:
     def _record_config(self) -> None:
         """Append what this session trains with, from which step, to config_history.jsonl (config.json holds the
         latest): one line per session that started or resumed the run."""
+        config = self.cfg.to_dict()
         entry = {"step": self.state.step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                 "changed": self._config_changes, "config": self.cfg.to_dict(),
-                 "sources": source_fingerprints(self.cfg.to_dict())}
+                 "changed": self._config_changes, "config": config, "sources": source_fingerprints(config)}
         try:
             with open(self.run_dir / "config_history.jsonl", "a") as f:
                 f.write(json.dumps(entry) + "\n")
@@ -374,7 +374,9 @@ class Trainer:
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""
-        ckpt, state, payload = load_state(self.run_dir, self.actor.model, before_batch)
+        path = self.run_dir / "metrics.jsonl"
+        metrics = read_jsonl(path) if path.exists() else None  # read once: for the checkpoint choice and the sentinel
+        ckpt, state, payload = load_state(self.run_dir, self.actor.model, before_batch, metrics)
         self.actor.load_state_dict(payload)
         self.collector.generator.set_state(payload["generator"])
         self.collector.stream.load_state_dict(payload["data"])
@@ -384,8 +386,6 @@ class Trainer:
         self.actor.set_lr(state.step)
         self.nonfinite = NonFiniteSteps(self.cfg.train.max_nonfinite_steps, state.nonfinite_steps)
         # The collapse sentinel's reward history up to the checkpoint, as the run that wrote it saw it.
-        metrics = self.run_dir / "metrics.jsonl"
-        kept = read_jsonl(metrics) if metrics.exists() else []
-        self.rewards_seen = {r["rollout_batch"]: r.get("reward/mean") for r in kept
+        self.rewards_seen = {r["rollout_batch"]: r.get("reward/mean") for r in metrics or []
                              if r.get("minibatch", 0) == 0 and r["rollout_batch"] < state.rollout_batch}
         log.info("resumed from %s at optimizer step %d", ckpt, state.step)

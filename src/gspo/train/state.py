@@ -21,7 +21,6 @@ import torch
 from gspo.checkpoint import (complete_checkpoints, load_model_weights, rng_state, save_checkpoint, set_rng_state,
                              to_cpu)
 from gspo.errors import UserError
-from gspo.metrics import read_jsonl
 
 log = logging.getLogger("gspo")
 
@@ -50,13 +49,12 @@ def checkpoint_step(ckpt: Path) -> int:
     return int(ckpt.name.split("-", 1)[1])
 
 
-def metrics_cover(run_dir: Path) -> int | None:
-    """The largest step ``s`` such that ``metrics.jsonl`` holds a line for every step 1..s (None without the file): a
-    checkpoint past it would resume with a hole in the metrics (a line lost to a full disk or a kill)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
+def metrics_cover(rows: list[dict[str, Any]] | None) -> int | None:
+    """The largest step ``s`` such that the ``metrics.jsonl`` rows hold a line for every step 1..s (None without the
+    file): a checkpoint past it would resume with a hole in the metrics (a line lost to a full disk or a kill)."""
+    if rows is None:
         return None
-    steps = {row.get("step") for row in read_jsonl(path)}
+    steps = {row.get("step") for row in rows}
     covered = 0
     while covered + 1 in steps:
         covered += 1
@@ -132,16 +130,18 @@ class CheckpointWriter:
             self.wait()
 
 
-def load(run_dir: Path, model, before_batch: int | None = None) -> tuple[Path, TrainState, dict[str, Any]]:
+def load(run_dir: Path, model, before_batch: int | None = None,
+         metrics: list[dict[str, Any]] | None = None) -> tuple[Path, TrainState, dict[str, Any]]:
     """Load the newest readable checkpoint's weights into ``model`` (with ``before_batch``: the newest written before
     that rollout batch); returns it, its counters and the rest of its payload (RNGs restored already). A damaged
     newest checkpoint (disk error, manual edits) falls back to the previous one, with a warning; so does one whose
-    steps ``metrics.jsonl`` no longer covers (a line lost), so that the replayed steps fill the hole."""
+    steps ``metrics`` (the rows of ``metrics.jsonl``, None without the file) no longer cover (a line lost), so that
+    the replayed steps fill the hole."""
     root = run_dir / "checkpoints"
     ckpts = complete_checkpoints(root)
     if before_batch is not None:
         ckpts = [c for c in ckpts if checkpoint_batch(c) < before_batch]
-    covered = metrics_cover(run_dir)
+    covered = metrics_cover(metrics)
     if covered is not None and ckpts and checkpoint_step(ckpts[-1]) > covered:
         usable = [c for c in ckpts if checkpoint_step(c) <= covered]
         log.warning("metrics.jsonl has lines for steps 1..%d only; resuming from %s instead of %s so the missing steps "
