@@ -392,6 +392,74 @@ def test_kills_at_random_moments_during_resume_leave_a_run_equal_to_an_uninterru
     assert _comparable(check_run_dir(chaos, 16)) == expected
 
 
+KILL_IN_PRUNE = """
+import os, shutil, signal, sys
+from pathlib import Path
+import torch
+from gspo import checkpoint
+from gspo.models import load_model
+
+torch.set_num_threads(1)  # this process forks one child per kill point
+model, tokenizer = load_model(sys.argv[1])
+out = Path(sys.argv[2])
+checkpoint.save_checkpoint(out / "template", 1, model, tokenizer, {"step": 1}, keep=1)
+seen = [0]
+
+
+def counted(real, kill_at):
+    def call(*args, **kwargs):
+        seen[0] += 1
+        if seen[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    return call
+
+
+for kill_at in range(1, 100):
+    root = out / f"kill-{kill_at}"
+    shutil.copytree(out / "template", root)
+    pid = os.fork()
+    if pid == 0:  # from here on every rename, unlink and rmdir may be the last: checkpoint 2 renamed into place,
+        # then checkpoint 1 deleted
+        os.replace, os.rename, os.unlink, os.rmdir = (counted(f, kill_at) for f in (os.replace, os.rename, os.unlink,
+                                                                                      os.rmdir))
+        checkpoint.save_checkpoint(root, 2, model, tokenizer, {"step": 2}, keep=1)
+        os._exit(0)
+    status = os.waitpid(pid, 0)[1]
+    if os.WIFEXITED(status):
+        assert os.WEXITSTATUS(status) == 0
+        print(kill_at)
+        break
+    assert os.WTERMSIG(status) == signal.SIGKILL
+"""
+
+
+def test_kills_at_every_file_operation_of_pruning_leave_only_loadable_checkpoints(tiny_dir, tmp_path):  # noqa: F811
+    """Saving checkpoint 2 with keep=1 renames it into place, then deletes checkpoint 1. A process is SIGKILLed at
+    each file operation of both in turn (seen in CI: a random kill mid-prune left step-N with its COMPLETE marker and
+    without its weights). After each kill every checkpoint taken for complete loads, and the next save clears what
+    the kill left."""
+    from gspo.checkpoint import complete_checkpoints, load_model_weights, save_checkpoint
+    from gspo.models import load_model
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
+    done = subprocess.run([sys.executable, "-c", KILL_IN_PRUNE, str(tiny_dir), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    operations = int(done.stdout.split()[-1]) - 1  # the first kill point past the last operation completed the save
+    assert operations > 5, "pruning a checkpoint took fewer file operations than it has files"
+    model, tokenizer = load_model(str(tiny_dir))
+    for kill_at in range(1, operations + 1):
+        root = tmp_path / f"kill-{kill_at}"
+        found = complete_checkpoints(root)
+        assert found, f"the kill at operation {kill_at} left no complete checkpoint"
+        for ckpt in found:
+            load_model_weights(load_model(str(ckpt))[0], ckpt)
+        save_checkpoint(root, 3, model, tokenizer, {"step": 3}, keep=1)
+        assert sorted(p.name for p in root.iterdir()) == ["step-000003"], kill_at
+
+
 def test_a_rollback_abandons_the_checkpoints_after_its_target(tiny_dir, tmp_path):  # noqa: F811
     """After a sentinel rollback the checkpoints of the abandoned timeline are renamed out of the way: a later --resume
     cannot load one of them and mix two timelines in one run directory."""

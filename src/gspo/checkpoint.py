@@ -2,13 +2,15 @@
 
 A checkpoint is written into ``step-NNNNNN.tmp``, fsynced, renamed to ``step-NNNNNN`` and marked complete by a
 ``COMPLETE`` file written last, so a crash mid-write never leaves something that looks like a checkpoint; old
-checkpoints are deleted only after the new one is complete.
+checkpoints are deleted only after the new one is complete, and a checkpoint being deleted is first renamed out of
+the ``step-NNNNNN`` namespace, so a crash mid-delete never leaves a marked checkpoint without its weights.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +21,18 @@ import numpy as np
 import torch
 
 MARKER = "COMPLETE"
+_NAME = re.compile(r"step-\d{6,}")
+_DISCARDED = ".discarded"
+
+
+def _discard(path: Path) -> None:
+    """Delete the checkpoint directory ``path``: renamed first (one atomic step, after which nothing takes it for a
+    checkpoint), then removed. ``shutil.rmtree`` alone, killed halfway, could leave ``COMPLETE`` beside missing weights
+    (seen in CI: a SIGKILL while pruning an old checkpoint)."""
+    gone = path.with_name(path.name + _DISCARDED)
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def rng_state() -> dict[str, Any]:
@@ -96,7 +110,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{step:06d}"
     tmp = ckpt_root / f"step-{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # What a crash left (one run writes one checkpoint at a time): a half-written checkpoint, an interrupted delete.
+    for left in [*ckpt_root.glob("step-*.tmp"), *ckpt_root.glob(f"step-*{_DISCARDED}")]:
+        shutil.rmtree(left, ignore_errors=True)
     tmp.mkdir()
     # The optimizer state (twice the model's size) is written beside the model, in a second thread: both writes are
     # bound by copying and the disk, and each releases the GIL while it writes.
@@ -109,7 +125,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
     t1 = time.perf_counter()
     _fsync_tree(tmp)
     if final.exists():
-        shutil.rmtree(final)
+        _discard(final)
     os.replace(tmp, final)
     with open(final / MARKER, "w") as f:
         f.write("ok\n")
@@ -118,7 +134,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
     if seconds is not None:
         seconds.update(write_s=round(t1 - t0, 3), fsync_s=round(time.perf_counter() - t1, 3))
     for old in complete_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
     return final
 
 
@@ -126,7 +142,7 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     if not ckpt_root.is_dir():
         return []
-    return sorted(p for p in ckpt_root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / MARKER).exists())
+    return sorted(p for p in ckpt_root.glob("step-*") if _NAME.fullmatch(p.name) and p.is_dir() and (p / MARKER).exists())
 
 
 def load_model_weights(model, ckpt: Path) -> None:
