@@ -7,6 +7,7 @@ the ``step-NNNNNN`` namespace, so a crash mid-delete never leaves a marked check
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -69,7 +70,7 @@ def _fsync_tree(path: Path) -> None:
 
 
 def to_cpu(obj: Any) -> Any:
-    """A copy of ``obj`` (nested dicts, lists and tuples of tensors) whose tensors are on the CPU and detached: a
+    """A copy of ``obj`` (nested dicts, lists, tuples and dataclasses of tensors) whose tensors are on the CPU and detached: a
     snapshot that later optimizer steps cannot change, for a checkpoint written in the background. Views of the same
     memory (tied embeddings) stay one tensor, so the writer sees them tied as the model does. GPU tensors are copied
     into pinned host memory without blocking, then waited for once (on an H100 machine the 1.6 GB of a 135M-parameter
@@ -91,6 +92,8 @@ def to_cpu(obj: Any) -> Any:
             return seen[key]
         if isinstance(x, dict):
             return {k: copy(v) for k, v in x.items()}
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):  # the typed containers (a Rollout, Groups)
+            return type(x)(**{f.name: copy(getattr(x, f.name)) for f in dataclasses.fields(x)})
         if isinstance(x, (list, tuple)):
             return type(x)(copy(v) for v in x)
         return x
@@ -102,18 +105,22 @@ def to_cpu(obj: Any) -> Any:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int,
-                    model_state: dict[str, torch.Tensor] | None = None, seconds: dict[str, float] | None = None) -> Path:
+                    model_state: dict[str, torch.Tensor] | None = None, seconds: dict[str, float] | None = None,
+                    prepared: bool = False) -> Path:
     """Write checkpoint ``step`` atomically, then prune all but the ``keep`` newest complete ones. ``model_state``
     (a snapshot of ``model.state_dict()``) is written instead of the live weights when given; ``seconds`` gets the
-    time of the writes and of the fsync."""
+    time of the writes and of the fsync. ``prepared``: the ``.tmp`` directory exists and holds files of this
+    checkpoint already (a sharded one's)."""
     t0 = time.perf_counter()
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{step:06d}"
     tmp = ckpt_root / f"step-{step:06d}.tmp"
     # What a crash left (one run writes one checkpoint at a time): a half-written checkpoint, an interrupted delete.
     for left in [*ckpt_root.glob("step-*.tmp"), *ckpt_root.glob(f"step-*{_DISCARDED}")]:
-        shutil.rmtree(left, ignore_errors=True)
-    tmp.mkdir()
+        if not (prepared and left == tmp):
+            shutil.rmtree(left, ignore_errors=True)
+    if not prepared:
+        tmp.mkdir()
     # The optimizer state (twice the model's size) is written beside the model, in a second thread: both writes are
     # bound by copying and the disk, and each releases the GIL while it writes.
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -145,23 +152,99 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     return sorted(p for p in ckpt_root.glob("step-*") if _NAME.fullmatch(p.name) and p.is_dir() and (p / MARKER).exists())
 
 
-def load_model_weights(model, ckpt: Path) -> None:
-    """Load the weights of a checkpoint written by :func:`save_checkpoint` into ``model`` in place."""
+def read_full_weights(model, ckpt: Path) -> dict[str, torch.Tensor]:
+    """The full weights of checkpoint ``ckpt``'s HF model files, named as ``model`` names them."""
     from safetensors.torch import load_file
 
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(ckpt.glob("*.safetensors")):
         sd.update(load_file(f))
-    own = model.state_dict()
-    if set(sd) - set(own):
+    own = set(model.state_dict())
+    if set(sd) - own:
         # save_pretrained wrote some weights in the family's on-disk layout (an MoE's fused experts go out per expert):
         # transformers' loader converts them back.
         from transformers import AutoModelForCausalLM
 
         dtype = next(model.parameters()).dtype
         sd = AutoModelForCausalLM.from_pretrained(ckpt, config=model.config, dtype=dtype).state_dict()
+    return sd
+
+
+def load_model_weights(model, ckpt: Path) -> None:
+    """Load the weights of a checkpoint written by :func:`save_checkpoint` into ``model`` in place."""
+    sd = read_full_weights(model, ckpt)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(model.config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
     model.tie_weights()
+
+
+# ---------------------------------------------------------------------------------------------- several processes
+
+DCP_DIR = "dcp"  # a sharded checkpoint's model and optimizer, in torch's distributed checkpoint format
+RANK_FILE = "rank-{:05d}.pt"  # each process's own RNG and sampler state
+
+
+def save_sharded(ckpt_root: Path, step: int, model, optimizer, tokenizer, state: dict[str, Any],
+                 rank_state: dict[str, Any], keep: int) -> Path:
+    """A checkpoint written by every process of a ``torchrun`` job, in the layout of :func:`save_checkpoint` plus:
+    ``dcp/`` (the sharded model and optimizer, reshardable to any number of processes, written by all), and one
+    ``rank-NNNNN.pt`` per process (its RNGs). Rank 0 then exports the full model as the checkpoint's HF files (for
+    ``gspo eval`` and any other tool), writes ``trainer_state.pt`` (the run's own counters, shuffle and data
+    position), and renames and marks the directory complete only after every process has finished its part."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    rank = dist.get_rank()
+    tmp = ckpt_root / f"step-{step:06d}.tmp"
+    if rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+    torch.save(rank_state, tmp / RANK_FILE.format(rank))
+    # The HF export: every process gives its shards, rank 0 receives the full tensors on the CPU.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    dist.barrier()  # every process's files are written (DCP fsyncs its own; rank 0 fsyncs the tree again)
+    final = ckpt_root / f"step-{step:06d}"
+    if rank == 0:
+        save_checkpoint(ckpt_root, step, model, tokenizer, state, keep, model_state=full, prepared=True)
+        _plain_architecture(final)
+    dist.barrier()  # nobody goes on (or reads the checkpoint back) before it is complete
+    return final
+
+
+def _plain_architecture(ckpt: Path) -> None:
+    """FSDP2 renames the model's class (``FSDPLlamaForCausalLM``), and save_pretrained records that name: restore the
+    family's own so that transformers and other tools load the export."""
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    names = config.get("architectures") or []
+    fixed = [n[len("FSDP"):] if n.startswith("FSDP") else n for n in names]
+    if fixed != names:
+        config["architectures"] = fixed
+        path.write_text(json.dumps(config, indent=2))
+
+
+def load_sharded(ckpt: Path, model, optimizer) -> None:
+    """Model and optimizer from a sharded checkpoint's DCP files, resharded to this job (any number of processes,
+    one included) in place."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def by_name(model, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """A one-process ``optimizer.state_dict()`` (parameters numbered in ``model.parameters()`` order) keyed by
+    parameter name instead, the form torch's distributed state-dict helpers take."""
+    names = [name for name, _ in model.named_parameters()]
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]
+    return {"state": {names[i]: v for i, v in optimizer_state["state"].items()}, "param_groups": groups}

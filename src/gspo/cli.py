@@ -35,13 +35,31 @@ def _config(path: str | None, overrides: list[str]):
     return build_config(data, overrides, device=device)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    """``gspo train ... --nproc N``: the same command under ``torchrun --standalone --nproc_per_node N`` (one host)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "gspo.cli", "train", *([args.config] if args.config else []), *args.overrides,
+           *(["--resume"] if args.resume else []), *(["--run-dir", str(args.run_dir)] if args.run_dir else [])]
+    return subprocess.call(cmd)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from gspo import dist
     from gspo.train import Trainer
 
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(args)
     cfg = _config(args.config, args.overrides)
     run_dir = args.run_dir or cfg.log.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
-    trainer = Trainer(cfg, run_dir, resume=args.resume)
-    out = trainer.train()
+    try:
+        trainer = Trainer(cfg, run_dir, resume=args.resume)
+        out = trainer.train()
+    finally:
+        dist.close()
+    if not trainer.runtime.is_main:
+        return 0 if trainer.stop_signal is None else (130 if trainer.stop_signal == "SIGINT" else 143)
     if trainer.stop_signal is not None:
         again = " ".join(["gspo train", *([args.config] if args.config else []), "--resume", "--run-dir", str(out),
                           *(shlex.quote(o) for o in args.overrides)])
@@ -317,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.eps_high=5e-4 rollout.group_size=16")
     t.add_argument("--resume", action="store_true", help="continue the run directory from its newest complete checkpoint")
     t.add_argument("--run-dir", type=_out_dir, help="run directory (default: log.run_dir of the config)")
+    t.add_argument("--nproc", type=_count(1), default=1,
+                   help="processes (GPUs) on this host: the same as launching with torchrun --standalone "
+                        "--nproc_per_node N -m gspo.cli train ... (default 1)")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("eval", help="greedy accuracy and pass@1 over k samples on the config's data")
     e.add_argument("config", nargs="?", help="TOML config whose model / data / rollout / rewards sections are used")
@@ -396,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gspo: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="[gspo] %(message)s", stream=sys.stderr)
+    rank = int(os.environ.get("RANK", "0") or 0)  # under torchrun only the first process logs what all of them do
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[gspo] %(message)s" if rank == 0 else f"[gspo rank {rank}] %(message)s", stream=sys.stderr)
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

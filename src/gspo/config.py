@@ -143,6 +143,13 @@ class MoEConfig:
 
 
 @dataclass
+class DistConfig:
+    timeout_s: float = 600.0
+    """Under ``torchrun``: how long a collective between the processes may wait before the run ends with one message
+    (a process that crashed, was killed or hangs), instead of waiting forever."""
+
+
+@dataclass
 class RewardConfig:
     path: str = ""
     """``module:function`` taking ``(completion: str, example: gspo.types.Example) -> float``."""
@@ -262,6 +269,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     dapo: DapoConfig = field(default_factory=DapoConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -571,6 +579,8 @@ def validate(cfg: Config) -> None:
     if cfg.moe.routing_replay == "old" and t.old_logprobs != "recompute":
         raise UserError("moe.routing_replay = 'old' records the experts in the old-policy pass, which "
                         "train.old_logprobs = 'rollout' skips; set train.old_logprobs = 'recompute'.")
+    if not cfg.dist.timeout_s > 0:
+        raise UserError(f"dist.timeout_s = {cfg.dist.timeout_s} must be > 0 seconds (e.g. 600).")
     if cfg.moe.router_aux_loss_coef < 0:
         raise UserError(f"moe.router_aux_loss_coef = {cfg.moe.router_aux_loss_coef} must be >= 0 (0 turns it off).")
     if r.group_size < 2:
@@ -615,6 +625,7 @@ RESUMABLE = (
     "rollout.engine", "rollout.fused_step",
     "rewards.workers", "rewards.timeout_s",
     "log.", "sentinel.",  # what is written and watched
+    "dist.",  # how long to wait for other processes
 )
 
 

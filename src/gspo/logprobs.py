@@ -32,7 +32,35 @@ from gspo.moe import Routing, packed_layout, padded_layout
 from gspo.runtime import to_device
 
 
-def sequence_logprobs(
+def sequence_logprobs(model, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities ``(N, T)`` of completions under ``model`` (see :func:`_sequence_logprobs` for the arguments);
+    a model sharded by :func:`gspo.dist.shard` runs it as a forward of its root FSDP unit (see :func:`as_fsdp_forward`)."""
+    entry = getattr(model, _FSDP_ENTRY, None)
+    if entry is not None:
+        return entry(*args, **kwargs)
+    return _sequence_logprobs(model, *args, **kwargs)
+
+
+_FSDP_ENTRY = "gspo_sequence_logprobs"
+
+
+def as_fsdp_forward(model) -> None:
+    """Register the log-prob pass as a forward method of ``model``'s root FSDP2 unit. The pass calls the decoder and
+    the LM head itself (to compute the head in chunks) instead of ``model.forward``, so without this the root unit's
+    parameters -- embeddings, final norm, LM head -- would never be gathered, nor their gradients reduced."""
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    def entry(self, *args, **kwargs):
+        logp, entropy = _sequence_logprobs(self, *args, **kwargs)
+        return logp.clone(), entropy  # not a view: FSDP hooks its backward on the output
+
+    setattr(model, _FSDP_ENTRY, types.MethodType(entry, model))
+    register_fsdp_forward_method(model, _FSDP_ENTRY)
+
+
+def _sequence_logprobs(
     model,
     prompt_ids: list[list[int]],
     completion_ids: torch.Tensor,

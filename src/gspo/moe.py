@@ -230,6 +230,12 @@ class Routing:
         out.update({f"moe/flip_rate/layer_{i}": rate[i] for i in range(len(self.routers))})
         return out
 
+    def sum_counts(self, total) -> None:
+        """Replace the flip counts by ``total(counts)``: their sums over the processes of a job, each of which counted
+        its own rows (so the rate is that of the whole batch, not a mean of rates)."""
+        if self._flips is not None:
+            self._flips, self._slots = total(self._flips), total(self._slots)
+
     def aux_loss(self) -> torch.Tensor | None:
         """The Switch-Transformer load-balancing loss over the real tokens of the forward since the last call (None
         when the coefficient is 0), times the coefficient: transformers' own implementation of it."""

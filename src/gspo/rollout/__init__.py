@@ -39,10 +39,11 @@ class RolloutEngine(Protocol):
 
 
 def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: torch.device,
-                autocast_dtype: torch.dtype | None = None, fused_step: str = "auto") -> RolloutEngine:
+                autocast_dtype: torch.dtype | None = None, fused_step: str = "auto", replica: bool = False) -> RolloutEngine:
     """The engine ``rollout.engine`` names: ``graph``, ``hf``, or ``auto`` (graph on CUDA when the model is supported);
     ``fused_step = "off"`` keeps the graph engine on the HF modules' decode step. ``model`` gives the architecture and
-    the first weights."""
+    the first weights; ``replica``: the hf engine keeps its own copy of them instead of sampling from ``model`` (the
+    graph engine always does), for a policy that will be sharded across processes."""
     from gspo.rollout import graph
 
     if kind == "auto":
@@ -53,7 +54,7 @@ def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: tor
     if kind == "graph":
         return graph.GraphEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
                                  fused=False if fused_step == "off" else None)
-    return HFEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype)
+    return HFEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype, replica=replica)
 
 
 __all__ = ["ENGINES", "FUSED_STEPS", "HFEngine", "RolloutEngine", "make_engine", "sample_next"]

@@ -203,7 +203,7 @@ class EngineWeights:
     @torch.no_grad()
     def load(self, weights) -> None:
         """Copy every ``(name, tensor)`` into the replica; each of its parameters must be given exactly once."""
-        dst, src, seen = [], [], set()
+        dst, src, seen, pending = [], [], set(), 0
         for name, tensor in weights:
             slot = self.slots.get(name)
             if slot is None or name in seen:
@@ -213,11 +213,18 @@ class EngineWeights:
             seen.add(name)
             dst.append(slot)
             src.append(tensor)
+            pending += tensor.numel() * tensor.element_size()
+            if pending > _FLUSH_BYTES:  # gathered full tensors (a sharded policy) are copied and freed as they come
+                torch._foreach_copy_(dst, src)
+                dst, src, pending = [], [], 0
         missing = [n for n in self.slots if n not in seen]
         if missing:
             raise UserError(f"sync_weights was not given {len(missing)} of the engine's weights ({missing[:3]}...); pass "
                             "every named parameter of the policy (gspo.models.named_weights(model)).")
         torch._foreach_copy_(dst, src)
+
+
+_FLUSH_BYTES = 256 << 20
 
 
 class _Bucket:

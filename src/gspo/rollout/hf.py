@@ -19,6 +19,7 @@ step are separate methods so that a static-cache / CUDA-graph variant can replac
 """
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -100,7 +101,14 @@ class HFEngine:
         stop_ids: list[int] | None = None,
         device: str | torch.device | None = None,
         autocast_dtype: torch.dtype | None = None,
+        replica: bool = False,
     ):
+        if replica:  # its own copy, for a policy sharded across processes (sync_weights fills it)
+            model = copy.deepcopy(model).eval().requires_grad_(False)
+            for module in model.modules():
+                module._forward_hooks.clear()  # the trainer's hooks (MoE routing) belong to the trainer's modules
+                module._forward_pre_hooks.clear()
+        self.replica = replica
         self.model = model
         self.tokenizer = tokenizer
         self.stop_ids = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
@@ -116,9 +124,19 @@ class HFEngine:
         self.routing = None
         self._recording = None
 
+    @torch.no_grad()
     def sync_weights(self, weights) -> None:
-        """Nothing to do: this engine samples from the model object it was given, the trainer's own, so an optimizer
-        step is visible at once (``weights`` is not read)."""
+        """Nothing to do when this engine samples from the model object it was given, the trainer's own: an optimizer
+        step is visible at once (``weights`` is not read). Its own copy (``replica=True``) takes every ``(name,
+        tensor)`` in place, one at a time."""
+        if not self.replica:
+            return
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, tensor in weights:
+            if name not in params:
+                raise UserError(f"sync_weights got a weight named {name!r} but the engine's model has no such "
+                                "parameter; pass the policy's named parameters (gspo.models.named_weights(model)).")
+            params[name].copy_(tensor)
 
     def generate(
         self,

@@ -21,11 +21,15 @@ import copy
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from gspo import dist
 from gspo.algorithms import logprob_gap, policy_loss
+from gspo.checkpoint import DCP_DIR, by_name, load_model_weights, load_sharded, read_full_weights
 from gspo.config import Config
+from gspo.dist import slice_of
 from gspo.errors import UserError
 from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
 from gspo.models import attention_context, disable_dropout, named_weights
@@ -43,7 +47,13 @@ class Plan:
     ``micro[k]`` the same rows in forward/backward chunks of ``train.micro_batch_size``."""
 
     minibatches: list[torch.Tensor]  # k -> (mb,) int64 rows
-    micro: list[list[torch.Tensor]]  # k -> chunks of minibatches[k]
+    micro: list[list[torch.Tensor]]  # k -> chunks of this process's rows of minibatches[k]
+    world: int = 1  # processes of the job; rank r trains the r-th contiguous slice of every minibatch
+    rank: int = 0
+
+    def rows_of(self, rank: int, ks) -> torch.Tensor:
+        """The rows rank ``rank`` trains in minibatches ``ks``."""
+        return torch.cat([slice_of(self.minibatches[k], rank, self.world) for k in ks])
 
 
 @dataclass
@@ -57,19 +67,40 @@ class StepOutput:
 
 
 class Actor:
-    """Model, optimizer, schedule and passes of one run (see the module docstring)."""
+    """Model, optimizer, schedule and passes of one run (see the module docstring).
+
+    Under ``torchrun`` (several processes) the actor is ready once :meth:`shard` has run: the rollout engine first
+    takes its own full copy of the weights, then FSDP2 shards the policy (see :mod:`gspo.dist`)."""
 
     def __init__(self, cfg: Config, runtime: Runtime, model: torch.nn.Module):
         self.cfg = cfg
         self.runtime = runtime
         self.model = model
+        self.sharded = False
         self._setup_model()
-        self._setup_passes()
-        self._setup_optimizer()
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.lr_scale = 1.0  # lowered by each collapse-sentinel rollback
-        self._modules = list(self.model.modules())
         self._on_device: dict[str, torch.Tensor] = {}  # the rollout batch's tensors on the device, sent once
+        if runtime.world_size == 1:
+            self._finish_setup()
+
+    def shard(self) -> None:
+        """Under ``torchrun``: shard the policy (and the reference model) with FSDP2, then set up the passes and the
+        optimizer over the sharded parameters. Nothing to do in one process."""
+        if self.runtime.world_size == 1 or self.sharded:
+            return
+        dist.shard(self.model, self.runtime.autocast)
+        if self.ref_model is not None:
+            dist.shard(self.ref_model, self.runtime.autocast)
+        self.sharded = True
+        log.info("FSDP2: the policy is sharded over %d processes (one unit per decoder layer; embeddings, final norm "
+                 "and LM head in the root unit)", self.runtime.world_size)
+        self._finish_setup()
+
+    def _finish_setup(self) -> None:
+        self._setup_passes()
+        self._setup_optimizer()
+        self._modules = list(self.model.modules())
 
     def set_training(self, training: bool) -> None:
         """Train or eval mode for every module of the policy. ``Module.train()`` walks the module tree and goes through
@@ -124,6 +155,10 @@ class Actor:
         self.packed = t.packing == "on" or (t.packing == "auto" and not why_not and packing_available(device, compute_dtype))
         use_graphs = (self.packed and device.type == "cuda" and t.cuda_graphs == "auto"
                       and not self.cfg.model.gradient_checkpointing)
+        if use_graphs and self.sharded:
+            log.info("CUDA graphs of the update are off under FSDP (its collectives run between the layers); the "
+                     "update runs eager")
+            use_graphs = False
         if use_graphs and self.routing is not None:
             log.info("CUDA graphs of the update are off for MoE models (the routing hooks index per batch); the "
                      "update runs eager")
@@ -134,16 +169,19 @@ class Actor:
         t = self.cfg.train
         # One fused kernel for the whole AdamW update on CUDA (the per-tensor loop is ~6 ms per step at 135M); it also
         # skips a non-finite step on the device (found_inf), so the step needs no host sync to decide.
-        self.fused_optimizer = (self.runtime.device.type == "cuda"
+        self.fused_optimizer = (self.runtime.device.type == "cuda" and not self.sharded
                                 and all(p.dtype == torch.float32 for p in self.model.parameters()))
+        if self.sharded and self.runtime.device.type == "cuda":
+            log.info("AdamW: the multi-tensor (foreach) implementation on the sharded parameters")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.adam_betas),
                                            weight_decay=t.weight_decay, fused=self.fused_optimizer or None)
 
     # ------------------------------------------------------------------------------------------ what others read
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's ``(name, tensor)`` pairs for an engine's ``sync_weights``."""
-        return named_weights(self.model)
+        """The policy's ``(name, tensor)`` pairs for an engine's ``sync_weights`` (under FSDP each full tensor is
+        gathered as it is read: every process must read them all)."""
+        return dist.full_weights(self.model) if self.sharded else named_weights(self.model)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based): ``train.lr`` x rollback scale x schedule."""
@@ -191,11 +229,23 @@ class Actor:
     def plan(self, n_rows: int) -> Plan:
         """A seeded shuffle of ``n_rows`` rows cut into ``train.minibatches`` minibatches of micro-batches."""
         t = self.cfg.train
+        rank, world = self.runtime.rank, self.runtime.world_size
         order = torch.randperm(n_rows, generator=self.shuffle_gen)
         mb = n_rows // t.minibatches
-        micro = t.micro_batch_size or mb
         minibatches = [order[k * mb:(k + 1) * mb] for k in range(t.minibatches)]
-        return Plan(minibatches, [[rows[j:j + micro] for j in range(0, mb, micro)] for rows in minibatches])
+        mine = [slice_of(rows, rank, world) for rows in minibatches]
+        micro = t.micro_batch_size or mb // world
+        return Plan(minibatches, [[rows[j:j + micro] for j in range(0, len(rows), micro)] for rows in mine], world, rank)
+
+    def _share(self, values: torch.Tensor, plan: Plan, ks) -> None:
+        """Fill ``values`` (N, T) at every process's rows of minibatches ``ks`` with what that process computed (a
+        no-op in one process)."""
+        if plan.world == 1 or not len(ks):
+            return
+        dev = values.device
+        mine = to_device(plan.rows_of(plan.rank, ks), dev)
+        every = to_device(torch.cat([plan.rows_of(r, ks) for r in range(plan.world)]), dev)
+        values[every] = dist.gather_rows(values[mine])
 
     def prepare(self, batch: Batch, plan: Plan) -> None:
         """Fill ``batch.old_logprobs`` (and ``ref_logprobs`` with a reference model) before any weight changes, and send
@@ -218,13 +268,16 @@ class Actor:
             later = [chunk for chunks in plan.micro[1:] for chunk in chunks]
             with routing_pass:
                 batch.old_logprobs = self.frozen_logprobs(rollout, later)  # (N, T)
+            self._share(batch.old_logprobs, plan, range(1, len(plan.minibatches)))
             if replay == "rollout" and later:  # the trainer re-routing what the engine routed, same weights
+                self.routing.sum_counts(dist.all_sum)
                 batch.metrics["moe/engine_flip_rate"] = self.routing.flip_metrics()["moe/flip_rate"]
         else:
             batch.old_logprobs = to_device(rollout.logprobs, dev)
         if self.ref_model is not None:
             every = [chunk for chunks in plan.micro for chunk in chunks]
             batch.ref_logprobs = self.frozen_logprobs(rollout, every, model=self.ref_model)
+            self._share(batch.ref_logprobs, plan, range(len(plan.minibatches)))
 
     def step(self, batch: Batch, plan: Plan, k: int, step: int) -> StepOutput:
         """Optimizer step ``step`` (0-based, run-wide) on minibatch ``k`` of ``batch``: forward/backward per
@@ -247,7 +300,11 @@ class Actor:
         loss_total = torch.zeros((), dtype=torch.float64, device=dev)
         self.set_training(True)
         self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphed backwards keep .grad allocated
-        start = 0
+        own = len(rows) // plan.world  # this process's slice of the minibatch, at rank x own
+        start = plan.rank * own
+        # FSDP averages gradients over the processes; each one's share of the (global-denominator) loss is scaled
+        # back up so their average is the single-process gradient.
+        scale = float(plan.world)
         aux_total = torch.zeros((), dtype=torch.float64, device=dev)
         with self.routing.updating() if self.routing is not None else contextlib.nullcontext():
             for sub in plan.micro[k]:
@@ -264,12 +321,19 @@ class Actor:
                     aux_total += aux.detach().double()
                     loss = loss + aux
                 with attention_context():
-                    loss.backward()
+                    (loss * scale if scale != 1 else loss).backward()
                 loss_total += loss.detach().double()
                 mb_logp[start:start + len(sub)], mb_ent[start:start + len(sub)] = logp.detach(), ent
                 start += len(sub)
+        if plan.world > 1:  # every process's new log-probs: the diagnostics cover the whole minibatch
+            share = slice(plan.rank * own, (plan.rank + 1) * own)
+            mb_logp, mb_ent = dist.gather_rows(mb_logp[share]), dist.gather_rows(mb_ent[share])
+            if on_policy_fill:
+                old[rows_dev] = mb_logp
+            loss_total, aux_total = dist.all_sum(loss_total), dist.all_sum(aux_total)
         moe_metrics = {}
         if self.routing is not None:
+            self.routing.sum_counts(dist.all_sum)
             # Minibatch 0 under recompute is trained by the old policy itself: no flip to count there (R3 compares
             # with the engine's routing, so it has one).
             moe_metrics = {} if on_policy_fill and self.cfg.moe.routing_replay != "rollout" else self.routing.flip_metrics()
@@ -295,8 +359,8 @@ class Actor:
     def _apply(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         """Clip and apply the accumulated gradient at ``lr_at(step)``, unless the loss or the gradient is not finite."""
         t = self.cfg.train
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
+        grad_norm = dist.full_value(torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")))
         self.set_lr(step)
         bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         if self.fused_optimizer:
@@ -309,12 +373,35 @@ class Actor:
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "shuffle_gen": self.shuffle_gen.get_state(),
-                "lr_scale": self.lr_scale}
+        """What a checkpoint's ``trainer_state.pt`` holds of the actor (a sharded optimizer goes to DCP instead; see
+        :func:`gspo.checkpoint.save_sharded`)."""
+        out = {"shuffle_gen": self.shuffle_gen.get_state(), "lr_scale": self.lr_scale}
+        if not self.sharded:
+            out["optimizer"] = self.optimizer.state_dict()
+        return out
+
+    def load_weights(self, ckpt: Path) -> None:
+        """The policy's weights from checkpoint ``ckpt`` (and the optimizer too, from a sharded checkpoint's DCP
+        files), whichever number of processes wrote it."""
+        if (ckpt / DCP_DIR).is_dir():
+            load_sharded(ckpt, self.model, self.optimizer)
+        elif self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.model, read_full_weights(self.model, ckpt),
+                                 options=StateDictOptions(full_state_dict=True))
+        else:
+            load_model_weights(self.model, ckpt)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the optimizer and shuffle; the config's ``train.lr`` wins over the checkpoint's (resuming with a
         lower one is how a user reacts to instability), and a rollback's lower scale is kept."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state and self.sharded:  # a one-process checkpoint resumed under torchrun
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer, by_name(self.model, state["optimizer"]),
+                                     options=StateDictOptions(full_state_dict=True))
+        elif "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         self.lr_scale = min(self.lr_scale, state.get("lr_scale", 1.0))

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
 from gspo.algorithms import group_advantages, overlong_penalty, zero_variance_groups
 from gspo.config import Config
+from gspo.checkpoint import to_cpu
 from gspo.data import DataStream
+from gspo.dist import active, gather_objects, rank_world
 from gspo.errors import UserError
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner
@@ -79,10 +82,9 @@ class Collector:
                                     f"shortest had {self._shortest_skipped} tokens); raise it, or use shorter prompts.")
         return examples, ids
 
-    def sample_groups(self, k: int, timing: dict[str, float]) -> Groups:
-        """``k`` prompts x ``G`` completions, scored."""
+    def sample_groups(self, examples: list[Example], prompt_ids: list[list[int]], timing: dict[str, float]) -> Groups:
+        """``G`` completions of each of these prompts, scored."""
         G = self.cfg.rollout.group_size
-        examples, prompt_ids = self.prompts(k)
         t0 = time.perf_counter()
         rollout = self.engine.generate(prompt_ids, G, self.sampling, generator=self.generator)
         timing["rollout"] += time.perf_counter() - t0
@@ -116,25 +118,37 @@ class Collector:
                         "baseline; reward/failures counts them", ", ".join(f"{k}: {v}" for k, v in
                                                                             result.failures.items() if v), first)
 
-    def fill(self, timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, float]]:
-        """P groups for the update; with DAPO dynamic sampling, zero-variance groups are dropped and refilled.
+    def fill(self, timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, Any]]:
+        """This process's groups for the update (all ``P`` in one process, ``P / W`` of a ``torchrun`` job); with DAPO
+        dynamic sampling, zero-variance groups are dropped and refilled. Sampling rounds are taken by all processes
+        together (see :mod:`gspo.dist`): each round every one says how many groups it lacks, all draw that many prompts
+        from the one data stream, and each samples its own share.
 
-        Returns the kept groups, every sampled round (for the reward metrics) and the sampling counters."""
+        Returns the kept groups, every sampled round (for the reward metrics) and the sampling counts."""
         cfg = self.cfg
-        P, G = cfg.rollout.prompts_per_batch, cfg.rollout.group_size
+        rank, world = rank_world()
+        P, G = cfg.rollout.prompts_per_batch // world, cfg.rollout.group_size
         kept_parts: list[Groups] = []
         rounds_seen: list[Groups] = []
         kept = dropped = rounds = padded = 0
         zero_flags = []
-        while kept < P:
-            part = self.sample_groups(P - kept, timing)
+        while True:
+            needs = gather_objects(P - kept)  # [groups each process still lacks]
+            if not any(needs):
+                break
+            examples, prompt_ids = self.prompts(sum(needs))
             rounds += 1
+            if not needs[rank]:
+                continue
+            mine = slice(sum(needs[:rank]), sum(needs[:rank + 1]))
+            part = self.sample_groups(examples[mine], prompt_ids[mine], timing)
             rounds_seen.append(part)
             zero_var = zero_variance_groups(part.rewards, G)  # (groups,) on the task reward, not the length-shaped one
             zero_flags.append(zero_var)
             if not cfg.dapo.dynamic_sampling:
                 kept_parts.append(part)
-                break
+                kept = P
+                continue
             good = [g for g in range(len(zero_var)) if not zero_var[g]]
             dropped += len(zero_var) - len(good)
             if good:
@@ -150,16 +164,36 @@ class Collector:
                 log.warning("dynamic sampling: only %d of %d groups had reward variance after %d rounds; %d groups "
                             "without it fill the batch, %s; raise dapo.max_resample_rounds", P - padded, P, rounds,
                             padded, shaped)
-        counters = {"dynamic/dropped_groups": float(dropped), "dynamic/padded_groups": float(padded),
-                    "dynamic/rounds": float(rounds), "zero_variance_frac": float(torch.cat(zero_flags).float().mean())}
-        return Groups.concat(kept_parts), rounds_seen, counters
+        counts = {"dropped": dropped, "padded": padded, "rounds": rounds, "zero_flags": torch.cat(zero_flags)}
+        return Groups.concat(kept_parts), rounds_seen, counts
+
+    def gather(self, groups: Groups, rounds: list[Groups], counts: dict[str, Any],
+               timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, float]]:
+        """Every process's groups, rounds and counts, in rank order (a no-op in one process), and the sampling
+        counters of the whole batch."""
+        if active():
+            parts = gather_objects((to_cpu(groups), [to_cpu(r) for r in rounds], counts, dict(timing),
+                                    self._first_error))
+            groups = Groups.concat([p[0] for p in parts])
+            rounds = [r for p in parts for r in p[1]]
+            counts = {"dropped": sum(p[2]["dropped"] for p in parts), "padded": sum(p[2]["padded"] for p in parts),
+                      "rounds": max(p[2]["rounds"] for p in parts),
+                      "zero_flags": torch.cat([p[2]["zero_flags"] for p in parts])}
+            # The stage's wall-clock time is the slowest process's; tokens and failures add up.
+            for key in timing:
+                timing[key] = (max if key in ("rollout", "reward") else sum)(p[3][key] for p in parts)
+            self._first_error = next((p[4] for p in parts if p[4]), None)
+        counters = {"dynamic/dropped_groups": float(counts["dropped"]), "dynamic/padded_groups": float(counts["padded"]),
+                    "dynamic/rounds": float(counts["rounds"]),
+                    "zero_variance_frac": float(counts["zero_flags"].float().mean())}
+        return groups, rounds, counters
 
     def collect(self) -> Batch:
         """Sample, score and (DAPO) filter one rollout batch, and compute its advantages."""
         cfg = self.cfg
         timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
         self._first_error = None
-        groups, rounds, counters = self.fill(timing)
+        groups, rounds, counters = self.gather(*self.fill(timing), timing)
         self.check_failures(rounds)
         rollout = groups.rollout
         shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards

@@ -116,3 +116,29 @@ def lock_run_dir(run_dir):
     except OSError:  # the pid is only for the message of a second process; the lock itself holds
         pass
     return f
+
+
+_COLLECTIVE_SIGNS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe")
+
+
+@contextlib.contextmanager
+def dist_failures(trainer):
+    """Under ``torchrun``: a collective that failed because another process is gone (crashed, killed: its connection
+    closed) or hangs (no answer within ``dist.timeout_s``) ends the run in one line that names the last complete
+    checkpoint, instead of a traceback from deep inside torch.distributed."""
+    from gspo import dist
+
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e).lower()
+        if not dist.active() or not (isinstance(e, torch.distributed.DistError)
+                                     or any(s in text for s in _COLLECTIVE_SIGNS)):
+            raise
+        newest = trainer.newest_checkpoint()
+        last = f"the last complete checkpoint is {newest}" if newest else "no checkpoint was written yet"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"Process {trainer.runtime.rank} of {trainer.runtime.world_size} lost the others in a "
+                        f"collective ({first}): another process crashed, was killed, or hung longer than "
+                        f"dist.timeout_s = {trainer.cfg.dist.timeout_s:g} s; {last}. Fix the cause (the first "
+                        "process's error above), then --resume.") from e

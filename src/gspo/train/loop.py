@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import complete_checkpoints, seed_everything
+from gspo import dist
+from gspo.checkpoint import RANK_FILE, complete_checkpoints, seed_everything, set_rng_state
 from gspo.config import SOURCE_KEYS, Config, resume_changes, source_fingerprints
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.errors import UserError
@@ -33,7 +34,7 @@ from gspo.runlog import RunLog
 from gspo.runtime import Runtime, finite, process_seconds
 from gspo.train.actor import Actor
 from gspo.train.collect import Collector
-from gspo.train.guards import NonFiniteSteps, StopSignals, lock_run_dir, out_of_memory
+from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, lock_run_dir, out_of_memory
 from gspo.train.sentinel import collapse_findings, response, stop_reason
 from gspo.train.state import (CheckpointWriter, TrainState, checkpoint_batch, checkpoint_step, load as load_state,
                               newest_checkpoint)
@@ -83,20 +84,28 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         lap("model_load")
         actor = Actor(cfg, runtime, model)
         lap("actor")
+        # Several processes: the engine takes its own full copy of the weights before FSDP shards the policy.
         engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
-                             device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step)
+                             device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
+                             replica=runtime.world_size > 1)
         if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
             if not hasattr(engine, "routing") or actor.routing is None:
                 raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
                                 f"({type(engine).__name__} does not); set rollout.engine = 'hf' or 'graph'.")
+            if getattr(engine, "replica", False):
+                raise UserError("moe.routing_replay = 'rollout' under torchrun needs the graph engine (the hf engine's "
+                                "copy of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, or "
+                                "use moe.routing_replay = 'old'.")
             engine.routing = actor.routing
+        actor.shard()
         lap("engine")
         stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
         lap("data")
     except BaseException:
         rewards.close()
         raise
-    generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed)
+    # Each process samples with its own stream (the first one's is the one-process run's).
+    generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed + runtime.rank)
     return Parts(runtime, actor, tokenizer, engine, Collector(cfg, tokenizer, stream, rewards, engine, generator), rewards)
 
 
@@ -107,9 +116,8 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.runtime = runtime or Runtime.from_config(cfg.model)
-        if self.runtime.world_size > 1:
-            raise UserError(f"gspo train runs in one process for now (WORLD_SIZE = {self.runtime.world_size}); launch it "
-                            "without torchrun.")
+        dist.check_layout(cfg, self.runtime.world_size)
+        dist.init(self.runtime.device, cfg.dist.timeout_s)
         self.timings: dict[str, float] = {"process_start_to_trainer": round(process_seconds(), 3)}
         self._prepare_run_dir(resume)
         try:
@@ -146,17 +154,21 @@ class Trainer:
         try:
             # The final checkpoint is written inside the signal guard too: a first SIGINT / SIGTERM while it is being
             # written is noted, and the checkpoint completes.
-            with StopSignals(lambda: f"rollout batch {self.state.rollout_batch}") as stop:
+            with StopSignals(lambda: f"rollout batch {self.state.rollout_batch}") as stop, dist_failures(self):
                 runlog = RunLog(self.run_dir, cfg, step=state.step, rollout_batch=state.rollout_batch,
                                 enabled=self.runtime.is_main)
-                while state.step < cfg.train.steps and stop.received is None:
+                # Under torchrun the processes stop together, at the first rollout-batch boundary after any of them
+                # got a signal (one that went on alone would wait in a collective for the others).
+                stopping = dist.any_rank(stop.received is not None)
+                while state.step < cfg.train.steps and not stopping:
                     self.rollout_batch_once(runlog)
                     self.writer.poll()  # a background checkpoint that failed ends the run now, in one line
+                    stopping = dist.any_rank(stop.received is not None)
                     if self.check_collapse(self.last_rows):  # rolled back to an earlier checkpoint: replay from there
                         runlog.rewind(state.step, state.rollout_batch)
                         continue
                     every = cfg.log.checkpoint_every
-                    if every and state.rollout_batch % every == 0 and state.step < cfg.train.steps and stop.received is None:
+                    if every and state.rollout_batch % every == 0 and state.step < cfg.train.steps and not stopping:
                         self.checkpoint()
                 t_loop_end = time.perf_counter()
                 self.timings["loop_s"] = round(t_loop_end - t_train, 3)
@@ -166,7 +178,7 @@ class Trainer:
                 self.writer.wait()
                 runlog.close()  # after the final checkpoint: a failed write closes the sinks (W&B) as failed
                 # A signal that came during the final checkpoint of a finished run stopped nothing: the run is done.
-                self.stop_signal = stop.received if state.step < cfg.train.steps else None
+                self.stop_signal = (stop.received or "SIGTERM") if stopping and state.step < cfg.train.steps else None
             failed = False
         finally:
             if runlog is not None:
@@ -268,7 +280,9 @@ class Trainer:
             self.actor.lr_scale *= sc.lr_factor
             state.rollbacks = rollbacks
             self.restore(before_batch=state.rollout_batch - 1)
-            self._abandon_checkpoints_after(state.step)
+            if self.runtime.is_main:
+                self._abandon_checkpoints_after(state.step)
+            dist.barrier()
             return True
         last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
         last += stop_reason(sc, state.rollbacks, bool(older))
@@ -351,6 +365,26 @@ class Trainer:
         if lock is not None:
             lock.close()
 
+    def _restore_process_rng(self, ckpt: Path, payload: dict, step: int) -> None:
+        """Each process's own RNGs and sampling stream, from the checkpoint's ``rank-NNNNN.pt`` when the same number of
+        processes wrote it. At another number of processes the streams cannot be mapped: every process is seeded
+        afresh from (seed, step, rank); weights, optimizer, data position and minibatch shuffles are still exact."""
+        rank, world = self.runtime.rank, self.runtime.world_size
+        saved = payload.get("world_size", 1)
+        if saved == world:
+            if world > 1:
+                own = torch.load(ckpt / RANK_FILE.format(rank), weights_only=False)
+                set_rng_state(own["rng"])
+                self.collector.generator.set_state(own["generator"])
+            return
+        seed = self.cfg.seed + 1_000_003 * step + rank
+        seed_everything(seed)
+        self.collector.generator.manual_seed(seed)
+        if self.runtime.is_main:
+            log.warning("resumed on %d process(es) from a checkpoint written by %d: weights, optimizer, data position "
+                        "and minibatch shuffles are exact; the sampling streams are new (seeded from seed, step and "
+                        "rank), so the rollouts differ from those of an uninterrupted run", world, saved)
+
     def _abandon_checkpoints_after(self, step: int) -> None:
         """A rollback abandons the timeline after ``step``: its checkpoints are renamed out of the way (to
         ``rolled-back-step-N``, never taken for a checkpoint), so neither --resume nor a message can pick them."""
@@ -368,7 +402,11 @@ class Trainer:
         """Start writing a checkpoint of the run as it is now (in the background; see CheckpointWriter)."""
         c = self.collector
         parts = {**self.actor.state_dict(), "generator": c.generator.get_state(), "data": c.stream.state_dict(),
-                 "skipped_prompts": c.skipped_prompts}
+                 "skipped_prompts": c.skipped_prompts, "world_size": self.runtime.world_size}
+        if self.actor.sharded:  # every process writes its shards; synchronous (see gspo.checkpoint.save_sharded)
+            self.writer.write_sharded(self.state, parts, self.actor, self.tokenizer, self.cfg.log.keep_checkpoints,
+                                      self.t_start)
+            return
         self.writer.submit(self.state, parts, self.actor.model, self.tokenizer, self.cfg.log.keep_checkpoints,
                            self.t_start)
 
@@ -376,9 +414,10 @@ class Trainer:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""
         path = self.run_dir / "metrics.jsonl"
         metrics = read_jsonl(path) if path.exists() else None  # read once: for the checkpoint choice and the sentinel
-        ckpt, state, payload = load_state(self.run_dir, self.actor.model, before_batch, metrics)
+        ckpt, state, payload = load_state(self.run_dir, self.actor.load_weights, before_batch, metrics)
         self.actor.load_state_dict(payload)
         self.collector.generator.set_state(payload["generator"])
+        self._restore_process_rng(ckpt, payload, state.step)
         self.collector.stream.load_state_dict(payload["data"])
         self.collector.skipped_prompts = payload.get("skipped_prompts", 0)
         state.rollbacks = max(state.rollbacks, self.state.rollbacks)

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import (complete_checkpoints, load_model_weights, rng_state, save_checkpoint, set_rng_state,
-                             to_cpu)
+from gspo.checkpoint import (complete_checkpoints, load_model_weights, rng_state, save_checkpoint, save_sharded,
+                             set_rng_state, to_cpu)
 from gspo.errors import UserError
 
 log = logging.getLogger("gspo")
@@ -102,14 +102,32 @@ class CheckpointWriter:
                                         self.phases)
         except (OSError, RuntimeError) as e:  # no space (torch.save reports it as a RuntimeError), a read-only or
             # vanished directory: the previous checkpoints are untouched
-            newest = newest_checkpoint(self.run_dir)
-            kept = f"the last complete one, {newest}, is intact" if newest else "no earlier checkpoint exists"
-            why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
-            self._error = UserError(f"Writing the checkpoint of step {step} to {str(self.run_dir / 'checkpoints')!r} "
-                                    f"failed ({why}); {kept}. Free disk space or fix the directory, then --resume.")
-            self._error.__cause__ = e
+            self._error = self._failed(step, e)
         except BaseException as e:  # anything else is a bug: re-raised as it is in the loop's thread
             self._error = e
+
+    def _failed(self, step: int, e: BaseException) -> UserError:
+        newest = newest_checkpoint(self.run_dir)
+        kept = f"the last complete one, {newest}, is intact" if newest else "no earlier checkpoint exists"
+        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
+        error = UserError(f"Writing the checkpoint of step {step} to {str(self.run_dir / 'checkpoints')!r} failed "
+                          f"({why}); {kept}. Free disk space or fix the directory, then --resume.")
+        error.__cause__ = e
+        return error
+
+    def write_sharded(self, state: TrainState, parts: dict[str, Any], actor, tokenizer, keep: int,
+                      t_start: float) -> None:
+        """Write checkpoint ``step-<state.step>`` of a sharded policy now, with every process (a collective; see
+        :func:`gspo.checkpoint.save_sharded`)."""
+        t0 = time.perf_counter()
+        payload = {**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts}
+        own = {"rng": payload["rng"], "generator": parts["generator"]}
+        try:
+            self.last = save_sharded(self.run_dir / "checkpoints", state.step, actor.model, actor.optimizer, tokenizer,
+                                     payload, own, keep)
+        except OSError as e:
+            raise self._failed(state.step, e) from e
+        self.seconds += time.perf_counter() - t0
 
     def wait(self, raise_error: bool = True) -> Path | None:
         """Finish the write in flight (if any); raise its error (with ``raise_error=False`` it stays pending for the
@@ -130,10 +148,10 @@ class CheckpointWriter:
             self.wait()
 
 
-def load(run_dir: Path, model, before_batch: int | None = None,
+def load(run_dir: Path, load_weights, before_batch: int | None = None,
          metrics: list[dict[str, Any]] | None = None) -> tuple[Path, TrainState, dict[str, Any]]:
-    """Load the newest readable checkpoint's weights into ``model`` (with ``before_batch``: the newest written before
-    that rollout batch); returns it, its counters and the rest of its payload (RNGs restored already). A damaged
+    """Load the newest readable checkpoint's weights with ``load_weights(ckpt)`` (a model, or the actor's loader of
+    sharded checkpoints; with ``before_batch``: the newest written before that rollout batch); returns it, its counters and the rest of its payload (RNGs restored already). A damaged
     newest checkpoint (disk error, manual edits) falls back to the previous one, with a warning; so does one whose
     steps ``metrics`` (the rows of ``metrics.jsonl``, None without the file) no longer cover (a line lost), so that
     the replayed steps fill the hole."""
@@ -159,7 +177,10 @@ def load(run_dir: Path, model, before_batch: int | None = None,
         raise UserError(f"--resume found no complete checkpoint in {str(root)!r}; start a new run without --resume.")
     for ckpt in reversed(ckpts):
         try:
-            load_model_weights(model, ckpt)
+            if isinstance(load_weights, torch.nn.Module):
+                load_model_weights(load_weights, ckpt)
+            else:
+                load_weights(ckpt)
             payload = torch.load(ckpt / "trainer_state.pt", weights_only=False)
             break
         except Exception as e:  # safetensors, pickle and OS errors all mean "this checkpoint cannot be read"

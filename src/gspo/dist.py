@@ -1,0 +1,189 @@
+"""Data parallelism across the processes of a ``torchrun`` job: torch's FSDP2 (``fully_shard``) shards the policy,
+and this module holds the few collectives the loop adds. One process (no ``torchrun``, or ``WORLD_SIZE`` 1) calls
+none of them: every function here is the identity there.
+
+How a rollout batch is split (``W`` ranks, ``P`` prompts, ``G`` completions):
+
+* every rank reads the same data stream and draws the same prompts; rank ``r`` generates and scores its ``P / W``
+  prompts, each group on one rank, with its own engine and reward workers (DAPO refill rounds are taken together:
+  each round every rank says how many groups it still needs, all draw that many prompts from the stream and each
+  takes its share, so the stream stays one and the same on every rank);
+* the scored groups are gathered (token ids, masks, rewards: kilobytes), so every rank holds the whole batch; the
+  advantages, the metrics and the minibatch shuffle are the single-process ones;
+* in every minibatch rank ``r`` trains the ``r``-th contiguous slice of its rows. The loss denominators (tokens,
+  sequences) are those of the whole minibatch, which every rank knows; FSDP averages the gradients over ranks, so
+  each rank's loss is scaled by ``W``: the gradient is the single-process one (verl #5625 is what happens otherwise);
+* each rank's new log-probs are gathered, so the diagnostics and the metrics are computed over the whole minibatch
+  as one process would, and reduced once a step.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from gspo.errors import UserError
+
+log = logging.getLogger("gspo")
+
+
+def active() -> bool:
+    """Whether this process is one of several in an initialised process group."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
+def init(device: torch.device, timeout_s: float) -> None:
+    """Join the ``torchrun`` job (NCCL on GPUs, gloo on CPUs); a collective that waits longer than ``timeout_s``
+    (a rank that crashed or hangs) fails instead of waiting forever."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def close() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def rank_world() -> tuple[int, int]:
+    return (torch.distributed.get_rank(), torch.distributed.get_world_size()) if active() else (0, 1)
+
+
+def check_layout(cfg, world: int) -> None:
+    """Refuse a batch shape that ``world`` ranks cannot share evenly (every group on one rank, every minibatch cut
+    into equal slices, so that every rank runs the same number of forwards and collectives)."""
+    if world <= 1:
+        return
+    r, t = cfg.rollout, cfg.train
+    mb = r.prompts_per_batch * r.group_size // t.minibatches
+    if r.prompts_per_batch % world:
+        raise UserError(f"rollout.prompts_per_batch = {r.prompts_per_batch} cannot be shared by {world} processes (each "
+                        f"keeps whole groups); use a multiple of {world}.")
+    if mb % world:
+        raise UserError(f"A minibatch of {mb} sequences (prompts_per_batch x group_size / train.minibatches) cannot be "
+                        f"cut into {world} equal slices; change train.minibatches or the batch so it is a multiple "
+                        f"of {world}.")
+    if t.micro_batch_size and (mb // world) % t.micro_batch_size:
+        raise UserError(f"train.micro_batch_size = {t.micro_batch_size} must divide each process's slice of a minibatch "
+                        f"({mb // world} sequences on {world} processes), or be 0.")
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    return device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` in one process). For small things: they are pickled."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``local`` (same shape on all), concatenated on dimension 0 in rank order."""
+    if not active():
+        return local
+    dev = _comm_device(local.device)
+    parts = [torch.empty_like(local, device=dev) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, local.to(dev).contiguous())
+    return torch.cat(parts).to(local.device)
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t`` over ranks (a new tensor on ``t``'s device)."""
+    if not active():
+        return t
+    dev = _comm_device(t.device)
+    out = t.detach().to(dev, copy=True)
+    torch.distributed.all_reduce(out)
+    return out.to(t.device)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: how ranks agree to stop together."""
+    if not active():
+        return flag
+    t = torch.tensor([float(flag)])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if active():
+        torch.distributed.barrier()
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def slice_of(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous slice of ``rows`` (its length a multiple of ``world``)."""
+    n = len(rows) // world
+    return rows[rank * n:(rank + 1) * n]
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise UserError(f"{type(model).__name__} has no model.layers to shard across processes; gspo shards decoder "
+                        "models of the Llama / Qwen / Mixtral layout.")
+    return list(layers)
+
+
+def shard(model: torch.nn.Module, autocast: torch.dtype | None) -> None:
+    """FSDP2 in place: one unit per decoder layer, and the root unit holding the embeddings, final norm and LM head
+    (tied weights stay one parameter). Master weights stay fp32; with bf16 compute the layers gather bf16 weights and
+    reduce fp32 gradients."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=autocast, reduce_dtype=torch.float32) if autocast is not None else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    from gspo.logprobs import as_fsdp_forward
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    as_fsdp_forward(model)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for every parameter, tied ones under each of their names, gathered one at a time (a
+    collective: every rank iterates all of them in the same order). The weight seam of a sharded policy."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in model.named_parameters(remove_duplicate=False):
+        p = param.detach()
+        yield name, p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a plain tensor is returned as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,0 +1,64 @@
+"""One rollout batch's update (prepare, then every minibatch's optimizer step) on a fixed batch, for each preset and a
+few settings, in one process or under torchrun: rank 0 writes the metrics and the full weights after it, which
+test_dist compares across process counts. Usage: step_worker.py OUT_FILE."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import tiny_llama  # noqa: E402
+
+from gspo import dist  # noqa: E402
+from gspo.config import build_config  # noqa: E402
+from gspo.runtime import Runtime  # noqa: E402
+from gspo.train.actor import Actor  # noqa: E402
+from gspo.types import Batch, Rollout  # noqa: E402
+
+CASES = {
+    "gspo": [], "gspo_token": [], "grpo": [], "dapo": ["dapo.overlong_cache=4"], "dr_grpo": [],
+    "grpo-kl-micro": ["algorithm='grpo'", "loss.beta=0.04", "train.micro_batch_size=2"],
+    "gspo-rollout-logprobs": ["algorithm='gspo'", "train.old_logprobs='rollout'", "train.minibatches=4"],
+}
+
+
+def fixed_batch(n: int = 16, width: int = 12) -> Batch:
+    """Rows of uneven prompt and completion lengths (so the processes' slices hold different token counts)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, width + 1, (n,), generator=g)
+    mask = torch.arange(width)[None] < lengths[:, None]  # (N, T)
+    ids = torch.randint(3, 512, (n, width), generator=g).masked_fill(~mask, 2)
+    prompts = [torch.randint(3, 512, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    engine_logp = (-torch.rand(n, width, generator=g) * 4).masked_fill(~mask, 0.0)
+    rollout = Rollout(prompts, ids, mask, engine_logp, ["stop"] * n, [""] * n, pad_id=2)
+    return Batch(rollout, [None] * n, torch.zeros(n), torch.randn(n, generator=g), mask.clone(), {})
+
+
+def run(name: str, extra: list[str]) -> dict:
+    algorithm = [] if any(e.startswith("algorithm=") for e in extra) else [f"algorithm='{name}'"]
+    cfg = build_config({}, [*algorithm, "rollout.prompts_per_batch=4", "rollout.group_size=4", "train.minibatches=2",
+                            "train.steps=8", "train.lr=1e-2", "rollout.max_new_tokens=12", "model.device='cpu'",
+                            "model.precision='fp32'", *extra], device="cpu")
+    runtime = Runtime.from_config(cfg.model)
+    actor = Actor(cfg, runtime, tiny_llama(vocab_size=512, seed=0))
+    actor.shard()
+    batch = fixed_batch()
+    plan = actor.plan(16)
+    actor.prepare(batch, plan)
+    steps, grads = [], {}
+    for k in range(cfg.train.minibatches):
+        out = actor.step(batch, plan, k, k)
+        steps.append({key: float(v) for key, v in out.metrics.items()})
+        if k == 0:  # gradients stay in .grad after the optimizer step
+            grads = {n: dist.full_value(p.grad).clone() for n, p in actor.model.named_parameters()}
+    return {"steps": steps, "grads": grads, "grad_scale": max(float(g.abs().max()) for g in grads.values()),
+            "weights": {n: t.clone() for n, t in actor.weights()}, "old_logprobs": batch.old_logprobs.clone()}
+
+
+if __name__ == "__main__":
+    dist.init(torch.device("cpu"), 120)
+    results = {name: run(name, extra) for name, extra in CASES.items()}
+    if dist.rank_world()[0] == 0:
+        torch.save(results, sys.argv[1])
+    dist.close()

@@ -1,0 +1,153 @@
+"""Data-parallel training with real torchrun processes on gloo (CPU): FSDP2 shards the policy, a batch trained by two
+processes equals the batch trained by one, sharded checkpoints resume at other process counts, a killed process
+leaves a resumable run, and two torchrun agents meet through a c10d rendezvous as two nodes would."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo.metrics import read_jsonl
+
+from test_faults import check_run_dir
+from test_trainer import tiny_dir  # noqa: F401  (the module fixture)
+
+TESTS = Path(__file__).resolve().parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)]), "OMP_NUM_THREADS": "1"}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _overrides(tiny_dir, *extra: str) -> list[str]:
+    # 6 prompts x 2 completions, 2 minibatches of 6: shared evenly by 1, 2 or 3 processes.
+    return [f"model.name='{tiny_dir}'", "model.device='cpu'", "rollout.prompts_per_batch=6", "rollout.group_size=2",
+            "rollout.max_new_tokens=6", "train.minibatches=2", "train.lr=1e-3", "rewards.workers=0",
+            "log.progress=false", "log.checkpoint_every=1", "dist.timeout_s=60",
+            "rewards.functions=[{path='trainer_rewards:dyadic_length'}]", *extra]
+
+
+def _train(cwd: Path, launcher: list[str], overrides: list[str], *flags: str, timeout: int = 300):
+    return subprocess.run([*launcher, "-m", "gspo.cli", "train", *overrides, *flags], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _torchrun(n: int) -> list[str]:
+    return [*TORCHRUN, "--standalone", f"--nproc_per_node={n}"]
+
+
+def test_two_processes_train_a_batch_as_one_does(tmp_path):
+    """Every preset (and KL with micro-batches, and engine log-probs over 4 minibatches): one rollout batch's update on
+    the same fixed batch -- rows of uneven lengths, so the two processes' slices hold different token counts -- gives
+    the same losses, metrics, gradients and weights on two FSDP2 processes as in one process."""
+    worker = str(TESTS / "dist" / "step_worker.py")
+    one = subprocess.run([sys.executable, worker, str(tmp_path / "one.pt")], env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([*_torchrun(2), worker, str(tmp_path / "two.pt")], env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert list(a) == list(b) and len(a) == 7
+    for case in a:
+        for x, y in zip(a[case]["steps"], b[case]["steps"], strict=True):
+            assert set(x) == set(y), case
+            for key in x:
+                if key.startswith("time/") or x[key] != x[key]:
+                    continue
+                assert y[key] == pytest.approx(x[key], rel=2e-4, abs=1e-6), (case, key)
+        for name, grad in a[case]["grads"].items():  # the first step's gradient, before AdamW touches anything
+            torch.testing.assert_close(b[case]["grads"][name], grad, rtol=1e-4, atol=1e-6 * a[case]["grad_scale"])
+        for name, w in a[case]["weights"].items():  # after every step (lr 1e-2: AdamW moves a weight ~1e-2 a step)
+            torch.testing.assert_close(b[case]["weights"][name], w, rtol=0, atol=5e-4)
+        torch.testing.assert_close(b[case]["old_logprobs"], a[case]["old_logprobs"], rtol=0, atol=1e-5)
+
+
+def test_sharded_checkpoints_resume_at_one_and_three_processes(tiny_dir, tmp_path):  # noqa: F811
+    """`gspo train --nproc 2` writes sharded checkpoints (DCP, each process's RNG, an HF export); the run resumes
+    under one process and, from a copy, under three; both finish with every step logged once, and every complete
+    checkpoint loads as an HF model. The trained weights are the same whatever resumes them (one optimizer step on
+    the same resumed batch differs only by the sampling streams, which a new process count reseeds)."""
+    run = tmp_path / "run"
+    first = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=4"), "--nproc", "2", "--run-dir",
+                   str(run))
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = check_run_dir(run, 4)
+    ckpt = run / "checkpoints" / "step-000004"
+    assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "rank-00001.pt").is_file()
+    assert '"LlamaForCausalLM"' in (ckpt / "config.json").read_text()  # not FSDP's class name
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(run), str(copy)], check=True)
+
+    one = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=6"), "--resume", "--run-dir", str(run))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "resumed on 1 process(es) from a checkpoint written by 2" in one.stderr
+    three = _train(tmp_path, _torchrun(3), _overrides(tiny_dir, "train.steps=6"), "--resume", "--run-dir", str(copy))
+    assert three.returncode == 0, three.stderr[-3000:]
+    for d in (run, copy):
+        resumed = check_run_dir(d, 6)
+        assert resumed[:4] == rows  # the lines before the resume are kept as they were
+        assert resumed[4]["data/position"] == resumed[5]["data/position"] > rows[-1]["data/position"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_killed_process_ends_the_run_and_it_resumes(tiny_dir, tmp_path):  # noqa: F811
+    """SIGKILL to one of two processes mid-run: the job ends within the collective timeout, with a one-line message
+    from a surviving process naming the last complete checkpoint; nothing half-written is taken for a checkpoint, and
+    --resume (two processes again) trains to the end with every step logged once."""
+    run = tmp_path / "run"
+    overrides = _overrides(tiny_dir, "train.steps=12")
+    proc = subprocess.Popen([*_torchrun(2), "-m", "gspo.cli", "train", *overrides, "--run-dir", str(run)], cwd=tmp_path,
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and len(read_jsonl(run / "metrics.jsonl")
+                                                                   if (run / "metrics.jsonl").exists() else []) < 4:
+        time.sleep(0.05)
+    workers = sorted(_children(proc.pid))
+    assert proc.poll() is None and len(workers) == 2, "the run finished or never started"
+    os.kill(workers[1], signal.SIGKILL)
+    t0 = time.time()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - t0 < 90, err[-3000:]
+    assert not any(p.name.endswith(".tmp") and (p / "COMPLETE").exists() for p in (run / "checkpoints").iterdir())
+    again = _train(tmp_path, _torchrun(2), overrides, "--resume", "--run-dir", str(run))
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_run_dir(run, 12)
+
+
+def test_two_nodes_meet_through_a_c10d_rendezvous(tiny_dir, tmp_path):  # noqa: F811
+    """Two torchrun agents, one process each, on one host, with a c10d rendezvous on localhost: how a multi-node job
+    starts (each node runs the same command). They train one run together; rank 0 alone writes it."""
+    port = _free_port()
+    run = tmp_path / "run"
+    cmd = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "--rdzv-id=gspo-test", "-m", "gspo.cli", "train", *_overrides(tiny_dir, "train.steps=2"), "--run-dir",
+           str(run)]
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), "\n".join(err[-2000:] for _, err in outs)
+    check_run_dir(run, 2)
+    assert sum("done: 2 optimizer steps" in out for out, _ in outs) == 1  # the first process talks to the user
