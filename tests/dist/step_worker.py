@@ -8,6 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import tiny_llama  # noqa: E402
+from test_moe import tiny_moe  # noqa: E402
 
 from gspo import dist  # noqa: E402
 from gspo.config import build_config  # noqa: E402
@@ -19,16 +20,19 @@ CASES = {
     "gspo": [], "gspo_token": [], "grpo": [], "dapo": ["dapo.overlong_cache=4"], "dr_grpo": [],
     "grpo-kl-micro": ["algorithm='grpo'", "loss.beta=0.04", "train.micro_batch_size=2"],
     "gspo-rollout-logprobs": ["algorithm='gspo'", "train.old_logprobs='rollout'", "train.minibatches=4"],
+    # MoE: routing records are kept by batch row, so each process replays its own rows; flip counts are summed
+    "mixtral-r2": ["algorithm='grpo'", "moe.routing_replay='old'"],
+    "qwen3_moe": ["algorithm='grpo'"],
 }
 
 
-def fixed_batch(n: int = 16, width: int = 12) -> Batch:
+def fixed_batch(n: int = 16, width: int = 12, vocab: int = 512) -> Batch:
     """Rows of uneven prompt and completion lengths (so the processes' slices hold different token counts)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, width + 1, (n,), generator=g)
     mask = torch.arange(width)[None] < lengths[:, None]  # (N, T)
-    ids = torch.randint(3, 512, (n, width), generator=g).masked_fill(~mask, 2)
-    prompts = [torch.randint(3, 512, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+    ids = torch.randint(3, vocab, (n, width), generator=g).masked_fill(~mask, 2)
+    prompts = [torch.randint(3, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n)]
     engine_logp = (-torch.rand(n, width, generator=g) * 4).masked_fill(~mask, 0.0)
     rollout = Rollout(prompts, ids, mask, engine_logp, ["stop"] * n, [""] * n, pad_id=2)
@@ -41,9 +45,11 @@ def run(name: str, extra: list[str]) -> dict:
                             "train.steps=8", "train.lr=1e-2", "rollout.max_new_tokens=12", "model.device='cpu'",
                             "model.precision='fp32'", *extra], device="cpu")
     runtime = Runtime.from_config(cfg.model)
-    actor = Actor(cfg, runtime, tiny_llama(vocab_size=512, seed=0))
+    family = name.split("-")[0]
+    moe = family in ("mixtral", "qwen3_moe")
+    actor = Actor(cfg, runtime, tiny_moe(family) if moe else tiny_llama(vocab_size=512, seed=0))
     actor.shard()
-    batch = fixed_batch()
+    batch = fixed_batch(vocab=256 if moe else 512)
     plan = actor.plan(16)
     actor.prepare(batch, plan)
     steps, grads = [], {}
