@@ -75,15 +75,18 @@ def test_two_processes_train_a_batch_as_one_does(tmp_path):
         torch.testing.assert_close(b[case]["old_logprobs"], a[case]["old_logprobs"], rtol=0, atol=1e-5)
 
 
-def test_sharded_checkpoints_resume_at_one_and_three_processes(tiny_dir, tmp_path):  # noqa: F811
-    """`gspo train --nproc 2` writes sharded checkpoints (DCP, each process's RNG, an HF export); the run resumes
-    under one process and, from a copy, under three; both finish with every step logged once, and every complete
-    checkpoint loads as an HF model. The trained weights are the same whatever resumes them (one optimizer step on
-    the same resumed batch differs only by the sampling streams, which a new process count reseeds)."""
+def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path):  # noqa: F811
+    """A one-process run (HF weights, AdamW state in trainer_state.pt) resumes under `gspo train --nproc 2`, which
+    writes sharded checkpoints (DCP, each process's RNG, an HF export); that run resumes under one process and, from a
+    copy, under three. Every resume warns that the sampling streams are new, every run finishes with each step logged
+    once, the lines before a resume are kept, and every complete checkpoint loads as an HF model."""
     run = tmp_path / "run"
-    first = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=4"), "--nproc", "2", "--run-dir",
-                   str(run))
+    first = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=2"), "--run-dir", str(run))
     assert first.returncode == 0, first.stderr[-3000:]
+    two = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=4"), "--nproc", "2", "--resume",
+                 "--run-dir", str(run))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "resumed on 2 process(es) from a checkpoint written by 1" in two.stderr
     rows = check_run_dir(run, 4)
     ckpt = run / "checkpoints" / "step-000004"
     assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "rank-00001.pt").is_file()
@@ -155,3 +158,27 @@ def test_two_nodes_meet_through_a_c10d_rendezvous(tiny_dir, tmp_path):  # noqa: 
     assert all(n.returncode == 0 for n in nodes), "\n".join(err[-2000:] for _, err in outs)
     check_run_dir(run, 2)
     assert sum("done: 2 optimizer steps" in out for out, _ in outs) == 1  # the first process talks to the user
+
+
+def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  # noqa: F811
+    """SIGTERM to one of two processes only: both stop at the same rollout-batch boundary (they agree on it), write a
+    checkpoint together and exit 143; the newest checkpoint is the last step logged, and --resume trains to the end."""
+    run = tmp_path / "run"
+    overrides = _overrides(tiny_dir, "train.steps=12", "log.checkpoint_every=0")
+    proc = subprocess.Popen([*_torchrun(2), "-m", "gspo.cli", "train", *overrides, "--run-dir", str(run)], cwd=tmp_path,
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and len(read_jsonl(run / "metrics.jsonl")
+                                                                   if (run / "metrics.jsonl").exists() else []) < 2:
+        time.sleep(0.05)
+    workers = sorted(_children(proc.pid))
+    assert proc.poll() is None and len(workers) == 2, "the run finished or never started"
+    os.kill(workers[1], signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert "exitcode  : 143" in err and not any("]: Traceback" in line for line in err.splitlines()), err[-3000:]
+    rows = check_run_dir(run, len(read_jsonl(run / "metrics.jsonl")))
+    assert 2 <= len(rows) < 12
+    assert (run / "checkpoints" / f"step-{len(rows):06d}" / "COMPLETE").exists()
+    again = _train(tmp_path, _torchrun(2), overrides, "--resume", "--run-dir", str(run))
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_run_dir(run, 12)

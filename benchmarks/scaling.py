@@ -1,0 +1,85 @@
+"""Weak scaling of `gspo train` under torchrun + FSDP2: the reference run with a fixed number of prompts per GPU, at
+1, 2, 4 ... GPUs of one host, side by side on one machine. Prints a table and writes JSON.
+
+    python benchmarks/scaling.py --gpus 1,2,4 --batches 6 --out results/scaling.json [key=value ...]
+
+Completions per second are counted over the rollout batches after the first (engine warm-up, CUDA-graph capture and
+the first checkpoint-free batch's allocations are left out): (batches - 1) x P x G / the wall-clock time between the
+end of the first batch and the end of the last (``time/elapsed`` of their last metrics lines).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from gspo.metrics import read_jsonl  # noqa: E402
+
+
+def run(n_gpus: int, args, out_dir: Path) -> dict:
+    prompts = args.prompts_per_gpu * n_gpus
+    run_dir = out_dir / f"gpus{n_gpus}"
+    cmd = [sys.executable, "-m", "gspo.cli", "train", args.config, f"rollout.prompts_per_batch={prompts}",
+           f"rollout.group_size={args.group_size}", f"train.steps={args.batches * args.minibatches}",
+           f"train.minibatches={args.minibatches}", "log.checkpoint_every=0", "log.progress=false",
+           *args.overrides, "--run-dir", str(run_dir), "--nproc", str(n_gpus)]
+    t0 = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t0
+    if done.returncode != 0:
+        return {"gpus": n_gpus, "error": done.stderr[-2000:]}
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    ends = {}
+    for r in rows:  # the last line of each rollout batch
+        ends[r["rollout_batch"]] = r
+    batches = sorted(ends)
+    span = ends[batches[-1]]["time/elapsed"] - ends[batches[0]]["time/elapsed"]
+    completions = (len(batches) - 1) * prompts * args.group_size
+    first = [r for r in rows if r["minibatch"] == 0]
+    return {"gpus": n_gpus, "prompts_per_batch": prompts, "group_size": args.group_size,
+            "completions_per_s": completions / span, "wall_s": wall,
+            "reward_first": first[0]["reward/mean"], "reward_last": first[-1]["reward/mean"],
+            "rollout_s_mean": sum(r["time/rollout"] for r in first[1:]) / max(1, len(first) - 1),
+            "update_s_mean": sum(r["time/update"] for r in rows if r["rollout_batch"] > 0) / max(
+                1, sum(1 for r in rows if r["rollout_batch"] > 0))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", default="1,2", help="comma-separated GPU counts")
+    p.add_argument("--config", default="configs/quickstart.toml")
+    p.add_argument("--prompts-per-gpu", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--minibatches", type=int, default=4)
+    p.add_argument("--batches", type=int, default=6, help="rollout batches per run (the first is not timed)")
+    p.add_argument("--out", default="scaling.json")
+    p.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = [run(int(n), args, out.parent / "scaling-runs") for n in args.gpus.split(",")]
+    base = next((r["completions_per_s"] for r in results if r.get("gpus") == 1 and "error" not in r), None)
+    print(f"{'GPUs':>4} {'prompts':>7} {'compl/s':>9} {'speed-up':>8} {'rollout s':>9} {'update s':>8} {'reward':>13}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['gpus']:>4} failed: {r['error'].strip().splitlines()[-1][:100]}")
+            continue
+        r["speedup"] = r["completions_per_s"] / base if base else None
+        sp = f"{r['speedup']:.2f}x" if base else "-"
+        print(f"{r['gpus']:>4} {r['prompts_per_batch']:>7} {r['completions_per_s']:>9.1f} {sp:>8} "
+              f"{r['rollout_s_mean']:>9.2f} {r['update_s_mean']:>8.3f} {r['reward_first']:.3f}->{r['reward_last']:.3f}")
+    try:
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 -- the name is a label
+        device = "unknown"
+    out.write_text(json.dumps({"device": device, "args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
