@@ -79,8 +79,11 @@ def check_layout(cfg, world: int) -> None:
                         f"({mb // world} sequences on {world} processes), or be 0.")
 
 
-def _comm_device(device: torch.device) -> torch.device:
-    return device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+def _comm_device(device: torch.device | None = None) -> torch.device:
+    """Where a collective's tensors must be: this process's GPU under NCCL, the CPU under gloo."""
+    if torch.distributed.get_backend() != "nccl":
+        return torch.device("cpu")
+    return device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
 
 def gather_objects(obj: Any) -> list[Any]:
@@ -116,7 +119,7 @@ def any_rank(flag: bool) -> bool:
     """Whether ``flag`` is true on any rank: how ranks agree to stop together."""
     if not active():
         return flag
-    t = torch.tensor([float(flag)])
+    t = torch.tensor([float(flag)], device=_comm_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
 
