@@ -117,6 +117,20 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _two_processes_after(cwd: Path, run: Path, overrides: list[str], lines: int):
+    """A two-process training run started in the background, once ``lines`` metrics lines are written: the torchrun
+    process and its two workers' pids."""
+    proc = subprocess.Popen([*_torchrun(2), "-m", "gspo.cli", "train", *overrides, "--run-dir", str(run)], cwd=cwd,
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and len(read_jsonl(run / "metrics.jsonl")
+                                                                   if (run / "metrics.jsonl").exists() else []) < lines:
+        time.sleep(0.05)
+    workers = sorted(_children(proc.pid))
+    assert proc.poll() is None and len(workers) == 2, "the run finished or never started"
+    return proc, workers
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_path, fault):  # noqa: F811
     """One of two processes is SIGKILLed (it crashed) or SIGSTOPped (it hangs) mid-run: the other ends within
@@ -124,14 +138,7 @@ def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_pa
     and --resume (two processes again) trains to the end with every step logged once."""
     run = tmp_path / "run"
     overrides = _overrides(tiny_dir, "train.steps=12", "dist.timeout_s=10")
-    proc = subprocess.Popen([*_torchrun(2), "-m", "gspo.cli", "train", *overrides, "--run-dir", str(run)], cwd=tmp_path,
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None and len(read_jsonl(run / "metrics.jsonl")
-                                                                   if (run / "metrics.jsonl").exists() else []) < 4:
-        time.sleep(0.05)
-    workers = sorted(_children(proc.pid))
-    assert proc.poll() is None and len(workers) == 2, "the run finished or never started"
+    proc, workers = _two_processes_after(tmp_path, run, overrides, lines=4)
     os.kill(workers[1], getattr(signal, fault))
     _, err = proc.communicate(timeout=120)  # torchrun stops a stopped process ~30 s after the other one ended
     assert proc.returncode != 0
@@ -146,18 +153,21 @@ def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_pa
 
 def test_two_nodes_meet_through_a_c10d_rendezvous(tiny_dir, tmp_path):  # noqa: F811
     """Two torchrun agents, one process each, on one host, with a c10d rendezvous on localhost: how a multi-node job
-    starts (each node runs the same command). They train one run together; rank 0 alone writes it."""
+    starts (each node runs the same command). They train one DAPO run together (dynamic sampling: the processes
+    refill their zero-variance groups in rounds taken together); rank 0 alone writes it."""
     port = _free_port()
     run = tmp_path / "run"
     cmd = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           "--rdzv-id=gspo-test", "-m", "gspo.cli", "train", *_overrides(tiny_dir, "train.steps=2"), "--run-dir",
+           "--rdzv-id=gspo-test", "-m", "gspo.cli", "train",
+           *_overrides(tiny_dir, "train.steps=4", "algorithm='dapo'", "dapo.overlong_cache=4"), "--run-dir",
            str(run)]
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [n.communicate(timeout=300) for n in nodes]
     assert all(n.returncode == 0 for n in nodes), "\n".join(err[-2000:] for _, err in outs)
-    check_run_dir(run, 2)
-    assert sum("done: 2 optimizer steps" in out for out, _ in outs) == 1  # the first process talks to the user
+    rows = check_run_dir(run, 4)
+    assert sum("done: 4 optimizer steps" in out for out, _ in outs) == 1  # the first process talks to the user
+    assert all(r["dynamic/rounds"] >= 1 for r in rows)
 
 
 def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  # noqa: F811
@@ -165,14 +175,7 @@ def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  
     checkpoint together and exit 143; the newest checkpoint is the last step logged, and --resume trains to the end."""
     run = tmp_path / "run"
     overrides = _overrides(tiny_dir, "train.steps=12", "log.checkpoint_every=0")
-    proc = subprocess.Popen([*_torchrun(2), "-m", "gspo.cli", "train", *overrides, "--run-dir", str(run)], cwd=tmp_path,
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None and len(read_jsonl(run / "metrics.jsonl")
-                                                                   if (run / "metrics.jsonl").exists() else []) < 2:
-        time.sleep(0.05)
-    workers = sorted(_children(proc.pid))
-    assert proc.poll() is None and len(workers) == 2, "the run finished or never started"
+    proc, workers = _two_processes_after(tmp_path, run, overrides, lines=2)
     os.kill(workers[1], signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert "exitcode  : 143" in err and not any("]: Traceback" in line for line in err.splitlines()), err[-3000:]

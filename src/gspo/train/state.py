@@ -3,7 +3,9 @@
 A checkpoint (written atomically by :mod:`gspo.checkpoint`, in the background by :class:`CheckpointWriter`) is a loadable HF model directory plus
 ``trainer_state.pt``: the counters of :class:`TrainState`, the optimizer, every RNG (Python, NumPy, torch, CUDA, the
 rollout sampler and the minibatch shuffle) and the data position. Restoring all of them at a rollout-batch boundary
-makes a resumed run bit-identical to one that never stopped. The learning-rate schedule is a function of the step,
+makes a resumed run bit-identical to one that never stopped. A run of several processes adds its DCP shards and
+each process's RNGs (:func:`gspo.checkpoint.save_sharded`); see docs/distributed.md for what a resume at another
+number of processes keeps exactly. The learning-rate schedule is a function of the step,
 so there is no scheduler state to restore.
 """
 from __future__ import annotations
@@ -18,8 +20,7 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import (complete_checkpoints, load_model_weights, rng_state, save_checkpoint, save_sharded,
-                             set_rng_state, to_cpu)
+from gspo.checkpoint import complete_checkpoints, rng_state, save_checkpoint, save_sharded, set_rng_state, to_cpu
 from gspo.errors import UserError
 
 log = logging.getLogger("gspo")
@@ -150,8 +151,9 @@ class CheckpointWriter:
 
 def load(run_dir: Path, load_weights, before_batch: int | None = None,
          metrics: list[dict[str, Any]] | None = None) -> tuple[Path, TrainState, dict[str, Any]]:
-    """Load the newest readable checkpoint's weights with ``load_weights(ckpt)`` (a model, or the actor's loader of
-    sharded checkpoints; with ``before_batch``: the newest written before that rollout batch); returns it, its counters and the rest of its payload (RNGs restored already). A damaged
+    """Load the newest readable checkpoint's weights with ``load_weights(ckpt)`` (the actor's loader, which reads
+    one-process and sharded checkpoints alike; with ``before_batch``: the newest written before that rollout batch);
+    returns it, its counters and the rest of its payload (RNGs restored already). A damaged
     newest checkpoint (disk error, manual edits) falls back to the previous one, with a warning; so does one whose
     steps ``metrics`` (the rows of ``metrics.jsonl``, None without the file) no longer cover (a line lost), so that
     the replayed steps fill the hole."""
@@ -177,10 +179,7 @@ def load(run_dir: Path, load_weights, before_batch: int | None = None,
         raise UserError(f"--resume found no complete checkpoint in {str(root)!r}; start a new run without --resume.")
     for ckpt in reversed(ckpts):
         try:
-            if isinstance(load_weights, torch.nn.Module):
-                load_model_weights(load_weights, ckpt)
-            else:
-                load_weights(ckpt)
+            load_weights(ckpt)
             payload = torch.load(ckpt / "trainer_state.pt", weights_only=False)
             break
         except Exception as e:  # safetensors, pickle and OS errors all mean "this checkpoint cannot be read"
