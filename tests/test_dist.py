@@ -159,7 +159,8 @@ def test_two_nodes_meet_through_a_c10d_rendezvous(tiny_dir, tmp_path):  # noqa: 
     run = tmp_path / "run"
     cmd = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            "--rdzv-id=gspo-test", "-m", "gspo.cli", "train",
-           *_overrides(tiny_dir, "train.steps=4", "algorithm='dapo'", "dapo.overlong_cache=4"), "--run-dir",
+           *_overrides(tiny_dir, "train.steps=4", "algorithm='dapo'", "dapo.overlong_cache=4",
+                       "rewards.functions=[{path='trainer_rewards:even_a_dyadic'}]"), "--run-dir",
            str(run)]
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
@@ -167,7 +168,8 @@ def test_two_nodes_meet_through_a_c10d_rendezvous(tiny_dir, tmp_path):  # noqa: 
     assert all(n.returncode == 0 for n in nodes), "\n".join(err[-2000:] for _, err in outs)
     rows = check_run_dir(run, 4)
     assert sum("done: 4 optimizer steps" in out for out, _ in outs) == 1  # the first process talks to the user
-    assert all(r["dynamic/rounds"] >= 1 for r in rows)
+    # prompts with an even first operand score all alike: their groups are dropped and refilled
+    assert all(r["dynamic/dropped_groups"] >= 1 and r["dynamic/rounds"] >= 2 for r in rows)
 
 
 def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  # noqa: F811
