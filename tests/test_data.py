@@ -254,3 +254,30 @@ def test_stream_errors():
         s.next_batch(0)
     with pytest.raises(UserError, match="same data"):
         DataStream(small(6), seed=0).load_state_dict(s.state_dict())
+
+
+def test_running_sum_task_is_a_deterministic_stream_of_long_sums():
+    """Example i depends on (seed, i) only; it adds between terms[0] and terms[1] numbers drawn from a_range, lists
+    them all in the prompt, and its answer is their sum; the default reward is the final number."""
+    task = build_dataset({"task": "running_sum", "seed": 3, "terms": [5, 9], "a_range": [2, 4]})
+    again = build_dataset({"task": "running_sum", "seed": 3, "terms": [5, 9], "a_range": [2, 4]})
+    for i in range(50):
+        ex = task[i]
+        numbers = ex.meta["numbers"]
+        assert ex == again[i] and 5 <= len(numbers) <= 9 and all(2 <= x <= 4 for x in numbers)
+        assert ex.answer == str(sum(numbers)) and ", ".join(map(str, numbers)) in ex.prompt
+        assert f"Add these {len(numbers)} numbers" in ex.prompt
+    assert {len(task[i].meta["numbers"]) for i in range(200)} == set(range(5, 10))
+    assert build_dataset({"task": "running_sum", "seed": 4})[0] != task[0]
+    assert default_reward("running_sum") == "gspo.rewards.builtin:last_number"
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"terms": [0, 3]}, "terms=.*start at 1"),
+    ({"terms": [9, 5]}, "lo > hi"),
+    ({"terms": "many"}, "not a pair of integers"),
+    ({"template": "{question}"}, "cannot be formatted"),
+])
+def test_running_sum_task_refuses_bad_settings_in_one_line(cfg, match):
+    with pytest.raises(UserError, match=match):
+        build_dataset({"task": "running_sum", **cfg})

@@ -248,3 +248,26 @@ def test_workers_survive_a_process_group_sigterm():
         time.sleep(0.5)
         assert runner._workers[0].proc.is_alive()
         assert runner.score(["3"], ex).total.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("0 + 3 = 3\n3 + 5 = 8\n8 + 2 = 10\nAnswer: 10", 1.0),  # every line right
+    ("0 + 3 = 3\n3 + 5 = 9\n8 + 2 = 10\nAnswer: 10", 2 / 3),  # line 2's sum wrong; line 3 starts from the true total
+    ("0 + 3 = 3\n3 + 5 = 9\n9 + 2 = 11\nAnswer: 11", 1 / 3),  # an error carried on: line 3 starts from a wrong total
+    ("0 + 3 = 3\n8 + 2 = 10\nAnswer: 10", 1 / 3),  # a skipped line shifts the ones after it
+    ("3 + 5 = 8\n8 + 2 = 10", 0.0),  # not started from 0: line 1 is not '0 + 3 = 3'
+    ("The sum is 10.", 0.0),
+    ("0+3=3, 3 +5= 8 and 8 + 2 = 10 then 10 + 1 = 11", 1.0),  # spacing and extra lines past the last number
+])
+def test_running_sum_steps_gives_credit_per_right_line_in_order(completion, expected):
+    from gspo.rewards.builtin import running_sum_steps
+
+    ex = Example(prompt="", answer="10", meta={"numbers": [3, 5, 2]})
+    assert running_sum_steps(completion, ex) == pytest.approx(expected)
+
+
+def test_running_sum_steps_needs_the_numbers():
+    from gspo.rewards.builtin import running_sum_steps
+
+    with pytest.raises(ValueError, match="meta\\['numbers'\\]"):
+        running_sum_steps("0 + 1 = 1", Example(prompt="", answer="1"))

@@ -48,7 +48,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = "arithmetic"
-    """``arithmetic`` (generated), ``gsm8k`` (JSONL with ``#### answer``), ``math`` (JSONL with ``\\boxed{}``),
+    """``arithmetic`` (generated ``a op b``), ``running_sum`` (generated: add ``terms`` numbers with every running
+    total written out, a long-response task), ``gsm8k`` (JSONL with ``#### answer``), ``math`` (JSONL with ``\\boxed{}``),
     ``jsonl`` (any JSONL with ``prompt_field`` / ``answer_field``) or ``hf`` (a HF dataset, needs ``datasets``)."""
     path: str | None = None
     """Data file (or HF dataset name for ``task = "hf"``)."""
@@ -57,9 +58,12 @@ class DataConfig:
     ops: list[str] = field(default_factory=lambda: ["+"])
     """Arithmetic operations to draw from: any of ``+``, ``-``, ``*``."""
     a_range: list[int] = field(default_factory=lambda: [1, 20])
-    """Inclusive range of the first arithmetic operand."""
+    """Inclusive range of the first arithmetic operand (``running_sum``: of every number added)."""
     b_range: list[int] = field(default_factory=lambda: [1, 20])
     """Inclusive range of the second arithmetic operand."""
+    terms: list[int] = field(default_factory=lambda: [16, 48])
+    """``running_sum``: inclusive range of how many numbers a prompt adds (each adds a ~10-token line to a correct
+    response)."""
     prompt_field: str | None = None
     """JSONL field holding the question (task default when unset)."""
     answer_field: str | None = None

@@ -93,3 +93,50 @@ class ArithmeticTask(Sequence[Example]):
 
     def __repr__(self) -> str:
         return f"ArithmeticTask(seed={self.seed}, ops={self.ops}, a_range={self.a_range}, b_range={self.b_range})"
+
+
+RUNNING_SUM_TEMPLATE = ("Add these {n} numbers one at a time: {numbers}. Write one line per number, 'total + number = "
+                        "new total', starting from 0. Then write 'Answer:' and the final total.")
+
+
+class RunningSumTask(Sequence[Example]):
+    """A long-response task: add ``n`` numbers (``n`` uniform in ``terms``, each uniform in ``values``) one at a time,
+    writing every running total, then the final one after ``Answer:``. A correct response is ``n`` lines of
+    ``total + number = new total`` (about 10 tokens each) and the answer, so its length grows with ``n``.
+
+    The answer is the sum as a string; ``meta`` holds ``{"numbers": [...]}`` (what the per-step reward
+    :func:`gspo.rewards.builtin.running_sum_steps` checks each line against).
+    """
+
+    def __init__(self, seed: int, terms: Sequence[int] = (16, 48), values: Sequence[int] = (1, 20),
+                 template: str = RUNNING_SUM_TEMPLATE):
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise UserError(f"seed={seed!r} is not an integer; pass an int such as 0.")
+        self.terms = _check_range("terms", terms)
+        self.values = _check_range("a_range", values)
+        if self.terms[0] < 1:
+            raise UserError(f"terms={terms!r} must start at 1 or more; pass it as [lo, hi], e.g. [16, 48].")
+        try:
+            template.format(n=2, numbers="1, 2")
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise UserError(f"template {template!r} cannot be formatted ({type(e).__name__}: {e}); use only the "
+                            "fields {n} and {numbers} and double any literal braces.") from None
+        self.seed = seed
+        self.template = template
+
+    def __len__(self) -> int:
+        return STREAM_LEN
+
+    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
+        """Example ``i`` of the stream; the same ``(seed, i)`` always gives the same example."""
+        if isinstance(i, slice):
+            raise TypeError("RunningSumTask is an infinite stream and cannot be sliced; index one position at a time.")
+        if not 0 <= i < STREAM_LEN:
+            raise IndexError(f"index {i} is outside the stream [0, {STREAM_LEN})")
+        rng = random.Random(self.seed * 2**32 + i)
+        numbers = [rng.randint(*self.values) for _ in range(rng.randint(*self.terms))]
+        return Example(prompt=self.template.format(n=len(numbers), numbers=", ".join(map(str, numbers))),
+                       answer=str(sum(numbers)), meta={"numbers": numbers})
+
+    def __repr__(self) -> str:
+        return f"RunningSumTask(seed={self.seed}, terms={self.terms}, values={self.values})"

@@ -49,6 +49,24 @@ def last_number(completion: str, example: Example) -> float:
     return float(_to_float(numbers[-1]) == gold)
 
 
+_STEP_RE = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)\s*=\s*(-?\d+)")
+
+
+def running_sum_steps(completion: str, example: Example) -> float:
+    """Partial credit for the ``running_sum`` task: the fraction of its numbers whose line is right, in order. Line
+    ``i`` (the ``i``-th ``x + y = z`` in the completion) is right when ``x`` is the true total of the numbers before
+    ``i``, ``y`` is number ``i`` and ``z = x + y``; a skipped or extra line shifts the ones after it, which then count
+    as wrong."""
+    numbers = example.meta.get("numbers")
+    if not numbers:
+        raise ValueError("the example has no meta['numbers']; running_sum_steps scores the running_sum task")
+    total, right = 0, 0
+    for (x, y, z), term in zip(_STEP_RE.findall(completion), numbers):
+        right += int(x) == total and int(y) == term and int(z) == total + term
+        total += term
+    return right / len(numbers)
+
+
 def gsm8k_number(completion: str, example: Example) -> float:
     """1.0 if the completion's final number equals ``example.answer`` numerically, else 0.0.
 
