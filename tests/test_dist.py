@@ -187,3 +187,22 @@ def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  
     again = _train(tmp_path, _torchrun(2), overrides, "--resume", "--run-dir", str(run))
     assert again.returncode == 0, again.stderr[-3000:]
     check_run_dir(run, 12)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.prompts_per_batch=3"], "prompts_per_batch = 3 cannot be shared by 2 processes"),
+    (["rollout.prompts_per_batch=2", "rollout.group_size=3", "train.minibatches=2"], "cannot be cut into 2 equal"),
+    (["train.micro_batch_size=2"], "must divide each process's slice"),
+    (["model.device='cuda:0'"], "all 2 processes on one GPU"),
+])
+def test_a_setting_the_processes_cannot_share_is_refused_in_one_line(overrides, match):
+    """Checked before any process group or model exists (gspo.dist.check_layout), with the key and the fix."""
+    from gspo.config import build_config
+    from gspo.dist import check_layout
+    from gspo.errors import UserError
+
+    cfg = build_config({}, ["rollout.prompts_per_batch=6", "rollout.group_size=2", "train.minibatches=2",
+                            "train.steps=2", *overrides], device="cpu")
+    with pytest.raises(UserError, match=match):
+        check_layout(cfg, 2)
+    check_layout(cfg, 1)  # one process shares nothing

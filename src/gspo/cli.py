@@ -40,7 +40,8 @@ def _launch(args: argparse.Namespace) -> int:
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "gspo.cli", "train", *([args.config] if args.config else []), *args.overrides,
+           "-m", "gspo.cli", *(["--debug"] if args.debug else []), "train", *([args.config] if args.config else []),
+           *args.overrides,
            *(["--resume"] if args.resume else []), *(["--run-dir", str(args.run_dir)] if args.run_dir else [])]
     return subprocess.call(cmd)
 

@@ -61,10 +61,13 @@ def rank_world() -> tuple[int, int]:
 
 
 def check_layout(cfg, world: int) -> None:
-    """Refuse a batch shape that ``world`` ranks cannot share evenly (every group on one rank, every minibatch cut
+    """Refuse a device that ``world`` processes would share, and a batch shape that they cannot share evenly (every group on one rank, every minibatch cut
     into equal slices, so that every rank runs the same number of forwards and collectives)."""
     if world <= 1:
         return
+    if cfg.model.device.startswith("cuda:"):
+        raise UserError(f"model.device = {cfg.model.device!r} would put all {world} processes on one GPU; use 'cuda' or "
+                        "'auto' under torchrun (each process takes its own GPU, cuda:LOCAL_RANK).")
     r, t = cfg.rollout, cfg.train
     mb = r.prompts_per_batch * r.group_size // t.minibatches
     if r.prompts_per_batch % world:
