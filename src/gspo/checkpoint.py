@@ -70,12 +70,12 @@ def _fsync_tree(path: Path) -> None:
 
 
 def to_cpu(obj: Any) -> Any:
-    """A copy of ``obj`` (nested dicts, lists, tuples and dataclasses of tensors) whose tensors are on the CPU and detached: a
-    snapshot that later optimizer steps cannot change, for a checkpoint written in the background. Views of the same
-    memory (tied embeddings) stay one tensor, so the writer sees them tied as the model does. GPU tensors are copied
-    into pinned host memory without blocking, then waited for once (on an H100 machine the 1.6 GB of a 135M-parameter
-    model and its AdamW state took 1.5 s pageable, 1.2 s pinned with the allocation; later snapshots reuse the pinned
-    blocks through torch's caching host allocator)."""
+    """A copy of ``obj`` (nested dicts, lists, tuples and dataclasses of tensors) whose tensors are on the CPU and
+    detached: a snapshot that later optimizer steps cannot change, for a checkpoint written in the background (or
+    rows to send to other processes). Views of the same memory (tied embeddings) stay one tensor, so the writer sees
+    them tied as the model does. GPU tensors are copied into pinned host memory without blocking, then waited for once
+    (on an H100 machine the 1.6 GB of a 135M-parameter model and its AdamW state took 1.5 s pageable, 1.2 s pinned with
+    the allocation; later snapshots reuse the pinned blocks through torch's caching host allocator)."""
     seen: dict = {}
     on_gpu = []
 
@@ -128,6 +128,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
         model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
         tokenizer.save_pretrained(tmp)
         optimizer_file.result()
+    _plain_architecture(tmp)
     (tmp / "state.json").write_text(json.dumps({k: state[k] for k in ("step", "rollout_batch") if k in state}))
     t1 = time.perf_counter()
     _fsync_tree(tmp)
@@ -213,7 +214,6 @@ def save_sharded(ckpt_root: Path, step: int, model, optimizer, tokenizer, state:
     final = ckpt_root / f"step-{step:06d}"
     if rank == 0:
         save_checkpoint(ckpt_root, step, model, tokenizer, state, keep, model_state=full, prepared=True)
-        _plain_architecture(final)
     dist.barrier()  # nobody goes on (or reads the checkpoint back) before it is complete
     return final
 

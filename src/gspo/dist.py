@@ -19,7 +19,6 @@ How a rollout batch is split (``W`` ranks, ``P`` prompts, ``G`` completions):
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -27,9 +26,6 @@ from typing import Any
 import torch
 
 from gspo.errors import UserError
-
-log = logging.getLogger("gspo")
-
 
 def active() -> bool:
     """Whether this process is one of several in an initialised process group."""

@@ -19,6 +19,7 @@ never exist at once, neither in the forward nor as saved activations (the backwa
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,8 @@ from gspo.runtime import to_device
 
 
 def sequence_logprobs(model, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities ``(N, T)`` of completions under ``model`` (see :func:`_sequence_logprobs` for the arguments);
-    a model sharded by :func:`gspo.dist.shard` runs it as a forward of its root FSDP unit (see :func:`as_fsdp_forward`)."""
+    # The arguments and docstring are _sequence_logprobs's (copied below); a model sharded by gspo.dist.shard runs it
+    # as a forward of its root FSDP unit (see as_fsdp_forward).
     entry = getattr(model, _FSDP_ENTRY, None)
     if entry is not None:
         return entry(*args, **kwargs)
@@ -391,3 +392,6 @@ def _chunk(hidden, targets, head, config, temperature, with_entropy, device, aut
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)  # (C,)
     return logp, entropy
+
+
+functools.update_wrapper(sequence_logprobs, _sequence_logprobs, assigned=("__doc__",))  # help() shows the arguments

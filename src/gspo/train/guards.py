@@ -118,7 +118,7 @@ def lock_run_dir(run_dir):
     return f
 
 
-_COLLECTIVE_SIGNS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe")
+_COLLECTIVE_SIGNS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe")
 
 
 @contextlib.contextmanager
