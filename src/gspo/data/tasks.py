@@ -35,7 +35,29 @@ def _check_range(name: str, value: Sequence[int]) -> tuple[int, int]:
     return lo, hi
 
 
-class ArithmeticTask(Sequence[Example]):
+class _GeneratedTask(Sequence[Example]):
+    """An infinite stream whose example ``i`` is ``self.make(rng)`` with ``rng`` seeded from ``(seed, i)`` only."""
+
+    seed: int
+
+    def __len__(self) -> int:
+        return STREAM_LEN
+
+    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
+        """Example ``i`` of the stream; the same ``(seed, i)`` always gives the same example."""
+        if isinstance(i, slice):
+            raise TypeError(f"{type(self).__name__} is an infinite stream and cannot be sliced; index one position at "
+                            "a time.")
+        if not 0 <= i < STREAM_LEN:
+            raise IndexError(f"index {i} is outside the stream [0, {STREAM_LEN})")
+        # (seed, i) -> one integer without collisions for i < 2**32; random.Random(int) is stable across runs.
+        return self.make(random.Random(self.seed * 2**32 + i))
+
+    def make(self, rng: random.Random) -> Example:
+        raise NotImplementedError
+
+
+class ArithmeticTask(_GeneratedTask):
     """``a op b`` questions with ``a``, ``b`` drawn uniformly from inclusive ranges and ``op`` from ``ops``.
 
     The answer is the integer result as a string; ``meta`` holds ``{"a", "b", "op"}``.
@@ -71,17 +93,7 @@ class ArithmeticTask(Sequence[Example]):
         self.b_range = _check_range("b_range", b_range)
         self.template = template
 
-    def __len__(self) -> int:
-        return STREAM_LEN
-
-    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
-        """Example ``i`` of the stream; the same ``(seed, i)`` always gives the same example."""
-        if isinstance(i, slice):
-            raise TypeError("ArithmeticTask is an infinite stream and cannot be sliced; index one position at a time.")
-        if not 0 <= i < STREAM_LEN:
-            raise IndexError(f"index {i} is outside the stream [0, {STREAM_LEN})")
-        # (seed, i) -> one integer without collisions for i < 2**32; random.Random(int) is stable across runs.
-        rng = random.Random(self.seed * 2**32 + i)
+    def make(self, rng: random.Random) -> Example:
         a = rng.randint(*self.a_range)
         b = rng.randint(*self.b_range)
         op = rng.choice(self.ops)
@@ -99,7 +111,7 @@ RUNNING_SUM_TEMPLATE = ("Add these {n} numbers one at a time: {numbers}. Write o
                         "new total', starting from 0. Then write 'Answer:' and the final total.")
 
 
-class RunningSumTask(Sequence[Example]):
+class RunningSumTask(_GeneratedTask):
     """A long-response task: add ``n`` numbers (``n`` uniform in ``terms``, each uniform in ``values``) one at a time,
     writing every running total, then the final one after ``Answer:``. A correct response is ``n`` lines of
     ``total + number = new total`` (about 10 tokens each) and the answer, so its length grows with ``n``.
@@ -124,16 +136,7 @@ class RunningSumTask(Sequence[Example]):
         self.seed = seed
         self.template = template
 
-    def __len__(self) -> int:
-        return STREAM_LEN
-
-    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
-        """Example ``i`` of the stream; the same ``(seed, i)`` always gives the same example."""
-        if isinstance(i, slice):
-            raise TypeError("RunningSumTask is an infinite stream and cannot be sliced; index one position at a time.")
-        if not 0 <= i < STREAM_LEN:
-            raise IndexError(f"index {i} is outside the stream [0, {STREAM_LEN})")
-        rng = random.Random(self.seed * 2**32 + i)
+    def make(self, rng: random.Random) -> Example:
         numbers = [rng.randint(*self.values) for _ in range(rng.randint(*self.terms))]
         return Example(prompt=self.template.format(n=len(numbers), numbers=", ".join(map(str, numbers))),
                        answer=str(sum(numbers)), meta={"numbers": numbers})
