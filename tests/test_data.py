@@ -281,3 +281,22 @@ def test_running_sum_task_is_a_deterministic_stream_of_long_sums():
 def test_running_sum_task_refuses_bad_settings_in_one_line(cfg, match):
     with pytest.raises(UserError, match=match):
         build_dataset({"task": "running_sum", **cfg})
+
+
+def test_numbered_words_task_is_a_deterministic_stream_of_word_lists():
+    """Example i depends on (seed, i) only; it lists between terms[0] and terms[1] words of the embedded list and
+    its answer is how many there are."""
+    from gspo.data.tasks import WORDS
+
+    task = build_dataset({"task": "numbered_words", "seed": 3, "terms": [5, 9]})
+    for i in range(50):
+        ex = task[i]
+        words = ex.meta["words"]
+        assert ex == build_dataset({"task": "numbered_words", "seed": 3, "terms": [5, 9]})[i]
+        assert 5 <= len(words) <= 9 and set(words) <= set(WORDS) and ex.answer == str(len(words))
+        assert ex.prompt.endswith("Words: " + ", ".join(words)) and f"Number these {len(words)} words" in ex.prompt
+    assert len(WORDS) == len(set(WORDS)) == 64
+    assert {len(build_dataset({"task": "numbered_words"})[i].meta["words"]) for i in range(300)} <= set(range(40, 101))
+    assert default_reward("numbered_words") == "gspo.rewards.builtin:last_number"
+    with pytest.raises(UserError, match="cannot be formatted"):
+        build_dataset({"task": "numbered_words", "template": "{question}"})

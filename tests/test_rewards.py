@@ -271,3 +271,19 @@ def test_running_sum_steps_needs_the_numbers():
 
     with pytest.raises(ValueError, match="meta\\['numbers'\\]"):
         running_sum_steps("0 + 1 = 1", Example(prompt="", answer="1"))
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("1. apple\n2. river\n3. stone\nAnswer: 3", 1.0),
+    ("1. First word: Apple\n2) river.\n  3. stone, the last\nAnswer: 3", 1.0),  # case, ')' and text around the word
+    ("1. apple\n2. stone\n3. stone\nAnswer: 3", 2 / 3),  # line 2 has the wrong word
+    ("1. apple\n3. stone\nAnswer: 2", 1 / 3),  # a skipped line shifts the ones after it
+    ("1. 1. word\n2. 2. word\n3. 3. word\nAnswer: 3", 0.0),  # numbered lines without the words
+    ("1. apples\n2. river\n3. stone", 2 / 3),  # a whole word only
+    ("apple, river, stone: 3 words", 0.0),
+])
+def test_numbered_words_lines_gives_credit_per_right_line_in_order(completion, expected):
+    from gspo.rewards.builtin import numbered_words_lines
+
+    ex = Example(prompt="", answer="3", meta={"words": ["apple", "river", "stone"]})
+    assert numbered_words_lines(completion, ex) == pytest.approx(expected)

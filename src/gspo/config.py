@@ -49,7 +49,8 @@ class ModelConfig:
 class DataConfig:
     task: str = "arithmetic"
     """``arithmetic`` (generated ``a op b``), ``running_sum`` (generated: add ``terms`` numbers with every running
-    total written out, a long-response task), ``gsm8k`` (JSONL with ``#### answer``), ``math`` (JSONL with ``\\boxed{}``),
+    total written out), ``numbered_words`` (generated: number ``terms`` words one per line, then count them; both
+    long-response tasks), ``gsm8k`` (JSONL with ``#### answer``), ``math`` (JSONL with ``\\boxed{}``),
     ``jsonl`` (any JSONL with ``prompt_field`` / ``answer_field``) or ``hf`` (a HF dataset, needs ``datasets``)."""
     path: str | None = None
     """Data file (or HF dataset name for ``task = "hf"``)."""
@@ -61,9 +62,9 @@ class DataConfig:
     """Inclusive range of the first arithmetic operand (``running_sum``: of every number added)."""
     b_range: list[int] = field(default_factory=lambda: [1, 20])
     """Inclusive range of the second arithmetic operand."""
-    terms: list[int] = field(default_factory=lambda: [16, 48])
-    """``running_sum``: inclusive range of how many numbers a prompt adds (each adds a ~10-token line to a correct
-    response)."""
+    terms: list[int] | None = None
+    """``running_sum`` / ``numbered_words``: inclusive range of how many numbers a prompt adds / words it numbers
+    (each a line of a correct response); ``None``: the task's default, ``[16, 48]`` / ``[40, 100]``."""
     prompt_field: str | None = None
     """JSONL field holding the question (task default when unset)."""
     answer_field: str | None = None

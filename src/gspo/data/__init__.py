@@ -4,13 +4,14 @@
 except ``task``; ``None`` means the default):
 
 =================  =====================================================================================
-``task``           ``"arithmetic"`` | ``"running_sum"`` | ``"gsm8k"`` | ``"math"`` | ``"jsonl"`` | ``"hf"``
+``task``           ``"arithmetic"`` | ``"running_sum"`` | ``"numbered_words"`` | ``"gsm8k"`` | ``"math"`` | ``"jsonl"`` | ``"hf"``
 ``path``           JSONL file, or a folder holding ``{split}.jsonl``; for ``"hf"`` the dataset name
 ``split``          ``"train"`` by default; picks ``{split}.jsonl`` in a folder, or the HF split
 ``seed``           generated tasks only (0)
 ``ops``            arithmetic operators, e.g. ``["+", "-", "*"]`` (``["+"]``)
 ``a_range``        inclusive ``[lo, hi]`` of the first operand (``[1, 20]``); running_sum: of every number
-``terms``          running_sum: inclusive ``[lo, hi]`` of how many numbers a prompt adds (``[16, 48]``)
+``terms``          running_sum / numbered_words: inclusive ``[lo, hi]`` of how many numbers a prompt adds
+                   (``[16, 48]``) / words it numbers (``[40, 100]``)
 ``b_range``        inclusive ``[lo, hi]`` of the second operand (``[1, 20]``)
 ``prompt_field``   row field holding the question (``"question"``; ``"problem"`` for math)
 ``answer_field``   row field holding the answer (``"answer"``; math picks ``answer`` or ``solution``)
@@ -26,13 +27,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gspo.data.loaders import ANSWER_FORMATS, gsm8k, last_boxed, load_hf_dataset, load_jsonl, math_jsonl
-from gspo.data.tasks import ArithmeticTask, RunningSumTask
+from gspo.data.tasks import ArithmeticTask, NumberedWordsTask, RunningSumTask
 from gspo.errors import UserError
 from gspo.types import Example
 
 __all__ = [
     "ANSWER_FORMATS",
     "ArithmeticTask",
+    "NumberedWordsTask",
     "RunningSumTask",
     "DataStream",
     "TASKS",
@@ -46,7 +48,7 @@ __all__ = [
     "math_jsonl",
 ]
 
-TASKS = ("arithmetic", "running_sum", "gsm8k", "math", "jsonl", "hf")
+TASKS = ("arithmetic", "running_sum", "numbered_words", "gsm8k", "math", "jsonl", "hf")
 _KEYS = (
     "task", "path", "split", "seed", "ops", "a_range", "b_range", "terms",
     "prompt_field", "answer_field", "answer_format", "template",
@@ -54,6 +56,7 @@ _KEYS = (
 _DEFAULT_REWARDS = {
     "arithmetic": "gspo.rewards.builtin:last_number",
     "running_sum": "gspo.rewards.builtin:last_number",
+    "numbered_words": "gspo.rewards.builtin:last_number",
     "gsm8k": "gspo.rewards.builtin:gsm8k_number",
     "math": "gspo.rewards.builtin:math_verify_boxed",
 }
@@ -86,6 +89,8 @@ def build_dataset(cfg: dict[str, Any]) -> Sequence[Example]:
     if task == "running_sum":
         kwargs = {k: cfg[k] for k in ("terms", "template") if k in cfg}
         return RunningSumTask(seed=cfg.get("seed", 0), values=cfg.get("a_range", (1, 20)), **kwargs)
+    if task == "numbered_words":
+        return NumberedWordsTask(seed=cfg.get("seed", 0), **{k: cfg[k] for k in ("terms", "template") if k in cfg})
     if task == "gsm8k":
         return gsm8k(_file(cfg, split), template=cfg.get("template"))
     if task == "math":

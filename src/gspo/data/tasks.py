@@ -143,3 +143,46 @@ class RunningSumTask(_GeneratedTask):
 
     def __repr__(self) -> str:
         return f"RunningSumTask(seed={self.seed}, terms={self.terms}, values={self.values})"
+
+
+NUMBERED_WORDS_TEMPLATE = ('Number these {n} words in the order given, one per line ("1. first word", "2. second word", '
+                           'and so on), then write "Answer:" and how many words there are.\nWords: {words}')
+WORDS = tuple(
+    "apple river stone cloud tiger pencil garden window bread candle forest rabbit mirror violin coffee planet ladder "
+    "button rocket dragon island pepper shadow silver turtle wallet yellow basket castle dinner eagle feather guitar "
+    "hammer jacket kettle lemon magnet napkin orange parrot pillow puzzle quartz saddle tomato umbrella valley wagon "
+    "zebra anchor bottle carpet desert engine falcon ginger helmet igloo jungle koala honey mountain spoon".split())
+"""The 64 common nouns ``numbered_words`` draws from."""
+
+
+class NumberedWordsTask(_GeneratedTask):
+    """A long-response task: number ``n`` words (``n`` uniform in ``terms``, drawn with repetition from
+    :data:`WORDS`) one per line in the order given, then say how many there are after ``Answer:``. A correct response
+    is ``n`` lines of ``k. word`` and the count, so its length grows with ``n``; the count is what numbering the lines
+    gives, so the model can get it right by doing the task rather than by arithmetic.
+
+    The answer is ``n`` as a string; ``meta`` holds ``{"words": [...]}`` (what the per-line reward
+    :func:`gspo.rewards.builtin.numbered_words_lines` checks).
+    """
+
+    def __init__(self, seed: int, terms: Sequence[int] = (40, 100), template: str = NUMBERED_WORDS_TEMPLATE):
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise UserError(f"seed={seed!r} is not an integer; pass an int such as 0.")
+        self.terms = _check_range("terms", terms)
+        if self.terms[0] < 1:
+            raise UserError(f"terms={terms!r} must start at 1 or more; pass it as [lo, hi], e.g. [40, 100].")
+        try:
+            template.format(n=2, words="apple, river")
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise UserError(f"template {template!r} cannot be formatted ({type(e).__name__}: {e}); use only the "
+                            "fields {n} and {words} and double any literal braces.") from None
+        self.seed = seed
+        self.template = template
+
+    def make(self, rng: random.Random) -> Example:
+        words = [rng.choice(WORDS) for _ in range(rng.randint(*self.terms))]
+        return Example(prompt=self.template.format(n=len(words), words=", ".join(words)), answer=str(len(words)),
+                       meta={"words": words})
+
+    def __repr__(self) -> str:
+        return f"NumberedWordsTask(seed={self.seed}, terms={self.terms})"

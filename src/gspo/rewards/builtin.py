@@ -67,6 +67,22 @@ def running_sum_steps(completion: str, example: Example) -> float:
     return right / len(numbers)
 
 
+_NUMBERED_LINE_RE = re.compile(r"^\s*(\d+)\s*[.)]\s*(.*)$", re.MULTILINE)
+
+
+def numbered_words_lines(completion: str, example: Example) -> float:
+    """Partial credit for the ``numbered_words`` task: the fraction of its words whose line is right, in order. Line
+    ``k`` (the ``k``-th line that starts with a number and ``.`` or ``)``) is right when that number is ``k`` and the
+    line holds word ``k`` as a whole word (any case); a skipped or extra line shifts the ones after it."""
+    words = example.meta.get("words")
+    if not words:
+        raise ValueError("the example has no meta['words']; numbered_words_lines scores the numbered_words task")
+    right = 0
+    for k, ((number, text), word) in enumerate(zip(_NUMBERED_LINE_RE.findall(completion), words), start=1):
+        right += int(number) == k and re.search(rf"\b{re.escape(word)}\b", text, re.IGNORECASE) is not None
+    return right / len(words)
+
+
 def gsm8k_number(completion: str, example: Example) -> float:
     """1.0 if the completion's final number equals ``example.answer`` numerically, else 0.0.
 
