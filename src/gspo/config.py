@@ -64,7 +64,7 @@ class DataConfig:
     """Inclusive range of the second arithmetic operand."""
     terms: list[int] | None = None
     """``running_sum`` / ``numbered_words``: inclusive range of how many numbers a prompt adds / words it numbers
-    (each a line of a correct response); ``None``: the task's default, ``[16, 48]`` / ``[40, 100]``."""
+    (each a line of a correct response); ``None``: the task's default, ``[16, 48]`` / ``[20, 40]``."""
     prompt_field: str | None = None
     """JSONL field holding the question (task default when unset)."""
     answer_field: str | None = None

@@ -11,7 +11,7 @@ except ``task``; ``None`` means the default):
 ``ops``            arithmetic operators, e.g. ``["+", "-", "*"]`` (``["+"]``)
 ``a_range``        inclusive ``[lo, hi]`` of the first operand (``[1, 20]``); running_sum: of every number
 ``terms``          running_sum / numbered_words: inclusive ``[lo, hi]`` of how many numbers a prompt adds
-                   (``[16, 48]``) / words it numbers (``[40, 100]``)
+                   (``[16, 48]``) / words it numbers (``[20, 40]``)
 ``b_range``        inclusive ``[lo, hi]`` of the second operand (``[1, 20]``)
 ``prompt_field``   row field holding the question (``"question"``; ``"problem"`` for math)
 ``answer_field``   row field holding the answer (``"answer"``; math picks ``answer`` or ``solution``)

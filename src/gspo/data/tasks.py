@@ -165,12 +165,12 @@ class NumberedWordsTask(_GeneratedTask):
     :func:`gspo.rewards.builtin.numbered_words_lines` checks).
     """
 
-    def __init__(self, seed: int, terms: Sequence[int] = (40, 100), template: str = NUMBERED_WORDS_TEMPLATE):
+    def __init__(self, seed: int, terms: Sequence[int] = (20, 40), template: str = NUMBERED_WORDS_TEMPLATE):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise UserError(f"seed={seed!r} is not an integer; pass an int such as 0.")
         self.terms = _check_range("terms", terms)
         if self.terms[0] < 1:
-            raise UserError(f"terms={terms!r} must start at 1 or more; pass it as [lo, hi], e.g. [40, 100].")
+            raise UserError(f"terms={terms!r} must start at 1 or more; pass it as [lo, hi], e.g. [20, 40].")
         try:
             template.format(n=2, words="apple, river")
         except (KeyError, IndexError, ValueError, AttributeError) as e:
