@@ -99,6 +99,7 @@ def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path): 
     assert "resumed on 1 process(es) from a checkpoint written by 2" in one.stderr
     three = _train(tmp_path, _torchrun(3), _overrides(tiny_dir, "train.steps=6"), "--resume", "--run-dir", str(copy))
     assert three.returncode == 0, three.stderr[-3000:]
+    assert "resumed on 3 process(es) from a checkpoint written by 2" in three.stderr
     for d in (run, copy):
         resumed = check_run_dir(d, 6)
         assert resumed[:4] == rows  # the lines before the resume are kept as they were
