@@ -207,3 +207,18 @@ def test_a_setting_the_processes_cannot_share_is_refused_in_one_line(overrides, 
     with pytest.raises(UserError, match=match):
         check_layout(cfg, 2)
     check_layout(cfg, 1)  # one process shares nothing
+
+
+def test_a_sentinel_rollback_under_two_processes(tiny_dir, tmp_path):  # noqa: F811
+    """The collapse sentinel sees the same reduced metrics on both processes, so both roll back together: the sharded
+    checkpoint before the collapse is reloaded by every process, the abandoned ones are renamed by process 0 alone,
+    and the run trains to the end with every step logged once."""
+    run = tmp_path / "run"
+    overrides = _overrides(tiny_dir, "train.steps=10", "sentinel.action='rollback'", "sentinel.reward_drop=0.05",
+                           "sentinel.window=1", "rewards.functions=[{path='trainer_rewards:collapses_in_third_batch'}]")
+    done = subprocess.run([*_torchrun(2), "-m", "gspo.cli", "train", *overrides, "--run-dir", str(run)], cwd=tmp_path,
+                          env={**ENV, "GSPO_TEST_COLLAPSE": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rolling back to step-" in done.stderr
+    check_run_dir(run, 10)
+    assert any(p.name.startswith("rolled-back-step-") for p in (run / "checkpoints").iterdir())
