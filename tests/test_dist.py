@@ -214,7 +214,9 @@ def test_a_sentinel_rollback_under_two_processes(tiny_dir, tmp_path):  # noqa: F
     checkpoint before the collapse is reloaded by every process, the abandoned ones are renamed by process 0 alone,
     and the run trains to the end with every step logged once."""
     run = tmp_path / "run"
-    overrides = _overrides(tiny_dir, "train.steps=10", "sentinel.action='rollback'", "sentinel.reward_drop=0.05",
+    # 8 prompts x 2: each process scores 8 completions a batch, so the reward collapses in its third batch only
+    overrides = _overrides(tiny_dir, "train.steps=10", "rollout.prompts_per_batch=8", "sentinel.action='rollback'",
+                           "sentinel.reward_drop=0.05",
                            "sentinel.window=1", "rewards.functions=[{path='trainer_rewards:collapses_in_third_batch'}]")
     done = subprocess.run([*_torchrun(2), "-m", "gspo.cli", "train", *overrides, "--run-dir", str(run)], cwd=tmp_path,
                           env={**ENV, "GSPO_TEST_COLLAPSE": "1"}, capture_output=True, text=True, timeout=300)
