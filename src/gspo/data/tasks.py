@@ -56,6 +56,23 @@ class _GeneratedTask(Sequence[Example]):
     def make(self, rng: random.Random) -> Example:
         raise NotImplementedError
 
+    def _setup(self, seed: int, terms: Sequence[int], template: str, **fields: str) -> None:
+        """Check and keep the seed, the ``terms`` range (how many items a prompt lists) and a template with ``{n}``
+        and the task's own ``fields``."""
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise UserError(f"seed={seed!r} is not an integer; pass an int such as 0.")
+        self.terms = _check_range("terms", terms)
+        if self.terms[0] < 1:
+            raise UserError(f"terms={terms!r} must start at 1 or more; pass it as [lo, hi], e.g. [20, 40].")
+        try:
+            template.format(n=2, **fields)
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            names = " and ".join("{" + k + "}" for k in ("n", *fields))
+            raise UserError(f"template {template!r} cannot be formatted ({type(e).__name__}: {e}); use only the "
+                            f"fields {names} and double any literal braces.") from None
+        self.seed = seed
+        self.template = template
+
 
 class ArithmeticTask(_GeneratedTask):
     """``a op b`` questions with ``a``, ``b`` drawn uniformly from inclusive ranges and ``op`` from ``ops``.
@@ -122,19 +139,8 @@ class RunningSumTask(_GeneratedTask):
 
     def __init__(self, seed: int, terms: Sequence[int] = (16, 48), values: Sequence[int] = (1, 20),
                  template: str = RUNNING_SUM_TEMPLATE):
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise UserError(f"seed={seed!r} is not an integer; pass an int such as 0.")
-        self.terms = _check_range("terms", terms)
+        self._setup(seed, terms, template, numbers="1, 2")
         self.values = _check_range("a_range", values)
-        if self.terms[0] < 1:
-            raise UserError(f"terms={terms!r} must start at 1 or more; pass it as [lo, hi], e.g. [16, 48].")
-        try:
-            template.format(n=2, numbers="1, 2")
-        except (KeyError, IndexError, ValueError, AttributeError) as e:
-            raise UserError(f"template {template!r} cannot be formatted ({type(e).__name__}: {e}); use only the "
-                            "fields {n} and {numbers} and double any literal braces.") from None
-        self.seed = seed
-        self.template = template
 
     def make(self, rng: random.Random) -> Example:
         numbers = [rng.randint(*self.values) for _ in range(rng.randint(*self.terms))]
@@ -166,18 +172,7 @@ class NumberedWordsTask(_GeneratedTask):
     """
 
     def __init__(self, seed: int, terms: Sequence[int] = (20, 40), template: str = NUMBERED_WORDS_TEMPLATE):
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise UserError(f"seed={seed!r} is not an integer; pass an int such as 0.")
-        self.terms = _check_range("terms", terms)
-        if self.terms[0] < 1:
-            raise UserError(f"terms={terms!r} must start at 1 or more; pass it as [lo, hi], e.g. [20, 40].")
-        try:
-            template.format(n=2, words="apple, river")
-        except (KeyError, IndexError, ValueError, AttributeError) as e:
-            raise UserError(f"template {template!r} cannot be formatted ({type(e).__name__}: {e}); use only the "
-                            "fields {n} and {words} and double any literal braces.") from None
-        self.seed = seed
-        self.template = template
+        self._setup(seed, terms, template, words="apple, river")
 
     def make(self, rng: random.Random) -> Example:
         words = [rng.choice(WORDS) for _ in range(rng.randint(*self.terms))]
