@@ -1,7 +1,10 @@
 """Weak scaling of `gspo train` under torchrun + FSDP2: the reference run with a fixed number of prompts per GPU, at
 1, 2, 4 ... GPUs of one host, side by side on one machine. Prints a table and writes JSON.
 
-    python benchmarks/scaling.py --gpus 1,2,4 --batches 6 --out results/scaling.json [key=value ...]
+    python benchmarks/scaling.py --gpus 1,2,4 --batches 6 [--equal-batch] --out results/scaling.json [key=value ...]
+
+``--equal-batch`` adds a one-GPU run with the largest run's total batch: the GPUs sample with their own random
+streams, so the curves are two samples of the same training, not the same numbers.
 
 Completions per second are counted over the rollout batches after the first (engine warm-up, CUDA-graph capture and
 the first checkpoint-free batch's allocations are left out): (batches - 1) x P x G / the wall-clock time between the
@@ -20,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gspo.metrics import read_jsonl  # noqa: E402
 
 
-def run(n_gpus: int, args, out_dir: Path) -> dict:
-    prompts = args.prompts_per_gpu * n_gpus
-    run_dir = out_dir / f"gpus{n_gpus}"
+def run(n_gpus: int, args, out_dir: Path, prompts: int | None = None) -> dict:
+    prompts = prompts or args.prompts_per_gpu * n_gpus
+    run_dir = out_dir / f"gpus{n_gpus}-prompts{prompts}"
     cmd = [sys.executable, "-m", "gspo.cli", "train", args.config, f"rollout.prompts_per_batch={prompts}",
            f"rollout.group_size={args.group_size}", f"train.steps={args.batches * args.minibatches}",
            f"train.minibatches={args.minibatches}", "log.checkpoint_every=0", "log.progress=false",
@@ -43,6 +46,7 @@ def run(n_gpus: int, args, out_dir: Path) -> dict:
     return {"gpus": n_gpus, "prompts_per_batch": prompts, "group_size": args.group_size,
             "completions_per_s": completions / span, "wall_s": wall,
             "reward_first": first[0]["reward/mean"], "reward_last": first[-1]["reward/mean"],
+            "reward_curve": [r["reward/mean"] for r in first],
             "rollout_s_mean": sum(r["time/rollout"] for r in first[1:]) / max(1, len(first) - 1),
             "update_s_mean": sum(r["time/update"] for r in rows if r["rollout_batch"] > 0) / max(
                 1, sum(1 for r in rows if r["rollout_batch"] > 0))}
@@ -56,12 +60,19 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--minibatches", type=int, default=4)
     p.add_argument("--batches", type=int, default=6, help="rollout batches per run (the first is not timed)")
+    p.add_argument("--equal-batch", action="store_true",
+                   help="also run 1 GPU with the largest run's total batch, to compare reward curves at equal batch")
     p.add_argument("--out", default="scaling.json")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = p.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = [run(int(n), args, out.parent / "scaling-runs") for n in args.gpus.split(",")]
+    counts = [int(n) for n in args.gpus.split(",")]
+    results = [run(n, args, out.parent / "scaling-runs") for n in counts]
+    if args.equal_batch and max(counts) > 1:
+        same = run(1, args, out.parent / "scaling-runs", prompts=args.prompts_per_gpu * max(counts))
+        same["equal_batch_reference"] = True
+        results.append(same)
     base = next((r["completions_per_s"] for r in results if r.get("gpus") == 1 and "error" not in r), None)
     print(f"{'GPUs':>4} {'prompts':>7} {'compl/s':>9} {'speed-up':>8} {'rollout s':>9} {'update s':>8} {'reward':>13}")
     for r in results:
@@ -72,6 +83,11 @@ def main() -> None:
         sp = f"{r['speedup']:.2f}x" if base else "-"
         print(f"{r['gpus']:>4} {r['prompts_per_batch']:>7} {r['completions_per_s']:>9.1f} {sp:>8} "
               f"{r['rollout_s_mean']:>9.2f} {r['update_s_mean']:>8.3f} {r['reward_first']:.3f}->{r['reward_last']:.3f}")
+    for r in results:  # the reward curves at equal total batch: the largest run next to one GPU with its batch
+        if r.get("equal_batch_reference") and "error" not in r:
+            peer = next(x for x in results if x["gpus"] == max(counts) and "error" not in x)
+            print(f"reward per rollout batch at {r['prompts_per_batch']} prompts: {max(counts)} GPUs "
+                  f"{[round(v, 3) for v in peer['reward_curve']]}; 1 GPU {[round(v, 3) for v in r['reward_curve']]}")
     try:
         import torch
 

@@ -7,6 +7,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from gspo.errors import UserError
 from gspo.logprobs import sequence_logprobs
 from gspo.models import named_weights
+from gspo.rollout import graph
 from gspo.rollout.graph import GraphEngine
 from gspo.types import SamplingParams
 
@@ -58,6 +59,21 @@ def test_weights_reach_the_engine_only_through_sync_weights(make_tiny_model, tok
     assert not torch.equal(before, after)
     assert torch.equal(after, GraphEngine(model, tokenizer, stop_ids=[STOP]).generate(prompts, 1, params).completion_ids)
     assert all(p.data_ptr() not in {q.data_ptr() for q in model.parameters()} for p in engine.model.parameters())
+
+
+@pytest.mark.parametrize("flush_bytes", [0, 4096])
+def test_sync_weights_in_chunks_copies_every_weight(make_tiny_model, tokenizer, prompts, monkeypatch, flush_bytes):
+    """Gathered weights are copied in chunks as they come; a chunk may end at any weight, the last one included (a
+    7B model's LM head alone fills one: the empty copy that followed crashed the engine's start)."""
+    monkeypatch.setattr(graph, "_FLUSH_BYTES", flush_bytes)
+    model = make_tiny_model(seed=1, init_std=0.3)
+    engine = GraphEngine(model, tokenizer, stop_ids=[STOP])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    engine.sync_weights(named_weights(model))
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, model.get_parameter(name).to(p.dtype)), name
 
 
 def test_sync_weights_refuses_a_partial_or_foreign_set(make_tiny_model, tokenizer):

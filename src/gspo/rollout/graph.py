@@ -221,7 +221,8 @@ class EngineWeights:
         if missing:
             raise UserError(f"sync_weights was not given {len(missing)} of the engine's weights ({missing[:3]}...); pass "
                             "every named parameter of the policy (gspo.models.named_weights(model)).")
-        torch._foreach_copy_(dst, src)
+        if dst:  # empty when the last weight filled a chunk (a 7B model's LM head alone is 1 GB)
+            torch._foreach_copy_(dst, src)
 
 
 _FLUSH_BYTES = 256 << 20

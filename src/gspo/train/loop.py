@@ -42,6 +42,10 @@ from gspo.types import Batch
 
 log = logging.getLogger("gspo")
 
+# How a metric is combined over the processes of a job where they differ (the rest are means): memory is the busiest
+# GPU's. (Rollout counters are already the job's: Collector.gather sums the tokens and takes the slowest time.)
+REDUCE = {"memory/peak_gib": "max"}
+
 
 def _has_lines(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
@@ -237,7 +241,10 @@ class Trainer:
         for k in range(cfg.train.minibatches):
             t_step = time.perf_counter()
             out = self.actor.step(batch, plan, k, state.step)
-            values = self.runtime.reduce({**batch.metrics, **out.metrics})  # the step's one host sync
+            metrics = {**batch.metrics, **out.metrics}
+            if self.runtime.device.type == "cuda":  # the job's peak: the largest over its processes
+                metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
+            values = self.runtime.reduce(metrics, REDUCE)  # the step's one host sync
             self.nonfinite.record(finite(values["loss"]) and finite(values["grad_norm"]), state.step + 1)
             runlog.diagnostics(self.tokenizer, batch, out.rows, out.logprobs, step=state.step + 1,
                                rollout_batch=state.rollout_batch, minibatch=k)

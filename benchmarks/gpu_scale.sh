@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Scale-out evidence on one host with 4 GPUs (nvidia-h100-x4), after ../shared/device/stage.sh's two transfers (the
+# model at /root/smollm2/model.gguf, its tokenizer files beside it). Results under $OUT.
+#   bash benchmarks/gpu_scale.sh scaling   # weak scaling at 1, 2, 4 GPUs + one GPU at the 4-GPU batch; meanwhile the
+#                                          # random Qwen2.5-7B-shaped model is written for the next call
+#   bash benchmarks/gpu_scale.sh large     # that 7B model on 4 GPUs, then the Qwen2.5-3B shape on one GPU
+# Runs and models go to /dev/shm or /root (a 7B checkpoint is ~120 GB of DCP shards and HF export), never under $OUT.
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+M=/root/smollm2/model.gguf
+W=/dev/shm/gspo  # in memory when it has room for a 7B checkpoint, else on the disk
+[ "$(df --output=avail -B1G /dev/shm | tail -1)" -gt 200 ] || W=/root/gspo-work
+mkdir -p $W
+nvidia-smi -L
+df -h /dev/shm /root | tail -2; echo "work dir $W"
+make() { python3 benchmarks/large_model.py --shape $1 --models $W/models --tokenizer ${TOK:-/root/smollm2} --make-only; }
+case "$1" in
+scaling)
+  CUDA_VISIBLE_DEVICES=3 make qwen2.5-7b > $OUT/make_7b.log 2>&1 &
+  python3 benchmarks/scaling.py --gpus ${GPUS:-1,2,4} --batches ${BATCHES:-12} --equal-batch \
+    --out $W/scaling/scaling.json model.name="'$M'" 2>&1 | grep -v "Warn\|warn("
+  mkdir -p $OUT/scaling && cp $W/scaling/scaling.json $OUT/scaling/
+  for d in $W/scaling/scaling-runs/*; do
+    mkdir -p $OUT/scaling/$(basename $d)
+    cp $d/metrics.jsonl $d/config.json $d/timings.json $OUT/scaling/$(basename $d)/ 2>/dev/null
+  done
+  wait; tail -2 $OUT/make_7b.log
+  ;;
+large)
+  for spec in ${SPECS:-qwen2.5-7b:4 qwen2.5-3b:1}; do
+    shape=${spec%:*}; gpus=${spec#*:}
+    python3 benchmarks/large_model.py --shape $shape --gpus $gpus --models $W/models --tokenizer ${TOK:-/root/smollm2} \
+      --out $W/large/${shape}_${gpus}gpu.json ${EXTRA:-} 2>&1 | grep -v "Warn\|warn(" | tail -25
+    mkdir -p $OUT/large && cp $W/large/${shape}_${gpus}gpu.json $OUT/large/
+    r=$W/large/run-$shape-${gpus}gpu
+    mkdir -p $OUT/large/run-$shape-${gpus}gpu
+    cp $r/metrics.jsonl $r/config.json $r/timings.json $OUT/large/run-$shape-${gpus}gpu/ 2>/dev/null
+    du -sh $r/checkpoints 2>/dev/null
+    rm -rf $r
+  done
+  ;;
+esac
