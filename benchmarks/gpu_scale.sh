@@ -17,7 +17,7 @@ make() { python3 benchmarks/large_model.py --shape $1 --models $W/models --token
 case "$1" in
 scaling)
   CUDA_VISIBLE_DEVICES=3 make qwen2.5-7b > $OUT/make_7b.log 2>&1 &
-  python3 benchmarks/scaling.py --gpus ${GPUS:-1,2,4} --batches ${BATCHES:-12} --equal-batch \
+  python3 benchmarks/scaling.py --gpus ${GPUS:-1,2,4} --batches ${BATCHES:-12} ${EQUAL---equal-batch} \
     --out $W/scaling/scaling.json model.name="'$M'" 2>&1 | grep -v "Warn\|warn("
   mkdir -p $OUT/scaling && cp $W/scaling/scaling.json $OUT/scaling/
   for d in $W/scaling/scaling-runs/*; do

@@ -47,19 +47,26 @@ def _torchrun(n: int) -> list[str]:
     return [*TORCHRUN, "--standalone", f"--nproc_per_node={n}"]
 
 
-def test_two_processes_train_a_batch_as_one_does(tmp_path):
+@pytest.fixture(scope="module")
+def one_process_steps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "one.pt"
+    one = subprocess.run([sys.executable, str(TESTS / "dist" / "step_worker.py"), str(out)], env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_processes_train_a_batch_as_one_does(one_process_steps, tmp_path, strategy):
     """Every preset (and KL with micro-batches, engine log-probs over 4 minibatches, MoE with and without Routing Replay
     R2): one rollout batch's update on
     the same fixed batch -- rows of uneven lengths, so the two processes' slices hold different token counts -- gives
-    the same losses, metrics, gradients and weights on two FSDP2 processes as in one process."""
+    the same losses, metrics, gradients and weights on two processes (FSDP2 shards, or DDP copies) as in one."""
     worker = str(TESTS / "dist" / "step_worker.py")
-    one = subprocess.run([sys.executable, worker, str(tmp_path / "one.pt")], env=ENV, capture_output=True, text=True,
-                         timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([*_torchrun(2), worker, str(tmp_path / "two.pt")], env=ENV, capture_output=True, text=True,
-                         timeout=300)
+    two = subprocess.run([*_torchrun(2), worker, str(tmp_path / "two.pt"), strategy], env=ENV, capture_output=True,
+                         text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    a, b = one_process_steps, torch.load(tmp_path / "two.pt")
     assert list(a) == list(b) and len(a) == 9
     for case in a:
         for x, y in zip(a[case]["steps"], b[case]["steps"], strict=True):
@@ -75,16 +82,36 @@ def test_two_processes_train_a_batch_as_one_does(tmp_path):
         torch.testing.assert_close(b[case]["old_logprobs"], a[case]["old_logprobs"], rtol=0, atol=1e-5)
 
 
+def test_auto_strategy_replicates_what_fits_half_a_device_and_shards_the_rest(monkeypatch):
+    """dist.strategy = 'auto': DDP while 18 bytes a parameter (22 with a reference model) take at most half of the
+    device's memory -- here the host's, shared by its processes -- FSDP beyond; an explicit choice is kept."""
+    from gspo import dist
+    from conftest import tiny_llama
+
+    model = tiny_llama(vocab_size=512, seed=0)
+    n = sum(p.numel() for p in model.parameters())
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    page = os.sysconf("SC_PAGE_SIZE")
+    fits, fits_ref = -(-2 * 2 * 18 * n // page), -(-2 * 2 * 22 * n // page)  # pages: two processes, half each
+    for pages, reference, expected in [(fits, False, "ddp"), (fits - 1, False, "fsdp"), (fits, True, "fsdp"),
+                                       (fits_ref, True, "ddp")]:
+        monkeypatch.setattr(os, "sysconf", lambda key, pages=pages: page if key == "SC_PAGE_SIZE" else pages)
+        assert dist.choose_strategy("auto", model, cpu, reference=reference) == expected, (pages, reference)
+        assert dist.choose_strategy("fsdp", model, cpu, reference=reference) == "fsdp"
+        assert dist.choose_strategy("ddp", model, cpu, reference=reference) == "ddp"
+
+
 def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path):  # noqa: F811
     """A one-process run (HF weights, AdamW state in trainer_state.pt) resumes under `gspo train --nproc 2`, which
-    writes sharded checkpoints (DCP, each process's RNG, an HF export); that run resumes under one process and, from a
-    copy, under three. Every resume warns that the sampling streams are new, every run finishes with each step logged
+    writes sharded checkpoints (FSDP2: DCP, each process's RNG, an HF export); that run resumes under one process and,
+    from a copy, under three that each hold the whole model (DDP). Every resume warns that the sampling streams are new, every run finishes with each step logged
     once, the lines before a resume are kept, and every complete checkpoint loads as an HF model."""
     run = tmp_path / "run"
     first = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=2"), "--run-dir", str(run))
     assert first.returncode == 0, first.stderr[-3000:]
-    two = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=4"), "--nproc", "2", "--resume",
-                 "--run-dir", str(run))
+    two = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=4", "dist.strategy='fsdp'"), "--nproc",
+                 "2", "--resume", "--run-dir", str(run))
     assert two.returncode == 0, two.stderr[-3000:]
     assert "resumed on 2 process(es) from a checkpoint written by 1" in two.stderr
     rows = check_run_dir(run, 4)
@@ -97,7 +124,8 @@ def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path): 
     one = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=6"), "--resume", "--run-dir", str(run))
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resumed on 1 process(es) from a checkpoint written by 2" in one.stderr
-    three = _train(tmp_path, _torchrun(3), _overrides(tiny_dir, "train.steps=6"), "--resume", "--run-dir", str(copy))
+    three = _train(tmp_path, _torchrun(3), _overrides(tiny_dir, "train.steps=6", "dist.strategy='ddp'"), "--resume",
+                   "--run-dir", str(copy))
     assert three.returncode == 0, three.stderr[-3000:]
     assert "resumed on 3 process(es) from a checkpoint written by 2" in three.stderr
     for d in (run, copy):
@@ -221,6 +249,7 @@ def test_a_sentinel_rollback_under_two_processes(tiny_dir, tmp_path):  # noqa: F
     run = tmp_path / "run"
     # 8 prompts x 2: each process scores 8 completions a batch, so the reward collapses in its third batch only
     overrides = _overrides(tiny_dir, "train.steps=10", "rollout.prompts_per_batch=8", "sentinel.action='rollback'",
+                           "dist.strategy='fsdp'",
                            "sentinel.reward_drop=0.05",
                            "sentinel.window=1", "rewards.functions=[{path='trainer_rewards:collapses_in_third_batch'}]")
     done = subprocess.run([*_torchrun(2), "-m", "gspo.cli", "train", *overrides, "--run-dir", str(run)], cwd=tmp_path,

@@ -280,10 +280,11 @@ def test_r3_records_inside_the_captured_decode_graph(tmp_path, tokenizer):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_two_gpus_train_with_nccl_fsdp2_and_the_graph_engine(tmp_path, tokenizer):
-    """`gspo train --nproc 2` on two GPUs: NCCL, FSDP2 with bf16 compute, each process's graph engine (fused decode
-    step) fed gathered weights after every step; finite losses, an exactly-1 on-policy ratio, a sharded checkpoint
-    that loads, and a resume on the two GPUs to the end."""
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_gpus_train_with_nccl_fsdp2_and_the_graph_engine(tmp_path, tokenizer, strategy):
+    """`gspo train --nproc 2` on two GPUs: NCCL, FSDP2 with bf16 compute (or DDP with the CUDA-graphed update), each
+    process's graph engine (fused decode step) fed the weights after every step; finite losses, an exactly-1
+    on-policy ratio, a checkpoint that loads, and a resume on the two GPUs to the end."""
     import os
     import subprocess
     import sys
@@ -299,7 +300,8 @@ def test_two_gpus_train_with_nccl_fsdp2_and_the_graph_engine(tmp_path, tokenizer
     base = [sys.executable, "-m", "gspo.cli", "train", f"model.name='{d}'", "model.device='cuda'",
             "rollout.prompts_per_batch=8", "rollout.group_size=4", "rollout.max_new_tokens=16", "train.minibatches=2",
             "rollout.engine='graph'", "rewards.workers=0", "rewards.functions=[{path='trainer_rewards:text_length'}]",
-            "log.progress=false", "log.checkpoint_every=1", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
+            "log.progress=false", "log.checkpoint_every=1", f"dist.strategy='{strategy}'", "--nproc", "2",
+            "--run-dir", str(tmp_path / "run")]
     first = subprocess.run([*base, "train.steps=4"], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     again = subprocess.run([*base, "train.steps=6", "--resume"], env=env, capture_output=True, text=True, timeout=300)

@@ -152,6 +152,12 @@ class DistConfig:
     timeout_s: float = 600.0
     """Under ``torchrun``: how long a collective between the processes may wait before the run ends with one message
     (a process that crashed, was killed or hangs), instead of waiting forever."""
+    strategy: str = "auto"
+    """Under ``torchrun``: ``fsdp`` shards weights, gradients and AdamW state over the processes (FSDP2; for models
+    whose training state does not fit one device), ``ddp`` keeps a whole copy in every process and sums the gradients
+    with one all-reduce per bucket before each optimizer step (the update keeps its CUDA graphs and fused AdamW),
+    ``auto``: ``ddp`` when the training state (18 bytes a parameter, 22 with a reference model) takes at most half
+    of one device's memory, else ``fsdp``."""
 
 
 @dataclass
@@ -568,7 +574,8 @@ def validate(cfg: Config) -> None:
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),
                               (r.engine, ("auto", "graph", "hf"), "rollout.engine"),
                               (r.fused_step, ("auto", "off"), "rollout.fused_step"),
-                              (cfg.moe.routing_replay, ("off", "old", "rollout"), "moe.routing_replay")):
+                              (cfg.moe.routing_replay, ("off", "old", "rollout"), "moe.routing_replay"),
+                              (cfg.dist.strategy, ("auto", "fsdp", "ddp"), "dist.strategy")):
         if value not in valid:
             raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:
@@ -630,7 +637,7 @@ RESUMABLE = (
     "rollout.engine", "rollout.fused_step",
     "rewards.workers", "rewards.timeout_s",
     "log.", "sentinel.",  # what is written and watched
-    "dist.",  # how long to wait for other processes
+    "dist.",  # how long to wait for other processes, and how they share the model (both write the same checkpoints)
 )
 
 

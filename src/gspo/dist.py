@@ -1,5 +1,6 @@
-"""Data parallelism across the processes of a ``torchrun`` job: torch's FSDP2 (``fully_shard``) shards the policy,
-and this module holds the few collectives the loop adds. One process (no ``torchrun``, or ``WORLD_SIZE`` 1) calls
+"""Data parallelism across the processes of a ``torchrun`` job: torch's FSDP2 (``fully_shard``) shards the policy
+(``dist.strategy = "fsdp"``) or every process keeps a whole copy and the gradients are summed before each optimizer
+step (``"ddp"``), and this module holds the few collectives the loop adds. One process (no ``torchrun``, or ``WORLD_SIZE`` 1) calls
 none of them: every function here is the identity there.
 
 How a rollout batch is split (``W`` ranks, ``P`` prompts, ``G`` completions):
@@ -12,7 +13,8 @@ How a rollout batch is split (``W`` ranks, ``P`` prompts, ``G`` completions):
   advantages, the metrics and the minibatch shuffle are the single-process ones;
 * in every minibatch rank ``r`` trains the ``r``-th contiguous slice of its rows. The loss denominators (tokens,
   sequences) are those of the whole minibatch, which every rank knows; FSDP averages the gradients over ranks, so
-  each rank's loss is scaled by ``W``: the gradient is the single-process one (verl #5625 is what happens otherwise);
+  each rank's loss is scaled by ``W`` (DDP sums them: no scale): the gradient is the single-process one (verl #5625
+  is what happens otherwise);
 * each rank's new log-probs are gathered, so the diagnostics and the metrics are computed over the whole minibatch
   as one process would, and reduced once a step.
 """
@@ -166,6 +168,60 @@ def shard(model: torch.nn.Module, autocast: torch.dtype | None) -> None:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     as_fsdp_forward(model)
+
+
+# Training state a parameter costs: fp32 weight, gradient and two AdamW moments (16 bytes) and the rollout engine's
+# bf16 copy (2); a reference model (KL) adds its fp32 copy (4).
+STATE_BYTES, REF_BYTES = 18, 4
+
+
+def choose_strategy(setting: str, model: torch.nn.Module, device: torch.device, *, reference: bool) -> str:
+    """``fsdp`` or ``ddp`` for ``dist.strategy = setting``: ``auto`` replicates a model whose training state takes at
+    most half of one device's memory (the rest is for activations, the KV cache and CUDA graphs), and shards a
+    larger one."""
+    if setting != "auto":
+        return setting
+    params = sum(p.numel() for p in model.parameters())
+    need = params * (STATE_BYTES + (REF_BYTES if reference else 0))
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:  # the host's memory, shared by the processes on it
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "ddp" if need <= have // 2 else "fsdp"
+
+
+def replicate(model: torch.nn.Module) -> None:
+    """DDP's starting point: every process holds rank 0's weights (they load the same files, but a model initialised
+    at random, or a file read differently, must not split the processes' copies silently)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.distributed.broadcast(p.data, src=0)
+
+
+def sum_gradients(params: list[torch.nn.Parameter], bucket_bytes: int = 64 << 20) -> None:
+    """Sum every parameter's ``.grad`` over the processes in place, one all-reduce per bucket of flattened gradients
+    (a parameter no process reached has zeros). Written here rather than with torch's DistributedDataParallel: DDP's
+    reducer is armed by the wrapped module's forward, which gspo's log-prob pass does not call (it runs the decoder and
+    a chunked LM head directly, also inside captured CUDA graphs), and one bucketed all-reduce after the whole
+    backward is all a full-batch optimizer step needs."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():  # a flat bucket holds one dtype
+        bucket, size = [], 0
+        for i, g in enumerate(grads):
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= bucket_bytes or i == len(grads) - 1:
+                flat = _flatten_dense_tensors(bucket)
+                torch.distributed.all_reduce(flat)
+                for g_, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    g_.copy_(summed)
+                bucket, size = [], 0
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

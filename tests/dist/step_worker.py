@@ -1,6 +1,6 @@
 """One rollout batch's update (prepare, then every minibatch's optimizer step) on a fixed batch, for each preset and a
 few settings, in one process or under torchrun: rank 0 writes the metrics and the full weights after it, which
-test_dist compares across process counts. Usage: step_worker.py OUT_FILE."""
+test_dist compares across process counts. Usage: step_worker.py OUT_FILE [fsdp|ddp]."""
 import sys
 from pathlib import Path
 
@@ -39,7 +39,7 @@ def fixed_batch(n: int = 16, width: int = 12, vocab: int = 512) -> Batch:
     return Batch(rollout, [None] * n, torch.zeros(n), torch.randn(n, generator=g), mask.clone(), {})
 
 
-def run(name: str, extra: list[str]) -> dict:
+def run(name: str, extra: list[str], strategy: str) -> dict:
     algorithm = [] if any(e.startswith("algorithm=") for e in extra) else [f"algorithm='{name}'"]
     cfg = build_config({}, [*algorithm, "rollout.prompts_per_batch=4", "rollout.group_size=4", "train.minibatches=2",
                             "train.steps=8", "train.lr=1e-2", "rollout.max_new_tokens=12", "model.device='cpu'",
@@ -48,7 +48,7 @@ def run(name: str, extra: list[str]) -> dict:
     family = name.split("-")[0]
     moe = family in ("mixtral", "qwen3_moe")
     actor = Actor(cfg, runtime, tiny_moe(family) if moe else tiny_llama(vocab_size=512, seed=0))
-    actor.shard()
+    actor.shard(strategy)
     batch = fixed_batch(vocab=256 if moe else 512)
     plan = actor.plan(16)
     actor.prepare(batch, plan)
@@ -64,7 +64,8 @@ def run(name: str, extra: list[str]) -> dict:
 
 if __name__ == "__main__":
     dist.init(torch.device("cpu"), 120)
-    results = {name: run(name, extra) for name, extra in CASES.items()}
+    strategy = sys.argv[2] if len(sys.argv) > 2 else "fsdp"
+    results = {name: run(name, extra, strategy) for name, extra in CASES.items()}
     if dist.rank_world()[0] == 0:
         torch.save(results, sys.argv[1])
     dist.close()

@@ -76,7 +76,8 @@ class Actor:
         self.cfg = cfg
         self.runtime = runtime
         self.model = model
-        self.sharded = False
+        self.sharded = False  # FSDP2 (dist.strategy = fsdp)
+        self.replicated = False  # a whole copy in each of several processes (dist.strategy = ddp)
         self._setup_model()
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.lr_scale = 1.0  # lowered by each collapse-sentinel rollback
@@ -84,10 +85,22 @@ class Actor:
         if runtime.world_size == 1:
             self._finish_setup()
 
-    def shard(self) -> None:
-        """Under ``torchrun``: shard the policy (and the reference model) with FSDP2, then set up the passes and the
-        optimizer over the sharded parameters. Nothing to do in one process."""
-        if self.runtime.world_size == 1 or self.sharded:
+    @property
+    def distributed(self) -> bool:
+        return self.sharded or self.replicated
+
+    def shard(self, strategy: str = "fsdp") -> None:
+        """Under ``torchrun``: shard the policy (and the reference model) with FSDP2 (``strategy = "fsdp"``), or keep
+        it whole in every process with rank 0's weights (``"ddp"``), then set up the passes and the optimizer. Nothing
+        to do in one process."""
+        if self.runtime.world_size == 1 or self.distributed:
+            return
+        if strategy == "ddp":
+            dist.replicate(self.model)
+            self.replicated = True
+            log.info("DDP: every one of the %d processes holds the whole policy; gradients are summed with one "
+                     "all-reduce per 64 MB bucket before each optimizer step", self.runtime.world_size)
+            self._finish_setup()
             return
         dist.shard(self.model, self.runtime.autocast)
         if self.ref_model is not None:
@@ -303,8 +316,8 @@ class Actor:
         own = len(rows) // plan.world  # this process's slice of the minibatch, at rank x own
         start = plan.rank * own
         # FSDP averages gradients over the processes; each one's share of the (global-denominator) loss is scaled
-        # back up so their average is the single-process gradient.
-        scale = float(plan.world)
+        # back up so their average is the single-process gradient (DDP sums them: no scale).
+        scale = float(plan.world) if self.sharded else 1.0
         aux_total = torch.zeros((), dtype=torch.float64, device=dev)
         with self.routing.updating() if self.routing is not None else contextlib.nullcontext():
             for sub in plan.micro[k]:
@@ -359,6 +372,8 @@ class Actor:
     def _apply(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         """Clip and apply the accumulated gradient at ``lr_at(step)``, unless the loss or the gradient is not finite."""
         t = self.cfg.train
+        if self.replicated:
+            dist.sum_gradients(list(self.model.parameters()))
         grad_norm = dist.full_value(torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")))
         self.set_lr(step)
@@ -373,10 +388,10 @@ class Actor:
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """What a checkpoint's ``trainer_state.pt`` holds of the actor (a sharded optimizer goes to DCP instead; see
+        """What a checkpoint's ``trainer_state.pt`` holds of the actor (under torchrun the optimizer goes to DCP; see
         :func:`gspo.checkpoint.save_sharded`)."""
         out = {"shuffle_gen": self.shuffle_gen.get_state(), "lr_scale": self.lr_scale}
-        if not self.sharded:
+        if not self.distributed:
             out["optimizer"] = self.optimizer.state_dict()
         return out
 

@@ -88,20 +88,21 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         lap("model_load")
         actor = Actor(cfg, runtime, model)
         lap("actor")
-        # Several processes: the engine takes its own full copy of the weights before FSDP shards the policy.
+        strategy = dist.choose_strategy(cfg.dist.strategy, model, runtime.device, reference=cfg.loss.beta > 0)
+        # Under FSDP the engine takes its own full copy of the weights before the policy is sharded.
         engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
-                             replica=runtime.world_size > 1)
+                             replica=runtime.world_size > 1 and strategy == "fsdp")
         if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
             if not hasattr(engine, "routing") or actor.routing is None:
                 raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
                                 f"({type(engine).__name__} does not); set rollout.engine = 'hf' or 'graph'.")
             if getattr(engine, "replica", False):
-                raise UserError("moe.routing_replay = 'rollout' under torchrun needs the graph engine (the hf engine's "
-                                "copy of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, or "
-                                "use moe.routing_replay = 'old'.")
+                raise UserError("moe.routing_replay = 'rollout' under FSDP needs the graph engine (the hf engine's "
+                                "copy of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, "
+                                "dist.strategy = 'ddp', or moe.routing_replay = 'old'.")
             engine.routing = actor.routing
-        actor.shard()
+        actor.shard(strategy)
         lap("engine")
         stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
         lap("data")
@@ -410,7 +411,7 @@ class Trainer:
         c = self.collector
         parts = {**self.actor.state_dict(), "generator": c.generator.get_state(), "data": c.stream.state_dict(),
                  "skipped_prompts": c.skipped_prompts, "world_size": self.runtime.world_size}
-        if self.actor.sharded:  # every process writes its shards; synchronous (see gspo.checkpoint.save_sharded)
+        if self.actor.distributed:  # every process writes its shards; synchronous (see gspo.checkpoint.save_sharded)
             self.writer.write_sharded(self.state, parts, self.actor, self.tokenizer, self.cfg.log.keep_checkpoints,
                                       self.t_start)
             return
