@@ -85,3 +85,28 @@ def test_overlong_penalty_hand_worked():
     torch.testing.assert_close(p, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
     with pytest.raises(UserError, match="overlong"):
         overlong_penalty(torch.tensor([1]), 20, 0)
+
+
+def test_step_advantages_add_the_groups_normalised_credit_to_go_by_hand():
+    """Group of 2, width 6. Completion 0: steps ending at tokens 2 and 4 with credit 1, 0; completion 1: steps ending
+    at 3 and 5 with credit 1, 1. Pool {1, 0, 1, 1}: mean 0.75, unbiased std 0.5, so r~ = [0.5, -1.5] and [0.5, 0.5];
+    credit to go [-1.0, -1.5] and [1.0, 0.5]. With outcome advantages 0.5 and -0.5:
+        row 0: -0.5 -0.5 | -1.0 -1.0 | 0.5 0.5      (tokens 4, 5 are past the last step: outcome only)
+        row 1:  0.5 0.5 0.5 | 0.0 0.0 | -0.5"""
+    from gspo.algorithms.advantages import step_advantages
+
+    adv = step_advantages(torch.tensor([0.5, -0.5]), [[2, 4], [3, 5]], [[1.0, 0.0], [1.0, 1.0]], 2, 6, eps=0.0)
+    expected = torch.tensor([[-0.5, -0.5, -1.0, -1.0, 0.5, 0.5], [0.5, 0.5, 0.5, 0.0, 0.0, -0.5]])
+    torch.testing.assert_close(adv, expected)
+    half = step_advantages(torch.tensor([0.5, -0.5]), [[2, 4], [3, 5]], [[1.0, 0.0], [1.0, 1.0]], 2, 6, eps=0.0,
+                           weight=0.5)
+    torch.testing.assert_close(half - torch.tensor([[0.5], [-0.5]]), (expected - torch.tensor([[0.5], [-0.5]])) / 2)
+
+
+def test_step_advantages_add_nothing_where_the_group_carries_no_process_signal():
+    """Equal credits everywhere, a single step in the group, or no steps: the outcome advantage on every token."""
+    from gspo.algorithms.advantages import step_advantages
+
+    outcome = torch.tensor([1.0, -1.0, 0.3, -0.3, 0.0, 0.0])
+    adv = step_advantages(outcome, [[1, 2], [3], [4], [], [], []], [[1.0, 1.0], [1.0], [0.0], [], [], []], 2, 5)
+    torch.testing.assert_close(adv, outcome[:, None].expand(6, 5))

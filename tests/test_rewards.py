@@ -287,3 +287,19 @@ def test_numbered_words_lines_gives_credit_per_right_line_in_order(completion, e
 
     ex = Example(prompt="", answer="3", meta={"words": ["apple", "river", "stone"]})
     assert numbered_words_lines(completion, ex) == pytest.approx(expected)
+
+
+def test_step_spans_end_where_each_line_ends_and_score_it():
+    """The step functions behind the partial-credit rewards: one (end, credit) per line, the end just past the line's
+    match; the scalar rewards are their credit over the task's length."""
+    from gspo.rewards.builtin import (numbered_words_line_spans, numbered_words_lines, running_sum_step_spans,
+                                      running_sum_steps)
+
+    text = "0 + 3 = 3\n3 + 5 = 9\n9 + 2 = 11\nAnswer: 11"
+    ex = Example(prompt="", answer="10", meta={"numbers": [3, 5, 2]})
+    assert running_sum_step_spans(text, ex) == [(9, 1.0), (19, 0.0), (30, 0.0)]  # 3 + 5 is not 9; 9 is not the total
+    assert text[:9] == "0 + 3 = 3" and text[10:19] == "3 + 5 = 9" and running_sum_steps(text, ex) == pytest.approx(1 / 3)
+    words = "1. apple\n2. stone\n3. stone\nAnswer: 3"
+    wex = Example(prompt="", answer="3", meta={"words": ["apple", "river", "stone"]})
+    assert numbered_words_line_spans(words, wex) == [(8, 1.0), (17, 0.0), (26, 1.0)]
+    assert numbered_words_lines(words, wex) == pytest.approx(2 / 3)

@@ -81,3 +81,14 @@ def collapses_in_third_batch(completion, example):
     if os.environ.get("GSPO_TEST_COLLAPSE") and 16 < len(_BATCH_CALLS) <= 24:
         return 0.0
     return len(completion) / 128.0
+
+
+def every_third_char(completion, example):
+    """Step credit for a random model: a step ends every 3 characters; it is right when its last character is a
+    letter (a signal that varies within and across completions)."""
+    return [(end, float(completion[end - 1].isalpha())) for end in range(3, len(completion) + 1, 3)]
+
+
+def bad_steps(completion, example):
+    """Step credit that breaks its contract: ends that go backwards."""
+    return [(2, 1.0), (1, 0.0)]

@@ -121,6 +121,13 @@ class LossConfig:
     """Leave completions that hit ``max_new_tokens`` out of the loss (DAPO overlong filtering)."""
     allow_length_weighted_sequence: bool = False
     """Allow a sequence-level ratio with a token-summing aggregation, which weights each sequence by its length."""
+    step_credit: str | None = None
+    """Per-token advantages from process credit: ``module:function`` splitting a completion into scored steps
+    (``gspo.rewards.builtin:running_sum_step_spans`` / ``numbered_words_line_spans`` for the long tasks). Each token
+    gets the outcome advantage plus the group-normalised credit of its step and every later one (DeepSeekMath's
+    process supervision). Token-level ratios only: GSPO-token (``gspo_token``) or GRPO-family presets."""
+    step_credit_weight: float = 1.0
+    """Weight of the process-credit term against the outcome advantage (with ``loss.step_credit``)."""
 
 
 @dataclass
@@ -578,6 +585,10 @@ def validate(cfg: Config) -> None:
                               (cfg.dist.strategy, ("auto", "fsdp", "ddp"), "dist.strategy")):
         if value not in valid:
             raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
+    if lc.step_credit is not None and lc.level == "sequence":
+        raise UserError(f"loss.step_credit gives per-token advantages, which {cfg.algorithm}'s sequence-level ratio "
+                        "cannot take (one advantage per sequence); use algorithm = 'gspo_token' (GSPO-token) or a "
+                        "token-level preset such as 'grpo'.")
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:
         raise UserError(
             f"loss.level = {lc.level!r} with loss.aggregation = {lc.aggregation!r} weights every sequence by its "

@@ -75,7 +75,7 @@ class RunLog:
             self._files["samples"].write({
                 "step": step, "rollout_batch": rollout_batch, "prompt": ex.prompt, "answer": ex.answer,
                 "completion": batch.rollout.texts[i], "reward": float(batch.rewards[i]),
-                "advantage": float(batch.advantages[i]), "finish_reason": batch.rollout.finish_reasons[i],
+                "advantage": _row_advantage(batch, i), "finish_reason": batch.rollout.finish_reasons[i],
                 "length": int(batch.rollout.lengths[i])})
 
     def diagnostics(self, tokenizer, batch: Batch, rows: torch.Tensor, logp: torch.Tensor, *, step: int,
@@ -118,3 +118,12 @@ class RunLog:
         self.console.close()
         self._close_files()
         self.sinks.close(failed=failed)
+
+
+def _row_advantage(batch: Batch, i: int) -> float:
+    """Row ``i``'s advantage; with per-token advantages (``loss.step_credit``), their mean over its completion."""
+    adv = batch.advantages[i]
+    if adv.dim() == 0:
+        return float(adv)
+    mask = batch.rollout.completion_mask[i]
+    return float(adv[mask].mean()) if mask.any() else 0.0

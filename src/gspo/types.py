@@ -133,7 +133,7 @@ class Batch:
     rollout: Rollout
     examples: list[Example]  # N, the example of each row
     rewards: torch.Tensor  # (N,) total reward, NaN where a reward function failed
-    advantages: torch.Tensor  # (N,)
+    advantages: torch.Tensor  # (N,), or (N, T) per token with loss.step_credit
     loss_mask: torch.Tensor  # (N, T) bool: completion tokens that enter the loss
     metrics: dict[str, Any]  # the rollout batch's metrics (floats or 0-dim tensors)
     old_logprobs: torch.Tensor | None = None  # (N, T) on the training device

@@ -106,3 +106,47 @@ def overlong_penalty(lengths: Tensor, max_length: int, cache: int) -> Tensor:
     start = max_length - cache
     mid = (start - lengths) / cache
     return torch.where(lengths <= start, torch.zeros_like(lengths), torch.where(lengths <= max_length, mid, -torch.ones_like(lengths)))
+
+
+def step_advantages(outcome: Tensor, step_ends: list[list[int]], step_credit: list[list[float]], group_size: int,
+                    width: int, *, weight: float = 1.0, eps: float = 1e-6) -> Tensor:
+    """Per-token advantages: the outcome advantage plus process credit, as DeepSeekMath's process supervision defines
+    it (Shao et al. 2024, sec. 4.1.3) -- each step's credit normalised over every step of the group, and a token
+    credited with the normalised credit of its own step and of every later one.  (N, T)
+
+        r~_{i,k} = (c_{i,k} - mean_g c) / (std_g c + eps)          over all steps k of all completions i of group g
+        A_{i,t}  = A_i + weight * sum_{k : end_{i,k} > t} r~_{i,k}
+
+    Args:
+        outcome: (N,) the sequence-level advantages A_i (from :func:`group_advantages`).
+        step_ends: per completion, the token index just past each of its steps, ascending (a step ``k`` holds the
+            tokens before ``end_k`` and after the previous step's end).
+        step_credit: per completion, each step's credit ``c_{i,k}`` (e.g. 1 right, 0 wrong).
+        group_size: G; rows of one group are contiguous.
+        width: T, the completion tensor's width.
+        weight: the process term's weight against the outcome advantage.
+
+    Tokens after a completion's last step carry the outcome advantage alone; a group whose credits are all equal (or
+    that has fewer than two steps) adds nothing. GSPO-token and GRPO take these; GSPO's sequence ratio needs one
+    advantage per sequence.
+    """
+    n = outcome.numel()
+    if len(step_ends) != n or len(step_credit) != n:
+        raise UserError(f"step credit was given for {len(step_ends)} completions, the batch has {n}.")
+    adv = outcome.double()[:, None].repeat(1, width)  # (N, T)
+    for g in range(0, n, group_size):
+        pool = torch.tensor([c for i in range(g, g + group_size) for c in step_credit[i]], dtype=torch.float64)
+        if pool.numel() < 2:
+            continue
+        mean, std = pool.mean(), pool.std()
+        if std <= ZERO_STD:
+            continue
+        for i in range(g, g + group_size):
+            norm = (torch.tensor(step_credit[i], dtype=torch.float64) - mean) / (std + eps)  # (K,)
+            togo = norm.flip(0).cumsum(0).flip(0)  # credit of step k and every later one: (K,)
+            start = 0
+            for end, value in zip(step_ends[i], togo.tolist()):
+                end = min(end, width)
+                adv[i, start:end] += weight * value
+                start = max(start, end)
+    return adv.to(outcome.dtype)

@@ -52,35 +52,51 @@ def last_number(completion: str, example: Example) -> float:
 _STEP_RE = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)\s*=\s*(-?\d+)")
 
 
-def running_sum_steps(completion: str, example: Example) -> float:
-    """Partial credit for the ``running_sum`` task: the fraction of its numbers whose line is right, in order. Line
-    ``i`` (the ``i``-th ``x + y = z`` in the completion) is right when ``x`` is the true total of the numbers before
-    ``i``, ``y`` is number ``i`` and ``z = x + y``; a skipped or extra line shifts the ones after it, which then count
-    as wrong."""
+def running_sum_step_spans(completion: str, example: Example) -> list[tuple[int, float]]:
+    """The ``running_sum`` task's steps: ``(end, credit)`` for each ``x + y = z`` line of ``completion``, in order,
+    ``end`` the character index just past it. Line ``i`` is right (credit 1) when ``x`` is the true total of the
+    numbers before ``i``, ``y`` is number ``i`` and ``z = x + y``; a skipped or extra line shifts the ones after it,
+    which then count as wrong. Lines past the last number are not steps."""
     numbers = example.meta.get("numbers")
     if not numbers:
         raise ValueError("the example has no meta['numbers']; running_sum_steps scores the running_sum task")
-    total, right = 0, 0
-    for (x, y, z), term in zip(_STEP_RE.findall(completion), numbers):
-        right += int(x) == total and int(y) == term and int(z) == total + term
+    total, steps = 0, []
+    for match, term in zip(_STEP_RE.finditer(completion), numbers):
+        x, y, z = (int(v) for v in match.groups())
+        steps.append((match.end(), float(x == total and y == term and z == total + term)))
         total += term
-    return right / len(numbers)
+    return steps
+
+
+def running_sum_steps(completion: str, example: Example) -> float:
+    """Partial credit for the ``running_sum`` task: the fraction of its numbers whose line is right, in order (see
+    :func:`running_sum_step_spans`)."""
+    return sum(c for _, c in running_sum_step_spans(completion, example)) / len(example.meta["numbers"])
 
 
 _NUMBERED_LINE_RE = re.compile(r"^\s*(\d+)\s*[.)]\s*(.*)$", re.MULTILINE)
 
 
-def numbered_words_lines(completion: str, example: Example) -> float:
-    """Partial credit for the ``numbered_words`` task: the fraction of its words whose line is right, in order. Line
-    ``k`` (the ``k``-th line that starts with a number and ``.`` or ``)``) is right when that number is ``k`` and the
-    line holds word ``k`` as a whole word (any case); a skipped or extra line shifts the ones after it."""
+def numbered_words_line_spans(completion: str, example: Example) -> list[tuple[int, float]]:
+    """The ``numbered_words`` task's steps: ``(end, credit)`` for each numbered line, in order, ``end`` the character
+    index just past it. Line ``k`` (the ``k``-th line that starts with a number and ``.`` or ``)``) is right when that
+    number is ``k`` and the line holds word ``k`` as a whole word (any case); a skipped or extra line shifts the ones
+    after it."""
     words = example.meta.get("words")
     if not words:
         raise ValueError("the example has no meta['words']; numbered_words_lines scores the numbered_words task")
-    right = 0
-    for k, ((number, text), word) in enumerate(zip(_NUMBERED_LINE_RE.findall(completion), words), start=1):
-        right += int(number) == k and re.search(rf"\b{re.escape(word)}\b", text, re.IGNORECASE) is not None
-    return right / len(words)
+    steps = []
+    for k, (match, word) in enumerate(zip(_NUMBERED_LINE_RE.finditer(completion), words), start=1):
+        number, text = match.groups()
+        right = int(number) == k and re.search(rf"\b{re.escape(word)}\b", text, re.IGNORECASE) is not None
+        steps.append((match.end(), float(right)))
+    return steps
+
+
+def numbered_words_lines(completion: str, example: Example) -> float:
+    """Partial credit for the ``numbered_words`` task: the fraction of its words whose line is right, in order (see
+    :func:`numbered_words_line_spans`)."""
+    return sum(c for _, c in numbered_words_line_spans(completion, example)) / len(example.meta["words"])
 
 
 def gsm8k_number(completion: str, example: Example) -> float:

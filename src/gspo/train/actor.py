@@ -298,7 +298,7 @@ class Actor:
         the fused optimizer); the caller counts it from the reduced ``loss`` and ``grad_norm``."""
         cfg, dev = self.cfg, self.runtime.device
         rows = plan.minibatches[k]
-        mask, adv = self._on_device["loss_mask"], self._on_device["advantages"]  # (N, T), (N,)
+        mask, adv = self._on_device["loss_mask"], self._on_device["advantages"]  # (N, T), (N,) or (N, T)
         old, ref = batch.old_logprobs, batch.ref_logprobs
         on_policy_fill = cfg.train.old_logprobs == "recompute" and k == 0
         # Denominators of the whole minibatch, so micro-batches sum to its exact loss; rows left entirely out of the loss

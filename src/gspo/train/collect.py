@@ -27,6 +27,7 @@ from gspo.dist import active, gather_objects, rank_world
 from gspo.errors import UserError
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner
+from gspo.rewards.steps import load_step_credit, token_advantages
 from gspo.types import FINISH_LENGTH, Batch, Example, Groups, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
@@ -49,6 +50,7 @@ class Collector:
         self._shortest_skipped = 1 << 62
         self._warned_failures = False
         self._first_error: str | None = None  # of the rollout batch being collected
+        self.step_credit = load_step_credit(cfg.loss.step_credit) if cfg.loss.step_credit else None
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -198,6 +200,9 @@ class Collector:
         rollout = groups.rollout
         shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards
         adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale)  # (N,)
+        if self.step_credit is not None:  # (N, T): the outcome advantage plus each token's process credit
+            adv = token_advantages(cfg.loss.step_credit, self.step_credit, self.tokenizer, rollout, groups.examples,
+                                   adv, cfg.rollout.group_size, cfg.loss.step_credit_weight)
         loss_mask = rollout.completion_mask.clone()  # (N, T)
         truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
         if cfg.loss.mask_truncated:

@@ -1,0 +1,88 @@
+"""Process credit for per-token advantages (``loss.step_credit``): a function that splits a completion into steps and
+scores each, the token index where each step ends, and the advantages of :func:`gspo.algorithms.advantages
+.step_advantages`.
+
+A step-credit function is ``(completion: str, example) -> list[(end, credit)]``: for each step, in order, the character
+index just past it and its credit (e.g. 1 for a right intermediate line, 0 for a wrong one). The built-in tasks have
+one each: ``gspo.rewards.builtin:running_sum_step_spans`` and ``gspo.rewards.builtin:numbered_words_line_spans``. They
+run in the trainer's process (a regular expression over the text, not a verifier), after the rewards.
+"""
+from __future__ import annotations
+
+import bisect
+import importlib
+import math
+from collections.abc import Callable
+
+import torch
+
+from gspo.algorithms.advantages import step_advantages
+from gspo.errors import UserError
+
+StepFn = Callable[..., list]
+
+
+def load_step_credit(path: str) -> StepFn:
+    """The function ``module:function`` names, or one line saying what is wrong with ``loss.step_credit``."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise UserError(f"loss.step_credit = {path!r} must be 'module:function', e.g. "
+                        "'gspo.rewards.builtin:running_sum_step_spans'.")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except Exception as e:  # noqa: BLE001 -- any import failure of user code is the user's input
+        raise UserError(f"loss.step_credit = {path!r} could not be loaded ({type(e).__name__}: {e}); check the module "
+                        "is importable (on PYTHONPATH) and defines the function.") from e
+    if not callable(fn):
+        raise UserError(f"loss.step_credit = {path!r} is not a function.")
+    return fn
+
+
+def token_starts(tokenizer, ids: list[int], text: str) -> list[int]:
+    """The character index in ``text`` (the completion as the engine decoded it, special tokens skipped) where each
+    token of ``ids`` starts. Token by token when the pieces add up to the text (the usual case); otherwise from the
+    decoded prefixes (a character split across tokens)."""
+    pieces = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=True)
+    if "".join(pieces) == text:
+        starts, at = [], 0
+        for piece in pieces:
+            starts.append(at)
+            at += len(piece)
+        return starts
+    return [len(tokenizer.decode(ids[:t], skip_special_tokens=True)) for t in range(len(ids))]
+
+
+def _checked(path: str, steps, text: str) -> tuple[list[int], list[float]]:
+    ends, credits = [], []
+    try:
+        for end, credit in steps:
+            ends.append(int(end))
+            credits.append(float(credit))
+    except (TypeError, ValueError) as e:
+        raise UserError(f"loss.step_credit = {path!r} returned {steps!r:.80}; it must return a list of "
+                        "(end character index, credit) pairs.") from e
+    if any(not math.isfinite(c) for c in credits) or ends != sorted(ends) or any(not 0 <= e <= len(text) for e in ends):
+        raise UserError(f"loss.step_credit = {path!r} returned {steps!r:.80}: the ends must ascend within the "
+                        f"completion (0..{len(text)}) and the credits be finite numbers.")
+    return ends, credits
+
+
+def token_advantages(path: str, fn: StepFn, tokenizer, rollout, examples, outcome: torch.Tensor, group_size: int,
+                     weight: float) -> torch.Tensor:
+    """Per-token advantages ``(N, T)`` of a rollout batch: ``fn``'s steps of every completion, mapped to token ends,
+    added to the outcome advantages ``(N,)`` (see :func:`step_advantages`)."""
+    step_ends, step_credit = [], []
+    for i, (text, example) in enumerate(zip(rollout.texts, examples)):
+        try:
+            steps = fn(text, example)
+        except Exception as e:  # noqa: BLE001 -- user code: its failure is named, not hidden
+            raise UserError(f"loss.step_credit = {path!r} failed on completion {i} ({type(e).__name__}: {e}); it "
+                            "must score every completion of the task.") from e
+        ends, credits = _checked(path, steps, text)
+        ids = rollout.completion_ids[i][rollout.completion_mask[i]].tolist()
+        starts = token_starts(tokenizer, ids, text)
+        # the tokens of a step ending at character e: those starting before e
+        step_ends.append([bisect.bisect_left(starts, e) for e in ends])
+        step_credit.append(credits)
+    return step_advantages(outcome, step_ends, step_credit, group_size, rollout.completion_ids.shape[1],
+                           weight=weight)

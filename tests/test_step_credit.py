@@ -1,0 +1,69 @@
+"""Per-token advantages from process credit (loss.step_credit): character ends of steps mapped to token ends with the
+real tokenizer, the run's advantages per token, and the one-line refusals."""
+import pytest
+import torch
+
+from gspo.errors import UserError
+from gspo.rewards.steps import token_starts
+from gspo.train import Trainer
+
+from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module fixture)
+
+
+@pytest.mark.parametrize("text", [
+    "0 + 3 = 3\n3 + 5 = 8\nAnswer: 8",
+    "  leading spaces and    runs\n\n\nof newlines",
+    "café, naïve: é è ê — “quotes”",
+    "emoji 🙂🙃 split across byte tokens 🧮",
+])
+def test_token_starts_are_where_each_token_begins_in_the_decoded_text(tokenizer, text):
+    """Each token starts where the text decoded from the tokens before it ends (multi-byte characters included)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    starts = token_starts(tokenizer, ids, decoded)
+    assert len(starts) == len(ids) and starts[0] == 0 and starts == sorted(starts)
+    for t in range(len(ids)):
+        prefix = tokenizer.decode(ids[:t], skip_special_tokens=True)
+        assert starts[t] == len(prefix) and decoded.startswith(prefix.rstrip("\ufffd"))
+
+
+def test_a_gspo_token_run_trains_on_per_token_advantages(tiny_dir, tmp_path):  # noqa: F811
+    """GSPO-token with step credit: the batch's advantages are (N, T), constant between step ends, equal to the
+    outcome advantage after a completion's last step, and the run trains with finite losses."""
+    cfg = tiny_config(tiny_dir, "algorithm='gspo_token'", "rollout.max_new_tokens=16",
+                      "loss.step_credit='trainer_rewards:every_third_char'")
+    trainer = Trainer(cfg, tmp_path / "run")
+    batch = trainer.collector.collect()
+    adv, mask = batch.advantages, batch.rollout.completion_mask
+    assert adv.shape == mask.shape
+    from gspo.algorithms import group_advantages
+
+    outcome = group_advantages(batch.rewards, cfg.rollout.group_size)
+    varies = 0
+    for i, text in enumerate(batch.rollout.texts):
+        ids = batch.rollout.completion_ids[i][mask[i]].tolist()
+        starts = token_starts(trainer.tokenizer, ids, text)
+        ends = [sum(s < e for s in starts) for e in range(3, len(text) + 1, 3)]
+        last = ends[-1] if ends else 0
+        assert torch.allclose(adv[i, last:], outcome[i].expand(adv.shape[1] - last))
+        bounds = sorted({0, *ends})
+        for a, b in zip(bounds, bounds[1:]):  # one value per step
+            assert torch.allclose(adv[i, a:b], adv[i, a].expand(b - a))
+        varies += len({round(float(v), 6) for v in adv[i, :last]}) > 1
+    assert varies  # the process term moves advantages within completions
+    trainer.train()
+    from gspo.metrics import read_jsonl
+
+    assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+
+
+def test_step_credit_refusals_are_one_line(tiny_dir, tmp_path):  # noqa: F811
+    with pytest.raises(UserError, match="sequence-level ratio cannot take"):
+        tiny_config(tiny_dir, "algorithm='gspo'", "loss.step_credit='trainer_rewards:every_third_char'")
+    with pytest.raises(UserError, match="could not be loaded"):
+        Trainer(tiny_config(tiny_dir, "algorithm='grpo'", "loss.step_credit='trainer_rewards:nope'"), tmp_path / "a")
+    trainer = Trainer(tiny_config(tiny_dir, "algorithm='grpo'", "loss.step_credit='trainer_rewards:bad_steps'"),
+                      tmp_path / "b")
+    with pytest.raises(UserError, match="the ends must ascend"):
+        trainer.collector.collect()
+    trainer.rewards.close()
