@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Scale-out evidence on one host with 4 GPUs (nvidia-h100-x4), after ../shared/device/stage.sh's two transfers (the
 # model at /root/smollm2/model.gguf, its tokenizer files beside it). Results under $OUT.
-#   bash benchmarks/gpu_scale.sh scaling   # weak scaling at 1, 2, 4 GPUs + one GPU at the 4-GPU batch; meanwhile the
-#                                          # random Qwen2.5-7B-shaped model is written for the next call
+#   bash benchmarks/gpu_scale.sh scaling   # weak scaling at 1, 2, 4 GPUs + one GPU at the 4-GPU batch (MAKE7B=1: the
+#                                          # random Qwen2.5-7B-shaped model is written meanwhile, for the next call)
 #   bash benchmarks/gpu_scale.sh large     # that 7B model on 4 GPUs, then the Qwen2.5-3B shape on one GPU
 # Runs and models go to /dev/shm or /root (a 7B checkpoint is ~120 GB of DCP shards and HF export), never under $OUT.
 set -uo pipefail
@@ -16,15 +16,12 @@ df -h /dev/shm /root | tail -2; echo "work dir $W"
 make() { python3 benchmarks/large_model.py --shape $1 --models $W/models --tokenizer ${TOK:-/root/smollm2} --make-only; }
 case "$1" in
 scaling)
-  CUDA_VISIBLE_DEVICES=3 make qwen2.5-7b > $OUT/make_7b.log 2>&1 &
+  [ -n "${MAKE7B-}" ] && { CUDA_VISIBLE_DEVICES=3 make qwen2.5-7b > $OUT/make_7b.log 2>&1 & }
   python3 benchmarks/scaling.py --gpus ${GPUS:-1,2,4} --batches ${BATCHES:-12} ${EQUAL---equal-batch} \
     --out $W/scaling/scaling.json model.name="'$M'" 2>&1 | grep -v "Warn\|warn("
-  mkdir -p $OUT/scaling && cp $W/scaling/scaling.json $OUT/scaling/
-  for d in $W/scaling/scaling-runs/*; do
-    mkdir -p $OUT/scaling/$(basename $d)
-    cp $d/metrics.jsonl $d/config.json $d/timings.json $OUT/scaling/$(basename $d)/ 2>/dev/null
-  done
-  wait; tail -2 $OUT/make_7b.log
+  # one archive: a call brings back only a few files
+  (cd $W && tar czf $OUT/scaling.tgz scaling/scaling.json scaling/scaling-runs/*/{metrics.jsonl,config.json,timings.json})
+  wait; [ -n "${MAKE7B-}" ] && tail -2 $OUT/make_7b.log
   ;;
 large)
   for spec in ${SPECS:-qwen2.5-7b:4 qwen2.5-3b:1}; do

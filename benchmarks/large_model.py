@@ -73,16 +73,23 @@ def make_model(shape: str, folder: Path, tokenizer: Path) -> int:
     return n_params
 
 
+def count_parameters(name: str) -> int:
+    from gspo.models import load_model
+
+    model, _ = load_model(name)
+    return sum(p.numel() for p in model.parameters())
+
+
 def mean_prompt_tokens(run_dir: Path, folder: Path) -> float:
     """The mean length of the logged prompts as the trainer encodes them (chat template included)."""
-    from transformers import AutoTokenizer
-
     from gspo.prompts import encode_prompts
     from gspo.types import Example
 
     config = json.loads((run_dir / "config.json").read_text())
     examples = [Example(prompt=r["prompt"], answer=r["answer"]) for r in read_jsonl(run_dir / "samples.jsonl")]
-    ids = encode_prompts(AutoTokenizer.from_pretrained(folder), examples, config["data"]["system_prompt"])
+    from gspo.models import load_tokenizer
+
+    ids = encode_prompts(load_tokenizer(str(folder)), examples, config["data"]["system_prompt"])
     return sum(map(len, ids)) / len(ids)
 
 
@@ -92,7 +99,8 @@ def run(args, folder: Path, n_params: int, run_dir: Path) -> dict:
            f"rollout.prompts_per_batch={prompts}", f"rollout.group_size={args.group_size}",
            f"rollout.max_new_tokens={args.new_tokens}", f"train.steps={args.batches * args.minibatches}",
            f"train.minibatches={args.minibatches}", f"train.micro_batch_size={args.micro_batch}",
-           "model.gradient_checkpointing=true", "log.checkpoint_every=0", "log.progress=false",
+           f"model.gradient_checkpointing={str(not args.no_checkpointing).lower()}", "log.checkpoint_every=0",
+           "log.progress=false",
            *args.overrides, "--run-dir", str(run_dir), "--nproc", str(args.gpus)]
     t0 = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -122,6 +130,8 @@ def run(args, folder: Path, n_params: int, run_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
+    p.add_argument("--model", help="an existing model (any form model.name takes) instead of a random --shape one")
+    p.add_argument("--tag", default="", help="added to the run directory's name (several runs of one shape)")
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--models", default="/tmp/gspo-models", help="where the random models are written (once)")
     p.add_argument("--tokenizer", default=str(TOKENIZER))
@@ -131,18 +141,23 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--minibatches", type=int, default=4)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward (train.micro_batch_size)")
+    p.add_argument("--no-checkpointing", action="store_true", help="model.gradient_checkpointing = false")
     p.add_argument("--batches", type=int, default=3, help="rollout batches (the first is not averaged)")
     p.add_argument("--make-only", action="store_true", help="write the model and stop")
     p.add_argument("--out", default="large_model.json")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides")
     args = p.parse_args()
-    folder = Path(args.models) / args.shape
-    n_params = make_model(args.shape, folder, Path(args.tokenizer))
+    if args.model:
+        folder, args.shape = args.model, Path(args.model).stem
+        n_params = count_parameters(args.model)
+    else:
+        folder = Path(args.models) / args.shape
+        n_params = make_model(args.shape, folder, Path(args.tokenizer))
     if args.make_only:
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    r = run(args, folder, n_params, out.parent / f"run-{args.shape}-{args.gpus}gpu")
+    r = run(args, folder, n_params, out.parent / f"run-{args.shape}-{args.gpus}gpu{args.tag}")
     import torch
 
     r["device"] = f"{args.gpus} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cpu"

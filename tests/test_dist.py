@@ -70,6 +70,9 @@ def test_two_processes_train_a_batch_as_one_does(one_process_steps, tmp_path, st
     assert list(a) == list(b) and len(a) == 9
     for case in a:
         for x, y in zip(a[case]["steps"], b[case]["steps"], strict=True):
+            # the processes' timing to their gradients exists under torchrun only
+            assert {"dist/compute_max_s", "dist/compute_min_s"} <= set(y), case
+            y = {k: v for k, v in y.items() if not k.startswith("dist/")}
             assert set(x) == set(y), case
             for key in x:
                 if key.startswith("time/") or x[key] != x[key]:
@@ -100,6 +103,22 @@ def test_auto_strategy_replicates_what_fits_half_a_device_and_shards_the_rest(mo
         assert dist.choose_strategy("auto", model, cpu, reference=reference) == expected, (pages, reference)
         assert dist.choose_strategy("fsdp", model, cpu, reference=reference) == "fsdp"
         assert dist.choose_strategy("ddp", model, cpu, reference=reference) == "ddp"
+
+
+def test_balanced_slices_hold_near_equal_tokens_by_hand():
+    """Rows 0..7 with 100, 90, 1, 1, 1, 1, 80, 70 tokens on 2 processes: contiguous halves would hold 192 and 152
+    tokens. Longest first to the lighter slice with room: 0 -> a (100), 1 -> b (90), 6 -> b (170), 7 -> a (170),
+    then the ones alternate (ties to the first slice): a = [0, 7, 2, 4], b = [1, 6, 3, 5], 172 tokens each."""
+    from gspo import dist
+
+    tokens = torch.tensor([100, 90, 1, 1, 1, 1, 80, 70])
+    assert dist.balance(torch.arange(8), tokens, 2).tolist() == [0, 7, 2, 4, 1, 6, 3, 5]
+    rows = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    lengths = torch.randint(1, 300, (64,), generator=torch.Generator().manual_seed(1))
+    out = dist.balance(rows, lengths, 4)
+    assert sorted(out.tolist()) == sorted(rows.tolist())  # the same rows, reordered
+    loads = [int(lengths[out[i * 16:(i + 1) * 16]].sum()) for i in range(4)]
+    assert max(loads) - min(loads) <= int(lengths.max())
 
 
 def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path):  # noqa: F811

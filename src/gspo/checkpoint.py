@@ -222,6 +222,8 @@ def _plain_architecture(ckpt: Path) -> None:
     """FSDP2 renames the model's class (``FSDPLlamaForCausalLM``), and save_pretrained records that name: restore the
     family's own so that transformers and other tools load the export."""
     path = ckpt / "config.json"
+    if not path.exists():  # a LoRA checkpoint holds the adapter alone
+        return
     config = json.loads(path.read_text())
     names = config.get("architectures") or []
     fixed = [n[len("FSDP"):] if n.startswith("FSDP") else n for n in names]

@@ -155,6 +155,19 @@ class MoEConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank through peft (``pip install 'gspo[lora]'``): only the adapters train, the engine samples from the
+    merged weights W + (alpha / rank) B A; 0 = full fine-tuning. Peers use ~10x the full fine-tuning learning rate."""
+    alpha: float = 32.0
+    """LoRA scaling numerator: the adapter's update is scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """LoRA dropout; must stay 0 in RL (the update has to see the policy that computed the old log-probs)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Modules that get adapters: ``["all-linear"]`` (every Linear but the LM head) or module names (``q_proj``...)."""
+
+
+@dataclass
 class DistConfig:
     timeout_s: float = 600.0
     """Under ``torchrun``: how long a collective between the processes may wait before the run ends with one message
@@ -288,6 +301,7 @@ class Config:
     dapo: DapoConfig = field(default_factory=DapoConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -585,6 +599,13 @@ def validate(cfg: Config) -> None:
                               (cfg.dist.strategy, ("auto", "fsdp", "ddp"), "dist.strategy")):
         if value not in valid:
             raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
+    lo = cfg.lora
+    if lo.rank < 0 or (lo.rank and not lo.alpha > 0) or not lo.target_modules:
+        raise UserError(f"lora.rank = {lo.rank}, lora.alpha = {lo.alpha}, lora.target_modules = {lo.target_modules}: the "
+                        "rank must be >= 0 (0 = full fine-tuning), alpha > 0, and at least one target module named.")
+    if lo.rank and lo.dropout != 0:
+        raise UserError(f"lora.dropout = {lo.dropout}: dropout must stay off in RL (the update must see the policy "
+                        "that computed the old log-probs, as gspo turns off the model's own dropout); set it to 0.")
     if lc.step_credit is not None and lc.level == "sequence":
         raise UserError(f"loss.step_credit gives per-token advantages, which {cfg.algorithm}'s sequence-level ratio "
                         "cannot take (one advantage per sequence); use algorithm = 'gspo_token' (GSPO-token) or a "

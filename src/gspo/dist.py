@@ -66,6 +66,9 @@ def check_layout(cfg, world: int) -> None:
     if cfg.model.device.startswith("cuda:"):
         raise UserError(f"model.device = {cfg.model.device!r} would put all {world} processes on one GPU; use 'cuda' or "
                         "'auto' under torchrun (each process takes its own GPU, cuda:LOCAL_RANK).")
+    if cfg.lora.rank:
+        raise UserError(f"lora.rank = {cfg.lora.rank} under torchrun is not supported yet (adapters with DDP / FSDP2 "
+                        "are not built); train the LoRA run in one process, or set lora.rank = 0.")
     r, t = cfg.rollout, cfg.train
     mb = r.prompts_per_batch * r.group_size // t.minibatches
     if r.prompts_per_batch % world:
@@ -143,6 +146,21 @@ def slice_of(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous slice of ``rows`` (its length a multiple of ``world``)."""
     n = len(rows) // world
     return rows[rank * n:(rank + 1) * n]
+
+
+def balance(rows: torch.Tensor, tokens: torch.Tensor, world: int) -> torch.Tensor:
+    """``rows`` reordered so that their ``world`` contiguous slices of equal size hold near-equal token counts: the
+    longest row first, each to the slice with the fewest tokens that still has room (longest-processing-time first
+    with a cap). A step waits for its slowest process, and a random slice of a batch with a few long responses can
+    hold several times another's tokens. Every process computes the same order from the same gathered batch."""
+    cap = len(rows) // world
+    slices: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for r in sorted(rows.tolist(), key=lambda r: (-int(tokens[r]), r)):
+        s = min((i for i in range(world) if len(slices[i]) < cap), key=lambda i: (load[i], i))
+        slices[s].append(r)
+        load[s] += int(tokens[r])
+    return torch.tensor([r for s in slices for r in s], dtype=rows.dtype)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -57,8 +57,15 @@ def load_model(
     """The causal LM ``name`` (alias, ``.gguf`` path, local directory or hub id) and its tokenizer.
 
     ``tokenizer`` overrides where the tokenizer comes from (any form ``name`` accepts). The tokenizer always has a
-    pad token (the EOS token when it had none).
+    pad token (the EOS token when it had none). A LoRA checkpoint (an adapter directory gspo wrote) loads as its base
+    model with the adapter merged in.
     """
+    folder = Path(name).expanduser()
+    if folder.is_dir() and (folder / "adapter_config.json").is_file():
+        from gspo import lora
+
+        base, tok = load_model(lora.base_name(folder), dtype=dtype, device="cpu", tokenizer=tokenizer or str(folder))
+        return lora.load_merged(folder, base).to(device), tok
     source = _model_source(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)

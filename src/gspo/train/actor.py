@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,12 +79,28 @@ class Actor:
         self.model = model
         self.sharded = False  # FSDP2 (dist.strategy = fsdp)
         self.replicated = False  # a whole copy in each of several processes (dist.strategy = ddp)
+        self.peft = None  # the PeftModel around the policy, once adapt() has injected LoRA adapters
         self._setup_model()
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.lr_scale = 1.0  # lowered by each collapse-sentinel rollback
         self._on_device: dict[str, torch.Tensor] = {}  # the rollout batch's tensors on the device, sent once
-        if runtime.world_size == 1:
+        if runtime.world_size == 1 and not cfg.lora.rank:
             self._finish_setup()
+
+    def adapt(self) -> None:
+        """With ``lora.rank > 0``: inject the LoRA adapters (after the engine copied the plain model), then set up the
+        passes and an optimizer over the adapters alone. Nothing to do otherwise."""
+        if not self.cfg.lora.rank or self.peft is not None:
+            return
+        from gspo import lora
+
+        self.peft = lora.apply(self.model, self.cfg.lora, self.cfg.model.name)
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.model.parameters())
+        log.info("LoRA: rank %d, alpha %g on %s: %d trainable parameters of %d (%.2f%%); the engine samples from the "
+                 "merged weights", self.cfg.lora.rank, self.cfg.lora.alpha, ", ".join(self.cfg.lora.target_modules),
+                 trainable, total, 100 * trainable / total)
+        self._finish_setup()
 
     @property
     def distributed(self) -> bool:
@@ -137,7 +154,9 @@ class Actor:
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.loss.beta > 0 else None
+        # With LoRA the reference policy is the policy with its adapters off: no second copy.
+        self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.loss.beta > 0
+                          and not cfg.lora.rank else None)
         self.routing = self._setup_routing()  # after the reference copy: its hooks belong to the policy only
 
     def _setup_routing(self) -> Routing | None:
@@ -186,7 +205,7 @@ class Actor:
                                 and all(p.dtype == torch.float32 for p in self.model.parameters()))
         if self.sharded and self.runtime.device.type == "cuda":
             log.info("AdamW: the multi-tensor (foreach) implementation on the sharded parameters")
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.adam_betas),
+        self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=t.lr, betas=tuple(t.adam_betas),
                                            weight_decay=t.weight_decay, fused=self.fused_optimizer or None)
 
     # ------------------------------------------------------------------------------------------ what others read
@@ -194,6 +213,10 @@ class Actor:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's ``(name, tensor)`` pairs for an engine's ``sync_weights`` (under FSDP each full tensor is
         gathered as it is read: every process must read them all)."""
+        if self.peft is not None:
+            from gspo.lora import merged_weights
+
+            return merged_weights(self.model)
         return dist.full_weights(self.model) if self.sharded else named_weights(self.model)
 
     def lr_at(self, step: int) -> float:
@@ -223,29 +246,37 @@ class Actor:
 
     @torch.no_grad()
     def frozen_logprobs(self, rollout: Rollout, micro_batches: list[torch.Tensor],
-                        model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Log-probs ``(N, T)`` of a frozen policy (default: the current one) over ``micro_batches`` (rows not in them
-        stay 0), in eval mode, with the same rows and shapes as the update's passes."""
+                        model: torch.nn.Module | None = None, *, adapters_off: bool = False) -> torch.Tensor:
+        """Log-probs ``(N, T)`` of a frozen policy (default: the current one; ``adapters_off``: the policy with its LoRA
+        adapters disabled, the reference) over ``micro_batches`` (rows not in them stay 0), in eval mode, with the same
+        rows and shapes as the update's passes."""
         model = self.model if model is None else model
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=self.runtime.device)  # (N, T)
         was_training = self.model.training
         self.set_training(False)  # the reference model is built in eval mode and never leaves it
         try:
-            for rows in micro_batches:
-                out[to_device(rows, self.runtime.device)] = self.logprobs(rollout, rows, model=model)[0]
+            # The captured graphs hold the adapters' kernels: the adapters-off pass runs eager.
+            with self.peft.disable_adapter() if adapters_off else contextlib.nullcontext():
+                for rows in micro_batches:
+                    out[to_device(rows, self.runtime.device)] = self.logprobs(rollout, rows, model=model,
+                                                                              graphs=not adapters_off)[0]
         finally:
             self.set_training(was_training)
         return out
 
     # ------------------------------------------------------------------------------------------ the update
 
-    def plan(self, n_rows: int) -> Plan:
-        """A seeded shuffle of ``n_rows`` rows cut into ``train.minibatches`` minibatches of micro-batches."""
+    def plan(self, n_rows: int, tokens: torch.Tensor | None = None) -> Plan:
+        """A seeded shuffle of ``n_rows`` rows cut into ``train.minibatches`` minibatches of micro-batches. Under
+        torchrun, with each row's ``tokens`` (prompt + completion), every minibatch's rows are ordered so that the
+        processes' slices hold near-equal token counts (:func:`gspo.dist.balance`)."""
         t = self.cfg.train
         rank, world = self.runtime.rank, self.runtime.world_size
         order = torch.randperm(n_rows, generator=self.shuffle_gen)
         mb = n_rows // t.minibatches
         minibatches = [order[k * mb:(k + 1) * mb] for k in range(t.minibatches)]
+        if world > 1 and tokens is not None:
+            minibatches = [dist.balance(rows, tokens, world) for rows in minibatches]
         mine = [slice_of(rows, rank, world) for rows in minibatches]
         micro = t.micro_batch_size or mb // world
         return Plan(minibatches, [[rows[j:j + micro] for j in range(0, len(rows), micro)] for rows in mine], world, rank)
@@ -287,9 +318,10 @@ class Actor:
                 batch.metrics["moe/engine_flip_rate"] = self.routing.flip_metrics()["moe/flip_rate"]
         else:
             batch.old_logprobs = to_device(rollout.logprobs, dev)
-        if self.ref_model is not None:
+        if self.ref_model is not None or (self.peft is not None and self.cfg.loss.beta > 0):
             every = [chunk for chunks in plan.micro for chunk in chunks]
-            batch.ref_logprobs = self.frozen_logprobs(rollout, every, model=self.ref_model)
+            batch.ref_logprobs = self.frozen_logprobs(rollout, every, model=self.ref_model,
+                                                      adapters_off=self.ref_model is None)
             self._share(batch.ref_logprobs, plan, range(len(plan.minibatches)))
 
     def step(self, batch: Batch, plan: Plan, k: int, step: int) -> StepOutput:
@@ -297,6 +329,7 @@ class Actor:
         micro-batch, gradient clipping, AdamW. A non-finite loss or gradient norm skips the update (on the device with
         the fused optimizer); the caller counts it from the reduced ``loss`` and ``grad_norm``."""
         cfg, dev = self.cfg, self.runtime.device
+        t_start = time.perf_counter()
         rows = plan.minibatches[k]
         mask, adv = self._on_device["loss_mask"], self._on_device["advantages"]  # (N, T), (N,) or (N, T)
         old, ref = batch.old_logprobs, batch.ref_logprobs
@@ -363,6 +396,10 @@ class Actor:
         tokens = completion.sum()
         metrics["entropy"] = torch.where(completion, mb_ent, 0.0).sum() / tokens.clamp(min=1)
         metrics["loss"] = loss_total
+        if plan.world > 1:  # how long this process took to its gradient: the job's slowest and fastest are logged
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            metrics["dist/compute_max_s"] = metrics["dist/compute_min_s"] = time.perf_counter() - t_start
         metrics["grad_norm"] = self._apply(loss_total, step)
         metrics["trained_tokens"] = tokens
         metrics.update(moe_metrics)
@@ -373,7 +410,7 @@ class Actor:
         """Clip and apply the accumulated gradient at ``lr_at(step)``, unless the loss or the gradient is not finite."""
         t = self.cfg.train
         if self.replicated:
-            dist.sum_gradients(list(self.model.parameters()))
+            dist.sum_gradients(trainable_parameters(self.model))
         grad_norm = dist.full_value(torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")))
         self.set_lr(step)
@@ -398,7 +435,14 @@ class Actor:
     def load_weights(self, ckpt: Path) -> None:
         """The policy's weights from checkpoint ``ckpt`` (and the optimizer too, from a sharded checkpoint's DCP
         files), whichever number of processes wrote it."""
-        if (ckpt / DCP_DIR).is_dir():
+        if self.peft is not None:  # the base weights are model.name's; the checkpoint holds the adapter
+            from gspo import lora
+
+            if not lora.is_adapter(ckpt):
+                raise UserError(f"Checkpoint {ckpt} holds full weights, not a LoRA adapter; resume it with lora.rank = "
+                                "0, or start a new run.")
+            lora.load_adapter(self.peft, ckpt)
+        elif (ckpt / DCP_DIR).is_dir():
             load_sharded(ckpt, self.model, self.optimizer)
         elif self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -420,3 +464,8 @@ class Actor:
             self.optimizer.load_state_dict(state["optimizer"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         self.lr_scale = min(self.lr_scale, state.get("lr_scale", 1.0))
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer updates: all of them, or the adapters alone with LoRA (peft freezes the rest)."""
+    return [p for p in model.parameters() if p.requires_grad]

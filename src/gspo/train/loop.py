@@ -43,8 +43,8 @@ from gspo.types import Batch
 log = logging.getLogger("gspo")
 
 # How a metric is combined over the processes of a job where they differ (the rest are means): memory is the busiest
-# GPU's. (Rollout counters are already the job's: Collector.gather sums the tokens and takes the slowest time.)
-REDUCE = {"memory/peak_gib": "max"}
+# GPU's, the time to the gradient the slowest and the fastest process's. (Rollout counters are already the job's: Collector.gather sums the tokens and takes the slowest time.)
+REDUCE = {"memory/peak_gib": "max", "dist/compute_max_s": "max", "dist/compute_min_s": "min"}
 
 
 def _has_lines(path: Path) -> bool:
@@ -89,10 +89,11 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         actor = Actor(cfg, runtime, model)
         lap("actor")
         strategy = dist.choose_strategy(cfg.dist.strategy, model, runtime.device, reference=cfg.loss.beta > 0)
-        # Under FSDP the engine takes its own full copy of the weights before the policy is sharded.
+        # Under FSDP, and with LoRA, the engine takes its own copy of the plain weights before the policy is sharded or
+        # adapted; it is fed the gathered or merged weights after every optimizer step.
         engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
-                             replica=runtime.world_size > 1 and strategy == "fsdp")
+                             replica=(runtime.world_size > 1 and strategy == "fsdp") or cfg.lora.rank > 0)
         if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
             if not hasattr(engine, "routing") or actor.routing is None:
                 raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
@@ -103,6 +104,7 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
                                 "dist.strategy = 'ddp', or moe.routing_replay = 'old'.")
             engine.routing = actor.routing
         actor.shard(strategy)
+        actor.adapt()
         lap("engine")
         stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
         lap("data")
@@ -235,7 +237,9 @@ class Trainer:
         """``train.minibatches`` optimizer steps over ``batch``; returns their metrics lines."""
         cfg, state = self.cfg, self.state
         t0 = time.perf_counter()
-        plan = self.actor.plan(batch.rollout.completion_ids.shape[0])
+        rollout = batch.rollout
+        plan = self.actor.plan(rollout.completion_ids.shape[0], torch.tensor([len(p) for p in rollout.prompt_ids])
+                               + rollout.completion_mask.sum(-1).cpu())
         self.actor.prepare(batch, plan)
         batch.metrics["time/logprobs"] = time.perf_counter() - t0
         rows = []
@@ -415,8 +419,8 @@ class Trainer:
             self.writer.write_sharded(self.state, parts, self.actor, self.tokenizer, self.cfg.log.keep_checkpoints,
                                       self.t_start)
             return
-        self.writer.submit(self.state, parts, self.actor.model, self.tokenizer, self.cfg.log.keep_checkpoints,
-                           self.t_start)
+        self.writer.submit(self.state, parts, self.actor.peft or self.actor.model, self.tokenizer,
+                           self.cfg.log.keep_checkpoints, self.t_start)
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""

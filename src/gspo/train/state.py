@@ -89,7 +89,9 @@ class CheckpointWriter:
         self.wait()
         t0 = time.perf_counter()
         payload = to_cpu({**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts})
-        weights = to_cpu(model.state_dict())
+        # A LoRA policy (a PeftModel) is checkpointed as its adapter: peft's save_pretrained keeps the lora_ tensors.
+        weights = to_cpu({k: v for k, v in model.state_dict().items() if "lora_" in k} if hasattr(model, "peft_config")
+                         else model.state_dict())
         self.phases = {"snapshot_s": round(time.perf_counter() - t0, 3)}
         step = state.step
         self._thread = threading.Thread(target=self._write, args=(step, model, tokenizer, payload, keep, weights),

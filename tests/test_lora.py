@@ -1,0 +1,111 @@
+"""LoRA through peft on a tiny random Llama: only the adapters train, the engine samples from the merged weights, the
+reference policy is the policy with its adapters off, adapter checkpoints resume exactly and load as a merged model."""
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from gspo.errors import UserError  # noqa: E402
+from gspo.metrics import read_jsonl  # noqa: E402
+from gspo.models import load_model  # noqa: E402
+from gspo.train import Trainer  # noqa: E402
+from gspo.types import SamplingParams  # noqa: E402
+
+from test_trainer import tiny_config, tiny_dir  # noqa: E402,F401  (the module fixture)
+
+LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
+
+
+def _lora(tiny_dir, *extra):
+    return tiny_config(tiny_dir, *LORA, *extra)
+
+
+def test_only_the_adapters_train_and_the_engine_samples_the_merged_weights(tiny_dir, tmp_path):  # noqa: F811
+    trainer = Trainer(_lora(tiny_dir, "train.steps=4"), tmp_path / "run")
+    model = trainer.actor.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all(".lora_" in n for n in changed)  # the base weights never move
+    assert any(".lora_B." in n for n in changed)  # B starts at zero: a trained adapter changes the policy
+    trained = [p for group in trainer.actor.optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in trained} == {id(p) for p in model.parameters() if p.requires_grad}
+
+    # The engine's own plain copy holds W + (alpha / r) B A once synced (the loop syncs before every rollout batch):
+    # its log-probs are the adapted policy's.
+    trainer.engine.sync_weights(trainer.actor.weights())
+    prompts = [[1, 5, 9, 13], [1, 7, 7]]
+    rollout = trainer.engine.generate(prompts, 2, SamplingParams(max_new_tokens=6, temperature=1.0),
+                                      generator=torch.Generator().manual_seed(0))
+    logp, _ = trainer.actor.logprobs(rollout)
+    diff = (logp - rollout.logprobs)[rollout.completion_mask].abs().max()
+    assert diff < 1e-4, diff
+    engine_params = dict(trainer.engine.model.named_parameters())
+    assert not any("lora" in n for n in engine_params)
+
+
+def test_the_reference_policy_is_the_policy_with_adapters_off(tiny_dir, tmp_path):  # noqa: F811
+    """With a KL term the reference log-probs are the base model's, computed by the adapted policy with its adapters
+    disabled (no second copy), also after the adapters have trained."""
+    trainer = Trainer(_lora(tiny_dir, "loss.beta=0.1", "train.steps=2"), tmp_path / "run")
+    assert trainer.actor.ref_model is None
+    with torch.no_grad():  # adapters as training leaves them: B away from its zero start
+        for name, p in trainer.actor.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(0))
+    trainer.engine.sync_weights(trainer.actor.weights())
+    batch = trainer.collector.collect()
+    plan = trainer.actor.plan(batch.rollout.completion_ids.shape[0])
+    trainer.actor.prepare(batch, plan)
+    base, _ = load_model(str(tiny_dir))
+    from gspo.logprobs import sequence_logprobs
+
+    r = batch.rollout
+    expected, _ = sequence_logprobs(base, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=1.0,
+                                    pad_id=r.pad_id)
+    torch.testing.assert_close(batch.ref_logprobs[r.completion_mask], expected[r.completion_mask], rtol=0, atol=1e-5)
+    assert (batch.ref_logprobs - batch.old_logprobs)[r.completion_mask].abs().max() > 1e-4  # the policy has moved
+    trainer.rewards.close()
+
+
+def test_an_adapter_checkpoint_resumes_exactly_and_loads_as_the_merged_model(tiny_dir, tmp_path):  # noqa: F811
+    whole = Trainer(_lora(tiny_dir, "train.steps=4"), tmp_path / "whole")
+    whole.train()
+    half = Trainer(_lora(tiny_dir, "train.steps=2"), tmp_path / "half")
+    half.train()
+    ckpt = tmp_path / "half" / "checkpoints" / "step-000002"
+    assert (ckpt / "adapter_config.json").is_file() and (ckpt / "adapter_model.safetensors").is_file()
+    assert not (ckpt / "model.safetensors").exists()  # the base weights are model.name's, not copied per checkpoint
+    resumed = Trainer(_lora(tiny_dir, "train.steps=4"), tmp_path / "half", resume=True)
+    resumed.train()
+    a, b = read_jsonl(tmp_path / "whole" / "metrics.jsonl"), read_jsonl(tmp_path / "half" / "metrics.jsonl")
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if not k.startswith(("time/", "throughput/"))} == \
+               {k: v for k, v in y.items() if not k.startswith(("time/", "throughput/"))}
+
+    # gspo eval / transformers-style loading: the base model with the adapter merged in, a plain model
+    merged, tok = load_model(str(tmp_path / "whole" / "checkpoints" / "step-000004"))
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, whole.actor.model(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (("lora.dropout=0.1",), "dropout must stay off in RL"),
+    (("lora.rank=-1",), "the rank must be >= 0"),
+    (("lora.target_modules=[]",), "at least one target module"),
+])
+def test_bad_lora_settings_are_refused_in_one_line(tiny_dir, overrides, match):  # noqa: F811
+    with pytest.raises(UserError, match=match):
+        tiny_config(tiny_dir, *LORA, *overrides)
+
+
+def test_adapters_on_modules_the_model_lacks_and_under_torchrun_are_refused(tiny_dir, tmp_path):  # noqa: F811
+    with pytest.raises(UserError, match="does not fit"):
+        Trainer(_lora(tiny_dir, "lora.target_modules=['nope_proj']"), tmp_path / "run")
+    from gspo import dist
+
+    with pytest.raises(UserError, match="under torchrun is not supported yet"):
+        dist.check_layout(_lora(tiny_dir), 2)
