@@ -6,6 +6,7 @@
 #                                         # (reference batch) and the Qwen2.5-1.5B shape (random weights)
 #   bash benchmarks/gpu_lora.sh reward    # reward curves on the reference task: full (lr 5e-6) vs rank 32 and rank 1
 #                                         # (lr 5e-5, ~10x as peers advise), run side by side on the one GPU
+#   bash benchmarks/gpu_lora.sh threads   # the reference run on one GPU with torch's default CPU threads and with 1
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 M=/root/smollm2/model.gguf
@@ -46,6 +47,14 @@ first = [r for r in rows if r["minibatch"] == 0]
 print(sys.argv[2], "steps", len(rows), "reward by batch", [round(r["reward/mean"], 3) for r in first][::2],
       "loop s", round(rows[-1]["time/elapsed"], 1))
 PY
+    done ;;
+  threads)  # the one-process reference run with torch's default CPU threads and with one, as torchrun sets
+    for n in default 1; do
+      if [ $n = default ]; then env -u OMP_NUM_THREADS python3 benchmarks/scaling.py --gpus 1 --batches 8 \
+          --out $W/threads_$n/scaling.json model.name="'$M'" 2>&1 | tail -1
+      else OMP_NUM_THREADS=1 python3 benchmarks/scaling.py --gpus 1 --batches 8 --out $W/threads_$n/scaling.json \
+          model.name="'$M'" 2>&1 | tail -1; fi
+      cp $W/threads_$n/scaling.json $OUT/lora/threads_$n.json
     done ;;
   esac
 done
