@@ -20,9 +20,9 @@ for part in "$@"; do
   speed)
     for rank in 0 32; do
       python3 benchmarks/large_model.py --model $M --gpus 1 --prompts-per-gpu 32 --micro-batch 0 --no-checkpointing \
-        --batches 4 --tag -r$rank --out $W/smollm2_r$rank.json lora.rank=$rank 2>&1 | grep -v "Warn\|warn(" | tail -3
+        --batches 4 --tag=-r$rank --out $W/smollm2_r$rank.json lora.rank=$rank 2>&1 | grep -v "Warn\|warn(" | tail -3
       python3 benchmarks/large_model.py --shape qwen2.5-1.5b --gpus 1 --models $W/models --tokenizer /root/smollm2 \
-        --batches 3 --tag -r$rank --out $W/qwen1.5b_r$rank.json lora.rank=$rank 2>&1 | grep -v "Warn\|warn(" | tail -3
+        --batches 3 --tag=-r$rank --out $W/qwen1.5b_r$rank.json lora.rank=$rank 2>&1 | grep -v "Warn\|warn(" | tail -3
     done
     cp $W/*.json $OUT/lora/ ;;
   reward)
