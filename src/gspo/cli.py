@@ -307,6 +307,32 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from gspo.export import export
+
+    ckpt = export(Path(args.checkpoint), Path(args.out), dtype=args.dtype, merge_lora=args.merge_lora)
+    print(f"exported {ckpt} to {args.out}")
+    return 0
+
+
+def _checkpoint_or_run(text: str) -> str:
+    """A checkpoint directory (holding COMPLETE) or a run directory with checkpoints."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory; pass runs/NAME or runs/NAME/checkpoints/step-N")
+    return text
+
+
+def _new_dir(text: str) -> str:
+    """A directory that does not exist yet and can be created."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path names no directory")
+    if Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text!r} exists; name a new directory (nothing is overwritten)")
+    _writable_ancestor(Path(text))
+    return text
+
+
 def cmd_summary(args: argparse.Namespace) -> int:
     from gspo.metrics import summarize
 
@@ -387,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--eval-n", type=_count(0), default=200,
                    help="examples for the greedy accuracy of the dense and the MoE model (0 = skip; default 200)")
     u.set_defaults(func=cmd_upcycle)
+    x = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory (transformers, vLLM, peft load it)")
+    x.add_argument("checkpoint", type=_checkpoint_or_run, help="a checkpoint, or a run directory (its newest one)")
+    x.add_argument("--out", type=_new_dir, required=True, help="the new model directory")
+    x.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights' dtype (default bf16)")
+    x.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA checkpoint: the base model with the adapter merged in (default: the peft adapter)")
+    x.set_defaults(func=cmd_export)
     c = sub.add_parser("config", help="print every config key with its default and meaning")
     c.add_argument("--markdown", action="store_true", help="as a Markdown table")
     c.set_defaults(func=cmd_config)
