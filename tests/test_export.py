@@ -69,3 +69,32 @@ def test_bad_export_inputs_are_one_line(trained, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert match in err and len(err.splitlines()) == 1 and err.startswith("gspo"), err
     assert not (tmp_path / "y").exists() and not (tmp_path / "y.tmp").exists()
+
+
+@pytest.mark.parametrize("dtype, atol", [("fp32", 1e-4), ("bf16", 0.15)])
+def test_gguf_export_reads_back_through_transformers(trained, tmp_path, dtype, atol):
+    """--gguf writes model.gguf beside the HF files; transformers' GGUF reader (which undoes llama.cpp's Q/K row order)
+    gives back the same logits, and its tokenizer encodes as the original does."""
+    run, weights = trained
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--out", str(out), "--dtype", dtype, "--gguf"]) == 0
+    back = AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf", dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7, 300, 4000]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, plain(ids).logits, rtol=0, atol=atol)
+    text = "What is 7 + 5? Answer: 12 ... café"
+    tok = AutoTokenizer.from_pretrained(out, gguf_file="model.gguf")
+    assert tok(text)["input_ids"] == AutoTokenizer.from_pretrained(out)(text)["input_ids"]
+
+
+def test_gguf_of_an_unmerged_adapter_is_refused(tiny_dir, tmp_path):  # noqa: F811
+    pytest.importorskip("peft")
+    trainer = Trainer(tiny_config(tiny_dir, "lora.rank=4"), tmp_path / "run")
+    trainer.train()
+    from gspo.errors import UserError
+    from gspo.export import export
+
+    with pytest.raises(UserError, match="add --merge-lora"):
+        export(tmp_path / "run", tmp_path / "out", gguf=True)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()

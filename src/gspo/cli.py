@@ -310,7 +310,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from gspo.export import export
 
-    ckpt = export(Path(args.checkpoint), Path(args.out), dtype=args.dtype, merge_lora=args.merge_lora)
+    ckpt = export(Path(args.checkpoint), Path(args.out), dtype=args.dtype, merge_lora=args.merge_lora, gguf=args.gguf)
     print(f"exported {ckpt} to {args.out}")
     return 0
 
@@ -419,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights' dtype (default bf16)")
     x.add_argument("--merge-lora", action="store_true",
                    help="a LoRA checkpoint: the base model with the adapter merged in (default: the peft adapter)")
+    x.add_argument("--gguf", action="store_true",
+                   help="also write DIR/model.gguf (Llama-family models; llama.cpp's names and metadata)")
     x.set_defaults(func=cmd_export)
     c = sub.add_parser("config", help="print every config key with its default and meaning")
     c.add_argument("--markdown", action="store_true", help="as a Markdown table")

@@ -16,6 +16,7 @@ from gspo.checkpoint import MARKER, complete_checkpoints
 from gspo.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+GGUF_FILE = "model.gguf"
 
 
 def checkpoint_of(path: Path) -> Path:
@@ -29,9 +30,10 @@ def checkpoint_of(path: Path) -> Path:
                     "runs/NAME or runs/NAME/checkpoints/step-N.")
 
 
-def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = False) -> Path:
-    """Write the model of checkpoint (or run directory) ``source`` to the new directory ``out``; returns the
-    checkpoint exported. Written to ``out.tmp`` first and renamed, so ``out`` is whole or absent."""
+def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = False, gguf: bool = False) -> Path:
+    """Write the model of checkpoint (or run directory) ``source`` to the new directory ``out`` (with ``gguf``, also
+    as ``out/model.gguf``); returns the checkpoint exported. Written to ``out.tmp`` first and renamed, so ``out`` is
+    whole or absent."""
     from gspo import lora
     from gspo.models import load_model, load_tokenizer, stop_token_ids
 
@@ -43,6 +45,8 @@ def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = F
     try:
         tmp.mkdir(parents=True)
         if lora.is_adapter(ckpt) and not merge_lora:
+            if gguf:
+                raise UserError("--gguf writes a whole model: add --merge-lora to export a LoRA checkpoint as GGUF.")
             for name in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS):
                 shutil.copy2(ckpt / name, tmp / name)
             load_tokenizer(str(ckpt)).save_pretrained(tmp)
@@ -54,9 +58,106 @@ def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = F
             model.generation_config.pad_token_id = tokenizer.pad_token_id
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
+            if gguf:
+                write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype)
         tmp.rename(out)
-    except OSError as e:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, OSError):
+            raise
         raise UserError(f"Writing {str(out)!r} failed ({e.strerror or e}); nothing was left there. Free disk space or "
                         "pick another --out.") from e
     return ckpt
+
+
+# GGUF tensor types for --dtype; 1-D tensors (norms) stay F32 as llama.cpp's own converter writes them.
+_GGUF_TYPES = {"fp32": ("F32", "ALL_F32"), "fp16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16")}
+
+
+def _permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's row order of a Q or K projection: within each head, the interleaved rotary pairs of its GGUF
+    layout instead of HF's two halves (transformers' GGUF loader undoes exactly this)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, tokenizer, path: Path, dtype: str = "bf16") -> None:
+    """``model`` (a Llama-family HF model: ``llama`` or ``mistral`` without sliding windows) and ``tokenizer`` (a
+    byte-level BPE tokenizer) as one GGUF file, metadata and tensor names as llama.cpp's converter writes them.
+
+    Written here with the ``gguf`` package's writer and name map (the package llama.cpp publishes): transformers can
+    read GGUF but not write it, and llama.cpp's converter script is not an installable library."""
+    import json
+
+    import gguf
+    import numpy as np
+
+    config = model.config
+    if config.model_type not in ("llama", "mistral") or getattr(config, "sliding_window", None):
+        raise UserError(f"GGUF export writes Llama-family models; this one is {config.model_type!r}. Export the HF "
+                        "directory (without --gguf) and convert it with llama.cpp's convert_hf_to_gguf.py.")
+    tok_json = json.loads(tokenizer.backend_tokenizer.to_str()) if getattr(tokenizer, "is_fast", False) else None
+    if tok_json is None or tok_json.get("model", {}).get("type") != "BPE":
+        raise UserError("GGUF export needs a fast byte-level BPE tokenizer (tokenizer.json); this one is not. Export "
+                        "the HF directory (without --gguf) and convert it with llama.cpp's convert_hf_to_gguf.py.")
+    tensor_type, file_type = _GGUF_TYPES[dtype]
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(getattr(config, "_name_or_path", "") or "gspo export")
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(config.vocab_size)
+    w.add_file_type(getattr(gguf.LlamaFileType, file_type))
+    # The tokenizer: every id's token, its type, the BPE merges, special ids and the chat template.
+    vocab = {i: t for t, i in tokenizer.get_vocab().items()}
+    special = set(tokenizer.all_special_ids)
+    tokens = [vocab.get(i, f"[PAD{i}]") for i in range(config.vocab_size)]
+    types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL if i in vocab else
+             gguf.TokenType.UNUSED for i in range(config.vocab_size)]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tok_json["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for add, token_id in ((w.add_bos_token_id, tokenizer.bos_token_id), (w.add_eos_token_id, tokenizer.eos_token_id),
+                          (w.add_pad_token_id, tokenizer.pad_token_id), (w.add_unk_token_id, tokenizer.unk_token_id)):
+        if token_id is not None:
+            add(token_id)
+    w.add_add_bos_token(False)
+    if tokenizer.chat_template:
+        w.add_chat_template(tokenizer.chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # llama.cpp reads the embedding as the output layer when there is none
+    for name, tensor in state.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new is None:
+            raise UserError(f"GGUF export has no llama.cpp name for the tensor {name!r}; export the HF directory "
+                            "(without --gguf) instead.")
+        t = tensor.detach().float()
+        if name.endswith("q_proj.weight"):
+            t = _permute_rope(t, heads)
+        elif name.endswith("k_proj.weight"):
+            t = _permute_rope(t, kv_heads)
+        if t.dim() == 1 or tensor_type == "F32":
+            w.add_tensor(new, t.numpy())
+        elif tensor_type == "F16":
+            w.add_tensor(new, t.half().numpy())
+        else:  # bf16 has no numpy dtype: its raw 16 bits, typed for the writer
+            w.add_tensor(new, t.bfloat16().view(torch.int16).numpy().view(np.uint16),
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
