@@ -110,3 +110,15 @@ def test_step_advantages_add_nothing_where_the_group_carries_no_process_signal()
     outcome = torch.tensor([1.0, -1.0, 0.3, -0.3, 0.0, 0.0])
     adv = step_advantages(outcome, [[1, 2], [3], [4], [], [], []], [[1.0, 1.0], [1.0], [0.0], [], [], []], 2, 5)
     torch.testing.assert_close(adv, outcome[:, None].expand(6, 5))
+
+
+def test_step_advantages_scale_their_credit_as_the_outcome_is_scaled():
+    """The example above with scale 'none' (Dr. GRPO): credits only centred on the group's mean 0.75, so r~ = [0.25,
+    -0.75] and [0.25, 0.25], credit to go [-0.5, -0.75] and [0.5, 0.25]; with 'batch' the one group is the batch,
+    so it equals 'group'."""
+    from gspo.algorithms.advantages import step_advantages
+
+    args = (torch.tensor([0.5, -0.5]), [[2, 4], [3, 5]], [[1.0, 0.0], [1.0, 1.0]], 2, 6)
+    none = step_advantages(*args, scale="none")
+    torch.testing.assert_close(none, torch.tensor([[0.0, 0.0, -0.25, -0.25, 0.5, 0.5], [0.0, 0.0, 0.0, -0.25, -0.25, -0.5]]))
+    torch.testing.assert_close(step_advantages(*args, scale="batch"), step_advantages(*args, scale="group"))

@@ -58,11 +58,13 @@ def test_bad_export_inputs_are_one_line(trained, tmp_path, capsys):
     run, _ = trained
     (tmp_path / "taken").mkdir()
     (tmp_path / "empty").mkdir()
+    (tmp_path / "w.tmp").mkdir()  # a directory of the user's that the export's temporary name would take
     cases = [
         (["export", str(run), "--out", str(tmp_path / "taken")], "exists; name a new directory"),
         (["export", str(tmp_path / "nope"), "--out", str(tmp_path / "x")], "is not a directory"),
         (["export", str(tmp_path / "empty"), "--out", str(tmp_path / "y")], "neither a complete checkpoint"),
         (["export", str(run), "--out", str(tmp_path / "z"), "--dtype", "int8"], "invalid choice"),
+        (["export", str(run), "--out", str(tmp_path / "w")], "w.tmp' exists"),
     ]
     for argv, match in cases:
         assert main(argv) == 2, argv

@@ -17,14 +17,16 @@ from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module fixtur
     "emoji 🙂🙃 split across byte tokens 🧮",
 ])
 def test_token_starts_are_where_each_token_begins_in_the_decoded_text(tokenizer, text):
-    """Each token starts where the text decoded from the tokens before it ends (multi-byte characters included)."""
+    """Each token starts where the text decoded from the tokens before it ends; a token inside a multi-byte character
+    starts where that character does (its prefix decodes the partial character as U+FFFD)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     decoded = tokenizer.decode(ids, skip_special_tokens=True)
     starts = token_starts(tokenizer, ids, decoded)
     assert len(starts) == len(ids) and starts[0] == 0 and starts == sorted(starts)
     for t in range(len(ids)):
         prefix = tokenizer.decode(ids[:t], skip_special_tokens=True)
-        assert starts[t] == len(prefix) and decoded.startswith(prefix.rstrip("\ufffd"))
+        whole = prefix.rstrip("\ufffd")
+        assert starts[t] == len(whole) and decoded.startswith(whole)
 
 
 def test_a_gspo_token_run_trains_on_per_token_advantages(tiny_dir, tmp_path):  # noqa: F811
@@ -67,3 +69,16 @@ def test_step_credit_refusals_are_one_line(tiny_dir, tmp_path):  # noqa: F811
     with pytest.raises(UserError, match="the ends must ascend"):
         trainer.collector.collect()
     trainer.rewards.close()
+
+
+def test_token_starts_of_ids_that_are_not_the_texts_own_encoding(tokenizer):
+    """Sampled ids need not be the canonical encoding of their text (here "Answer" spelt in single letters, and an
+    emoji's bytes split): the decoded prefixes give the starts."""
+    letters = [tokenizer.convert_tokens_to_ids(c) for c in "Answer"]
+    emoji = tokenizer("🧮", add_special_tokens=False)["input_ids"]
+    ids = letters + emoji + tokenizer(": 12", add_special_tokens=False)["input_ids"]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] != ids
+    starts = token_starts(tokenizer, ids, text)
+    assert starts[:6] == [0, 1, 2, 3, 4, 5] and starts[6] == 6  # each letter; the emoji's bytes start at it
+    assert starts[-1] == len(text) - len(tokenizer.decode(ids[-1:])) and starts == sorted(starts)

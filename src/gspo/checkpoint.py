@@ -125,7 +125,10 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
     # bound by copying and the disk, and each releases the GIL while it writes.
     with ThreadPoolExecutor(max_workers=1) as pool:
         optimizer_file = pool.submit(torch.save, state, tmp / "trainer_state.pt")
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+        # A LoRA policy (a PeftModel) writes its adapter; "auto" embedding-layer saving would look the base model up
+        # on the hub at every checkpoint.
+        extra = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state, **extra)
         tokenizer.save_pretrained(tmp)
         optimizer_file.result()
     _plain_architecture(tmp)

@@ -124,8 +124,9 @@ class LossConfig:
     step_credit: str | None = None
     """Per-token advantages from process credit: ``module:function`` splitting a completion into scored steps
     (``gspo.rewards.builtin:running_sum_step_spans`` / ``numbered_words_line_spans`` for the long tasks). Each token
-    gets the outcome advantage plus the group-normalised credit of its step and every later one (DeepSeekMath's
-    process supervision). Token-level ratios only: GSPO-token (``gspo_token``) or GRPO-family presets."""
+    gets the outcome advantage plus the normalised credit of its step and every later one (DeepSeekMath's process
+    supervision; centred on the group's steps and scaled as ``loss.advantage_scale`` says). Token-level ratios only:
+    GSPO-token (``gspo_token``) or GRPO-family presets."""
     step_credit_weight: float = 1.0
     """Weight of the process-credit term against the outcome advantage (with ``loss.step_credit``)."""
 

@@ -2,8 +2,9 @@
 tools load without gspo: the weights (in the dtype asked for), the config, the tokenizer with its chat template, and a
 generation config that stops at the chat template's end-of-turn token as gspo's engines do.
 
-A LoRA checkpoint is exported as its peft adapter (loadable with ``PeftModel.from_pretrained`` on the base model), or
-with ``merge_lora`` as the base model with the adapter merged in.
+A LoRA checkpoint is exported as its peft adapter as trained (fp32, with the tokenizer; loadable with
+``PeftModel.from_pretrained`` on the base model the run trained, named by its ``base_model_name_or_path``), or with
+``merge_lora`` as the base model with the adapter merged in: a whole model like any other export.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import MARKER, complete_checkpoints
+from gspo.checkpoint import MARKER, _fsync_tree, complete_checkpoints
 from gspo.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -38,10 +39,10 @@ def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = F
     from gspo.models import load_model, load_tokenizer, stop_token_ids
 
     ckpt = checkpoint_of(source)
-    if out.exists():
-        raise UserError(f"--out {str(out)!r} exists; name a new directory (nothing is overwritten).")
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for path in (out, tmp):
+        if path.exists():
+            raise UserError(f"{str(path)!r} exists; name a new --out directory (nothing is overwritten).")
     try:
         tmp.mkdir(parents=True)
         if lora.is_adapter(ckpt) and not merge_lora:
@@ -60,6 +61,7 @@ def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = F
             tokenizer.save_pretrained(tmp)
             if gguf:
                 write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype)
+        _fsync_tree(tmp)  # whole on disk before it takes its name
         tmp.rename(out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

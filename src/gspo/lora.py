@@ -6,7 +6,9 @@
   ``W + (alpha / rank) B A`` for the adapted ones (peft's own ``get_delta_weight``), so the rollout engines keep their
   own plain bf16 copy, their CUDA graphs and the fused decode step.
 - A checkpoint holds the adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``), which
-  ``PeftModel.from_pretrained`` and :func:`gspo.models.load_model` read back on top of the base model.
+  ``PeftModel.from_pretrained`` and :func:`gspo.models.load_model` read back on top of the base model. Its
+  ``base_model_name_or_path`` is the run's ``model.name`` (a hub id, a directory, a GGUF file or gspo's alias: the
+  latter two load through gspo, or export with ``--merge-lora``).
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ def apply(model: torch.nn.Module, lora, base_name: str):
     ``base_name`` (the config's ``model.name``) is recorded in the adapter's config, for loading it back."""
     peft = _peft()
     targets = lora.target_modules
+    if getattr(model.config, "tie_word_embeddings", False) and any("lm_head" in m for m in targets):
+        raise UserError(f"lora.target_modules = {targets} puts an adapter on the LM head, which this model ties to its "
+                        "input embeddings (the merged head would overwrite both); leave lm_head out.")
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",
                              target_modules="all-linear" if targets == ["all-linear"] else list(targets),
                              task_type="CAUSAL_LM")
@@ -46,42 +51,28 @@ def apply(model: torch.nn.Module, lora, base_name: str):
     return wrapped
 
 
+@torch.no_grad()
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of the plain model for every weight of ``model`` (the policy with adapters injected): an
-    adapted layer's weight is ``W + delta`` under the plain name, the adapters themselves are left out."""
+    adapted layer's weight is ``W + delta`` under the plain name, the adapters themselves are left out. Each delta is
+    computed as its weight is handed out, so at most one layer's merged copy exists at a time."""
     from peft.tuners.lora import LoraLayer
 
-    deltas = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            deltas[name] = {a: module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A}
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
     for name, p in model.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
             continue
         if ".base_layer." in name:
             owner, _, leaf = name.partition(".base_layer.")
             value = p.detach()
-            if leaf == "weight":
-                for delta in deltas.get(owner, {}).values():
-                    value = value + delta.detach().to(value.dtype)
+            layer = layers.get(owner)
+            if leaf == "weight" and layer is not None:
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        value = value + layer.get_delta_weight(adapter).to(value.dtype)
             yield f"{owner}.{leaf}", value
         else:
             yield name, p.detach()
-
-
-def adapter_state(wrapped) -> dict[str, torch.Tensor]:
-    """The adapter's tensors as peft saves them (names without the adapter's name), for a checkpoint."""
-    from peft import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(wrapped)
-
-
-def save_adapter(wrapped, folder: Path, state: dict[str, torch.Tensor]) -> None:
-    """``state`` (a snapshot of :func:`adapter_state`) and the adapter's config into ``folder``, in peft's format."""
-    from safetensors.torch import save_file
-
-    wrapped.peft_config["default"].save_pretrained(str(folder))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
 def load_adapter(wrapped, folder: Path) -> None:

@@ -77,6 +77,10 @@ def probe_noise(cfg, out_path: str | Path, rows: int = 48, n_bins: int = 5) -> d
     from gspo.errors import UserError
     from gspo.train import build
 
+    if cfg.loss.step_credit:
+        raise UserError("gspo probe measures the gradient of one advantage per response; remove loss.step_credit "
+                        "(per-token advantages) from the config to probe it.")
+
     parts = build(cfg, Runtime.from_config(cfg.model))
     actor = parts.actor
     try:
@@ -95,9 +99,6 @@ def probe_noise(cfg, out_path: str | Path, rows: int = 48, n_bins: int = 5) -> d
             actor.step(batch, plan, k, k)
         mask = rollout.completion_mask  # (N, T)
         adv = batch.advantages.cpu()
-        if adv.dim() != 1:
-            raise UserError("gspo probe measures the gradient of one advantage per response; remove loss.step_credit "
-                            "(per-token advantages) from the config to probe it.")
         candidates = [i for i in range(N) if adv[i] != 0 and mask[i].any()]
         g = torch.Generator().manual_seed(cfg.seed)
         pick = [candidates[j] for j in torch.randperm(len(candidates), generator=g)[:rows].tolist()]

@@ -86,7 +86,7 @@ class RunLog:
             return
         lc = self.cfg.log
         rows_dev = rows.to(logp.device)  # after the step's reduce: the device has nothing queued to wait for
-        old, mask, adv = batch.old_logprobs[rows_dev], batch.loss_mask[rows].to(logp.device), batch.advantages[rows]
+        old, mask = batch.old_logprobs[rows_dev], batch.loss_mask[rows].to(logp.device)
         where = {"step": step, "rollout_batch": rollout_batch, "minibatch": minibatch}
         if lc.histograms:
             self._files["histograms"].write({**where, "edges": LOG_RATIO_EDGES, **ratio_histograms(logp, old, mask)})
@@ -95,7 +95,7 @@ class RunLog:
                 row = int(rows[i])
                 self._files["traces"].write({**where, "row": row, **token_trace(
                     tokenizer, batch.rollout.completion_ids[row], logp[i].cpu(), old[i].cpu(), mask[i].cpu(),
-                    float(adv[i].mean()))})
+                    _row_advantage(batch, row))})
 
     def flush(self) -> None:
         self.sinks.flush()

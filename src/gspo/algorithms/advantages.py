@@ -109,7 +109,7 @@ def overlong_penalty(lengths: Tensor, max_length: int, cache: int) -> Tensor:
 
 
 def step_advantages(outcome: Tensor, step_ends: list[list[int]], step_credit: list[list[float]], group_size: int,
-                    width: int, *, weight: float = 1.0, eps: float = 1e-6) -> Tensor:
+                    width: int, *, weight: float = 1.0, scale: str = "group", eps: float = 1e-6) -> Tensor:
     """Per-token advantages: the outcome advantage plus process credit, as DeepSeekMath's process supervision defines
     it (Shao et al. 2024, sec. 4.1.3) -- each step's credit normalised over every step of the group, and a token
     credited with the normalised credit of its own step and of every later one.  (N, T)
@@ -125,6 +125,8 @@ def step_advantages(outcome: Tensor, step_ends: list[list[int]], step_credit: li
         group_size: G; rows of one group are contiguous.
         width: T, the completion tensor's width.
         weight: the process term's weight against the outcome advantage.
+        scale: as the outcome's (``loss.advantage_scale``): ``group`` divides by the group's std of step credits (the
+            formula above), ``batch`` by the std of every step credit in the batch, ``none`` only centres them.
 
     Tokens after a completion's last step carry the outcome advantage alone; a group whose credits are all equal (or
     that has fewer than two steps) adds nothing. GSPO-token and GRPO take these; GSPO's sequence ratio needs one
@@ -133,7 +135,11 @@ def step_advantages(outcome: Tensor, step_ends: list[list[int]], step_credit: li
     n = outcome.numel()
     if len(step_ends) != n or len(step_credit) != n:
         raise UserError(f"step credit was given for {len(step_ends)} completions, the batch has {n}.")
+    if scale not in SCALES:
+        raise UserError(f"Unknown advantage scale {scale!r}; use one of {', '.join(SCALES)}.")
     adv = outcome.double()[:, None].repeat(1, width)  # (N, T)
+    every = torch.tensor([c for credits in step_credit for c in credits], dtype=torch.float64)
+    batch_std = every.std() if every.numel() >= 2 else torch.zeros((), dtype=torch.float64)
     for g in range(0, n, group_size):
         pool = torch.tensor([c for i in range(g, g + group_size) for c in step_credit[i]], dtype=torch.float64)
         if pool.numel() < 2:
@@ -141,8 +147,9 @@ def step_advantages(outcome: Tensor, step_ends: list[list[int]], step_credit: li
         mean, std = pool.mean(), pool.std()
         if std <= ZERO_STD:
             continue
+        div = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scale]
         for i in range(g, g + group_size):
-            norm = (torch.tensor(step_credit[i], dtype=torch.float64) - mean) / (std + eps)  # (K,)
+            norm = (torch.tensor(step_credit[i], dtype=torch.float64) - mean) / div  # (K,)
             togo = norm.flip(0).cumsum(0).flip(0)  # credit of step k and every later one: (K,)
             start = 0
             for end, value in zip(step_ends[i], togo.tolist()):

@@ -40,8 +40,9 @@ def load_step_credit(path: str) -> StepFn:
 
 def token_starts(tokenizer, ids: list[int], text: str) -> list[int]:
     """The character index in ``text`` (the completion as the engine decoded it, special tokens skipped) where each
-    token of ``ids`` starts. Token by token when the pieces add up to the text (the usual case); otherwise from the
-    decoded prefixes (a character split across tokens)."""
+    token of ``ids`` starts. Token by token when the pieces add up to the text (byte-level BPE, the usual case); else
+    from the offsets of the text's own encoding when it gives back ``ids``; else from the decoded prefixes (a
+    character split across tokens)."""
     pieces = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=True)
     if "".join(pieces) == text:
         starts, at = [], 0
@@ -49,7 +50,13 @@ def token_starts(tokenizer, ids: list[int], text: str) -> list[int]:
             starts.append(at)
             at += len(piece)
         return starts
-    return [len(tokenizer.decode(ids[:t], skip_special_tokens=True)) for t in range(len(ids))]
+    if getattr(tokenizer, "is_fast", False):  # SentencePiece-style pieces lose their leading space alone: re-encode
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if enc["input_ids"] == ids:
+            return [start for start, _ in enc["offset_mapping"]]
+    # The sampled ids are not the text's own encoding: the decoded prefixes (quadratic, rare). A prefix that ends inside
+    # a character decodes it as U+FFFD; the token then starts where that character does, as the offsets say.
+    return [len(tokenizer.decode(ids[:t], skip_special_tokens=True).rstrip("\ufffd")) for t in range(len(ids))]
 
 
 def _checked(path: str, steps, text: str) -> tuple[list[int], list[float]]:
@@ -68,7 +75,7 @@ def _checked(path: str, steps, text: str) -> tuple[list[int], list[float]]:
 
 
 def token_advantages(path: str, fn: StepFn, tokenizer, rollout, examples, outcome: torch.Tensor, group_size: int,
-                     weight: float) -> torch.Tensor:
+                     weight: float, scale: str = "group") -> torch.Tensor:
     """Per-token advantages ``(N, T)`` of a rollout batch: ``fn``'s steps of every completion, mapped to token ends,
     added to the outcome advantages ``(N,)`` (see :func:`step_advantages`)."""
     step_ends, step_credit = [], []
@@ -85,4 +92,4 @@ def token_advantages(path: str, fn: StepFn, tokenizer, rollout, examples, outcom
         step_ends.append([bisect.bisect_left(starts, e) for e in ends])
         step_credit.append(credits)
     return step_advantages(outcome, step_ends, step_credit, group_size, rollout.completion_ids.shape[1],
-                           weight=weight)
+                           weight=weight, scale=scale)

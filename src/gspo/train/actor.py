@@ -114,6 +114,8 @@ class Actor:
             return
         if strategy == "ddp":
             dist.replicate(self.model)
+            if self.ref_model is not None:
+                dist.replicate(self.ref_model)
             self.replicated = True
             log.info("DDP: every one of the %d processes holds the whole policy; gradients are summed with one "
                      "all-reduce per 64 MB bucket before each optimizer step", self.runtime.world_size)

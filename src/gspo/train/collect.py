@@ -202,7 +202,8 @@ class Collector:
         adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale)  # (N,)
         if self.step_credit is not None:  # (N, T): the outcome advantage plus each token's process credit
             adv = token_advantages(cfg.loss.step_credit, self.step_credit, self.tokenizer, rollout, groups.examples,
-                                   adv, cfg.rollout.group_size, cfg.loss.step_credit_weight)
+                                   adv, cfg.rollout.group_size, cfg.loss.step_credit_weight,
+                                   cfg.loss.advantage_scale)
         loss_mask = rollout.completion_mask.clone()  # (N, T)
         truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
         if cfg.loss.mask_truncated:

@@ -99,9 +99,11 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
                 raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
                                 f"({type(engine).__name__} does not); set rollout.engine = 'hf' or 'graph'.")
             if getattr(engine, "replica", False):
-                raise UserError("moe.routing_replay = 'rollout' under FSDP needs the graph engine (the hf engine's "
-                                "copy of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, "
-                                "dist.strategy = 'ddp', or moe.routing_replay = 'old'.")
+                why = "with LoRA" if cfg.lora.rank else "under FSDP"
+                fix = "" if cfg.lora.rank else "dist.strategy = 'ddp', "
+                raise UserError(f"moe.routing_replay = 'rollout' {why} needs the graph engine (the hf engine's own copy "
+                                f"of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, {fix}or "
+                                "moe.routing_replay = 'old'.")
             engine.routing = actor.routing
         actor.shard(strategy)
         actor.adapt()
