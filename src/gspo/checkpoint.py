@@ -57,7 +57,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
+    """Every file under ``path``, then ``path`` itself, flushed to disk (before a rename makes the tree visible)."""
     for p in sorted(path.rglob("*")):
         if p.is_file():
             with open(p, "rb") as f:
@@ -134,7 +135,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
     _plain_architecture(tmp)
     (tmp / "state.json").write_text(json.dumps({k: state[k] for k in ("step", "rollout_batch") if k in state}))
     t1 = time.perf_counter()
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     if final.exists():
         _discard(final)
     os.replace(tmp, final)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import MARKER, _fsync_tree, complete_checkpoints
+from gspo.checkpoint import MARKER, fsync_tree, complete_checkpoints
 from gspo.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -61,7 +61,7 @@ def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = F
             tokenizer.save_pretrained(tmp)
             if gguf:
                 write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype)
-        _fsync_tree(tmp)  # whole on disk before it takes its name
+        fsync_tree(tmp)  # whole on disk before it takes its name
         tmp.rename(out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
