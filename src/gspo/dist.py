@@ -1,7 +1,7 @@
 """Data parallelism across the processes of a ``torchrun`` job: torch's FSDP2 (``fully_shard``) shards the policy
 (``dist.strategy = "fsdp"``) or every process keeps a whole copy and the gradients are summed before each optimizer
-step (``"ddp"``), and this module holds the few collectives the loop adds. One process (no ``torchrun``, or ``WORLD_SIZE`` 1) calls
-none of them: every function here is the identity there.
+step (``"ddp"``), and this module holds the few collectives the loop adds. One process (no ``torchrun``, or
+``WORLD_SIZE`` 1) calls none of them: every function here is the identity there.
 
 How a rollout batch is split (``W`` ranks, ``P`` prompts, ``G`` completions):
 
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from gspo.errors import UserError
+
 
 def active() -> bool:
     """Whether this process is one of several in an initialised process group."""
@@ -222,24 +223,17 @@ def sum_gradients(params: list[torch.nn.Parameter], bucket_bytes: int = 64 << 20
     reducer is armed by the wrapped module's forward, which gspo's log-prob pass does not call (it runs the decoder and
     a chunked LM head directly, also inside captured CUDA graphs), and one bucketed all-reduce after the whole
     backward is all a full-batch optimizer step needs."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
 
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():  # a flat bucket holds one dtype
-        bucket, size = [], 0
-        for i, g in enumerate(grads):
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-            if size >= bucket_bytes or i == len(grads) - 1:
-                flat = _flatten_dense_tensors(bucket)
-                torch.distributed.all_reduce(flat)
-                for g_, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    g_.copy_(summed)
-                bucket, size = [], 0
+    # torch's own bucketing (one dtype per bucket, up to bucket_bytes), as its DDP did before the reducer moved to C++
+    for bucket in _take_tensors([p.grad for p in params], bucket_bytes):
+        flat = _flatten_dense_tensors(bucket)
+        torch.distributed.all_reduce(flat)
+        for grad, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(summed)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

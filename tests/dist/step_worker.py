@@ -50,7 +50,7 @@ def run(name: str, extra: list[str], strategy: str) -> dict:
     actor = Actor(cfg, runtime, tiny_moe(family) if moe else tiny_llama(vocab_size=512, seed=0))
     actor.shard(strategy)
     batch = fixed_batch(vocab=256 if moe else 512)
-    tokens = torch.tensor([len(p) for p in batch.rollout.prompt_ids]) + batch.rollout.completion_mask.sum(-1)
+    tokens = torch.tensor([len(p) for p in batch.rollout.prompt_ids]) + batch.rollout.lengths
     plan = actor.plan(16, tokens)  # under torchrun: slices balanced by tokens
     actor.prepare(batch, plan)
     steps, grads = [], {}

@@ -60,10 +60,10 @@ def load_model(
     pad token (the EOS token when it had none). A LoRA checkpoint (an adapter directory gspo wrote) loads as its base
     model with the adapter merged in.
     """
-    folder = Path(name).expanduser()
-    if folder.is_dir() and (folder / "adapter_config.json").is_file():
-        from gspo import lora
+    from gspo import lora
 
+    folder = Path(name).expanduser()
+    if lora.is_adapter(folder):
         base, tok = load_model(lora.base_name(folder), dtype=dtype, device="cpu", tokenizer=tokenizer or str(folder))
         return lora.load_merged(folder, base).to(device), tok
     source = _model_source(name)

@@ -106,7 +106,7 @@ class Actor:
     def distributed(self) -> bool:
         return self.sharded or self.replicated
 
-    def shard(self, strategy: str = "fsdp") -> None:
+    def shard(self, strategy: str | None = "fsdp") -> None:
         """Under ``torchrun``: shard the policy (and the reference model) with FSDP2 (``strategy = "fsdp"``), or keep
         it whole in every process with rank 0's weights (``"ddp"``), then set up the passes and the optimizer. Nothing
         to do in one process."""

@@ -43,7 +43,8 @@ from gspo.types import Batch
 log = logging.getLogger("gspo")
 
 # How a metric is combined over the processes of a job where they differ (the rest are means): memory is the busiest
-# GPU's, the time to the gradient the slowest and the fastest process's. (Rollout counters are already the job's: Collector.gather sums the tokens and takes the slowest time.)
+# GPU's, the time to the gradient the slowest and the fastest process's. (Rollout counters are already the job's:
+# Collector.gather sums the tokens and takes the slowest time.)
 REDUCE = {"memory/peak_gib": "max", "dist/compute_max_s": "max", "dist/compute_min_s": "min"}
 
 
@@ -88,12 +89,13 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         lap("model_load")
         actor = Actor(cfg, runtime, model)
         lap("actor")
-        strategy = dist.choose_strategy(cfg.dist.strategy, model, runtime.device, reference=cfg.loss.beta > 0)
+        strategy = (dist.choose_strategy(cfg.dist.strategy, model, runtime.device, reference=cfg.loss.beta > 0)
+                    if runtime.world_size > 1 else None)
         # Under FSDP, and with LoRA, the engine takes its own copy of the plain weights before the policy is sharded or
         # adapted; it is fed the gathered or merged weights after every optimizer step.
         engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
-                             replica=(runtime.world_size > 1 and strategy == "fsdp") or cfg.lora.rank > 0)
+                             replica=strategy == "fsdp" or cfg.lora.rank > 0)
         if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
             if not hasattr(engine, "routing") or actor.routing is None:
                 raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
@@ -240,8 +242,10 @@ class Trainer:
         cfg, state = self.cfg, self.state
         t0 = time.perf_counter()
         rollout = batch.rollout
-        plan = self.actor.plan(rollout.completion_ids.shape[0], torch.tensor([len(p) for p in rollout.prompt_ids])
-                               + rollout.completion_mask.sum(-1).cpu())
+        tokens = None  # each row's prompt + completion tokens, for balancing the processes' slices
+        if self.runtime.world_size > 1:
+            tokens = torch.tensor([len(p) for p in rollout.prompt_ids]) + rollout.lengths.cpu()
+        plan = self.actor.plan(rollout.completion_ids.shape[0], tokens)
         self.actor.prepare(batch, plan)
         batch.metrics["time/logprobs"] = time.perf_counter() - t0
         rows = []
