@@ -18,9 +18,9 @@ case "$1" in
 scaling)
   [ -n "${MAKE7B-}" ] && { CUDA_VISIBLE_DEVICES=3 make qwen2.5-7b > $OUT/make_7b.log 2>&1 & }
   python3 benchmarks/scaling.py --gpus ${GPUS:-1,2,4} --batches ${BATCHES:-12} ${EQUAL---equal-batch} \
-    --out $W/scaling/scaling.json model.name="'$M'" 2>&1 | grep -v "Warn\|warn("
+    --out $W/scaling/${NAME:-scaling}.json model.name="'$M'" 2>&1 | grep -v "Warn\|warn("
   # one archive: a call brings back only a few files
-  (cd $W && tar czf $OUT/scaling.tgz scaling/scaling.json scaling/scaling-runs/*/{metrics.jsonl,config.json,timings.json})
+  (cd $W && tar czf $OUT/${NAME:-scaling}.tgz scaling/*.json scaling/scaling-runs/*/{metrics.jsonl,config.json,timings.json})
   wait; [ -n "${MAKE7B-}" ] && tail -2 $OUT/make_7b.log
   ;;
 large)

@@ -26,6 +26,8 @@ from gspo.metrics import read_jsonl  # noqa: E402
 def run(n_gpus: int, args, out_dir: Path, prompts: int | None = None) -> dict:
     prompts = prompts or args.prompts_per_gpu * n_gpus
     run_dir = out_dir / f"gpus{n_gpus}-prompts{prompts}"
+    if run_dir.exists():  # the same count listed twice (--gpus 1,2,4,1)
+        run_dir = run_dir.with_name(f"{run_dir.name}-{len(list(out_dir.glob(run_dir.name + '*')))}")
     cmd = [sys.executable, "-m", "gspo.cli", "train", args.config, f"rollout.prompts_per_batch={prompts}",
            f"rollout.group_size={args.group_size}", f"train.steps={args.batches * args.minibatches}",
            f"train.minibatches={args.minibatches}", "log.checkpoint_every=0", "log.progress=false",
@@ -43,10 +45,23 @@ def run(n_gpus: int, args, out_dir: Path, prompts: int | None = None) -> dict:
     span = ends[batches[-1]]["time/elapsed"] - ends[batches[0]]["time/elapsed"]
     completions = (len(batches) - 1) * prompts * args.group_size
     first = [r for r in rows if r["minibatch"] == 0]
+    timed = [r for r in rows if r["rollout_batch"] > 0]
+
+    def per_batch(key: str, rows_: list) -> float:
+        return sum(r.get(key, 0.0) for r in rows_) / max(1, len(batches) - 1)
+
+    # Where a batch's wall-clock time goes, per timed rollout batch (the stages are rank 0's; the rest is logging,
+    # the sentinel and the waits between stages)
+    stages = {"sync_weights": per_batch("time/sync_weights", first[1:]), "collect": per_batch("time/collect", first[1:]),
+              "gather": per_batch("time/gather", first[1:]), "logprobs": per_batch("time/logprobs", first[1:]),
+              "updates": per_batch("time/update", timed)}
+    stages["batch"] = span / max(1, len(batches) - 1)
+    stages["other"] = stages["batch"] - sum(stages[k] for k in ("sync_weights", "collect", "logprobs", "updates"))
     return {"gpus": n_gpus, "prompts_per_batch": prompts, "group_size": args.group_size,
             "completions_per_s": completions / span, "wall_s": wall,
             "reward_first": first[0]["reward/mean"], "reward_last": first[-1]["reward/mean"],
             "reward_curve": [r["reward/mean"] for r in first],
+            "stages_s": stages,
             "rollout_s_mean": sum(r["time/rollout"] for r in first[1:]) / max(1, len(first) - 1),
             "update_s_mean": sum(r["time/update"] for r in rows if r["rollout_batch"] > 0) / max(
                 1, sum(1 for r in rows if r["rollout_batch"] > 0))}
@@ -73,7 +88,11 @@ def main() -> None:
         same = run(1, args, out.parent / "scaling-runs", prompts=args.prompts_per_gpu * max(counts))
         same["equal_batch_reference"] = True
         results.append(same)
-    base = next((r["completions_per_s"] for r in results if r.get("gpus") == 1 and "error" not in r), None)
+    # The baseline: the fastest one-GPU run of this lease at the per-GPU batch (list --gpus 1 twice, e.g. 1,2,4,1, to see
+    # how much one GPU varies within the lease)
+    ones = [r["completions_per_s"] for r in results if r.get("gpus") == 1 and "error" not in r
+            and not r.get("equal_batch_reference")]
+    base = max(ones) if ones else None
     print(f"{'GPUs':>4} {'prompts':>7} {'compl/s':>9} {'speed-up':>8} {'rollout s':>9} {'update s':>8} {'reward':>13}")
     for r in results:
         if "error" in r:
@@ -83,6 +102,12 @@ def main() -> None:
         sp = f"{r['speedup']:.2f}x" if base else "-"
         print(f"{r['gpus']:>4} {r['prompts_per_batch']:>7} {r['completions_per_s']:>9.1f} {sp:>8} "
               f"{r['rollout_s_mean']:>9.2f} {r['update_s_mean']:>8.3f} {r['reward_first']:.3f}->{r['reward_last']:.3f}")
+    print("seconds per rollout batch: " + " ".join(f"{k:>12}" for k in next(
+        (r["stages_s"] for r in results if "error" not in r), {})))
+    for r in results:
+        if "error" not in r:
+            print(f"{r['gpus']} GPU(s), {r['prompts_per_batch']:>3} prompts: "
+                  + " ".join(f"{v:>12.3f}" for v in r["stages_s"].values()))
     for r in results:  # the reward curves at equal total batch: the largest run next to one GPU with its batch
         if r.get("equal_batch_reference") and "error" not in r:
             peer = next(x for x in results if x["gpus"] == max(counts) and "error" not in x)

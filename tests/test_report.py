@@ -124,6 +124,44 @@ def test_probe_noise_writes_a_report_figure(tiny_dir, two_runs, tmp_path, capsys
     (run / "probe_noise.json").unlink()  # the other tests of this module expect no probe
 
 
+def test_compare_jobs_runs_concurrently_passes_a_stop_signal_on_and_resumes(tiny_dir, tmp_path):  # noqa: F811
+    """`gspo compare --jobs 2` trains two runs at once in processes of their own (their output in <out>/logs). A
+    SIGTERM to the command reaches both runs, which checkpoint and stop (exit 143, one line saying how to go on); the
+    same command then resumes them and writes the report."""
+    import os
+    import signal
+    import sys
+    import time
+    from pathlib import Path
+
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "gspo.cli", "compare", "--algos", "gspo,grpo", "--seeds", "1", "--jobs", "2",
+           "--out", str(out), f"model.name='{tiny_dir}'", "model.device='cpu'", "rollout.prompts_per_batch=2",
+           "rollout.group_size=4", "rollout.max_new_tokens=6", "train.minibatches=2", "rewards.workers=0",
+           "log.progress=false", "log.checkpoint_every=1", "rewards.functions=[{path='trainer_rewards:text_length'}]"]
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([*cmd, "train.steps=400"], env=env, stderr=subprocess.PIPE, text=True)
+    runs = [out / "gspo-seed1", out / "grpo-seed1"]
+    deadline = time.time() + 240
+    while not all((r / "metrics.jsonl").exists() and (r / "metrics.jsonl").stat().st_size for r in runs):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=240)[1]
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM; run the same command again to continue" in err
+    for r in runs:
+        assert list((r / "checkpoints").glob("step-*/COMPLETE")), r
+        assert "SIGTERM received" in (out / "logs" / f"{r.name}.log").read_text()
+    steps = {r.name: int(sorted((r / "checkpoints").glob("step-*/COMPLETE"))[-1].parent.name[5:]) for r in runs}
+    done = subprocess.run([*cmd, f"train.steps={max(steps.values()) + 2}"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("(resumed)") == 2 and (out / "report" / "index.html").exists()
+    assert "| grpo (mean of 1) |" in done.stdout
+
+
 def test_compare_moves_a_run_without_checkpoint_aside(tiny_dir, tmp_path, capsys):  # noqa: F811
     """A run directory left without any checkpoint (killed early) is moved aside, not deleted, and trained again."""
     out = tmp_path / "cmp"

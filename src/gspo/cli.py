@@ -87,24 +87,110 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    """Train the same config under each algorithm and seed, then write the report and the key-metrics table."""
+def _compare_in_process(args: argparse.Namespace, todo: list) -> int:
+    """The runs of ``gspo compare`` one after another in this process."""
     import gc
 
     import torch
 
+    from gspo.train import Trainer
+
+    for overrides, run_dir, resume in todo:
+        print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}", file=sys.stderr)
+        trainer = Trainer(_config(args.config, overrides), run_dir, resume=resume)
+        trainer.train()
+        if trainer.stop_signal is not None:
+            print(f"[compare] stopped by {trainer.stop_signal}; run the same command again to continue", file=sys.stderr)
+            return 130 if trainer.stop_signal == "SIGINT" else 143
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (none without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    named = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return named or [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _compare_concurrently(args: argparse.Namespace, todo: list) -> int:
+    """``gspo compare --jobs N``: up to N runs at a time, each a ``gspo train`` process of its own, dealt round-robin
+    over the visible GPUs (several on one GPU when N exceeds them: small models leave a GPU idle between kernels, which
+    another process's kernels fill). Each run's output goes to ``<out>/logs/<run>.log``. A stop signal is passed to
+    every run, which checkpoints and stops; the same command continues them."""
+    import signal
+    import subprocess
+
+    gpus = _visible_gpus()
+    logs = Path(args.out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    pending, running, failed, stopped = list(todo), {}, [], None  # running: Popen -> (run_dir, log path)
+
+    def forward(signum, _frame):
+        nonlocal stopped
+        stopped = signal.Signals(signum).name
+        pending.clear()
+        for proc in running:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        slot = 0
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                overrides, run_dir, resume = pending.pop(0)
+                env = dict(os.environ)
+                if gpus:
+                    env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
+                slot += 1
+                cmd = [sys.executable, "-m", "gspo.cli", "train", *([args.config] if args.config else []), *overrides,
+                       "--run-dir", str(run_dir), *(["--resume"] if resume else [])]
+                log_path = logs / f"{run_dir.name}.log"
+                where = f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if gpus else ""
+                print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}{where}; output: "
+                      f"{log_path}", file=sys.stderr)
+                with open(log_path, "a") as log_file:  # the child holds its own descriptor
+                    running[subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)] = (run_dir, log_path)
+            time.sleep(0.5)
+            for proc in [p for p in running if p.poll() is not None]:
+                run_dir, log_path = running.pop(proc)
+                if proc.returncode not in (0, 130, 143):
+                    lines = log_path.read_text(errors="replace").strip().splitlines()
+                    failed.append(f"{run_dir.name} (exit {proc.returncode}: {lines[-1] if lines else 'no output'})")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if failed:
+        print(f"[compare] {len(failed)} run(s) failed: {'; '.join(failed)}. Their output is in {logs}; fix the cause "
+              "and run the same command again (finished runs are kept, stopped ones resume).", file=sys.stderr)
+        return 1
+    if stopped:
+        print(f"[compare] stopped by {stopped}; run the same command again to continue", file=sys.stderr)
+        return 130 if stopped == "SIGINT" else 143
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Train the same config under each algorithm and seed, then write the report and the key-metrics table."""
     from gspo.checkpoint import complete_checkpoints
     from gspo.metrics import read_jsonl
     from gspo.report import group_means, key_metrics, load_run, metrics_table, write_report
-    from gspo.train import Trainer
 
     seeds, out = args.seeds, Path(args.out)
     algos = [arm for arm, _, _ in args.algos]
-    run_dirs = []
+    run_dirs, todo = [], []  # todo: (overrides, run_dir, resume) of the runs still to train
     for algo, preset, extra in args.algos:
         for seed in seeds:
-            cfg = _config(args.config, [*args.overrides, f"algorithm={preset!r}", f"seed={seed}",
-                                        *(f"{k}={v!r}" for k, v in extra.items())])
+            overrides = [*args.overrides, f"algorithm={preset!r}", f"seed={seed}",
+                         *(f"{k}={v!r}" for k, v in extra.items())]
+            cfg = _config(args.config, overrides)  # every arm's settings checked before any run starts
             run_dir = out / f"{algo}-seed{seed}"
             run_dirs.append(run_dir)
             rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
@@ -116,16 +202,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 aside = run_dir.with_name(f"{run_dir.name}.incomplete-{int(time.time())}")
                 run_dir.rename(aside)
                 print(f"[compare] {run_dir} had no checkpoint; moved to {aside}", file=sys.stderr)
-            print(f"[compare] training {algo} seed {seed} -> {run_dir}{' (resumed)' if resume else ''}", file=sys.stderr)
-            trainer = Trainer(cfg, run_dir, resume=resume)
-            trainer.train()
-            if trainer.stop_signal is not None:
-                print(f"[compare] stopped by {trainer.stop_signal}; run the same command again to continue", file=sys.stderr)
-                return 130 if trainer.stop_signal == "SIGINT" else 143
-            del trainer
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            todo.append((overrides, run_dir, resume))
+    code = _compare_concurrently(args, todo) if args.jobs > 1 else _compare_in_process(args, todo)
+    if code:
+        return code
     page = write_report(run_dirs, out / "report", title=f"gspo compare: {', '.join(algos)} x seeds {', '.join(map(str, seeds))}")
     rows = [key_metrics(load_run(d)) for d in run_dirs]
     print(metrics_table(rows + group_means(rows), markdown=True))
@@ -385,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated presets, each optionally +r2 or +r3 (Routing Replay R2 / R3; default gspo,grpo)")
     m.add_argument("--seeds", type=_int_list, default="1", help="comma-separated seeds (default 1)")
     m.add_argument("--out", type=_out_dir, required=True, help="directory for the runs (<algo>-seed<seed>) and report/")
+    m.add_argument("--jobs", type=_count(1), default=1,
+                   help="runs trained at the same time, each in its own process, dealt round-robin over the visible "
+                        "GPUs (default 1: one after another in this process)")
     m.set_defaults(func=cmd_compare)
     r = sub.add_parser("report", help="figures and an HTML page from run directories")
     r.add_argument("run_dirs", nargs="+", type=_run_dir, help="run directories")

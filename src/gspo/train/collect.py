@@ -173,6 +173,7 @@ class Collector:
                timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, float]]:
         """Every process's groups, rounds and counts, in rank order (a no-op in one process), and the sampling
         counters of the whole batch."""
+        t0 = time.perf_counter()
         if active():
             parts = gather_objects((to_cpu(groups), [to_cpu(r) for r in rounds], counts, dict(timing),
                                     self._first_error))
@@ -185,6 +186,7 @@ class Collector:
             for key in timing:
                 timing[key] = (max if key in ("rollout", "reward") else sum)(p[3][key] for p in parts)
             self._first_error = next((p[4] for p in parts if p[4]), None)
+        timing["gather"] = time.perf_counter() - t0
         counters = {"dynamic/dropped_groups": float(counts["dropped"]), "dynamic/padded_groups": float(counts["padded"]),
                     "dynamic/rounds": float(counts["rounds"]),
                     "zero_variance_frac": float(counts["zero_flags"].float().mean())}
@@ -194,6 +196,7 @@ class Collector:
         """Sample, score and (DAPO) filter one rollout batch, and compute its advantages."""
         cfg = self.cfg
         timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
+        t0 = time.perf_counter()
         self._first_error = None
         groups, rounds, counters = self.gather(*self.fill(timing), timing)
         self.check_failures(rounds)
@@ -220,6 +223,9 @@ class Collector:
         m["data/position"] = float(self.stream.position)
         m["time/rollout"] = timing["rollout"]
         m["time/reward"] = timing["reward"]
+        # Under torchrun: sending the scored groups to every process, with the wait for the slowest one's rollout
+        m["time/gather"] = timing["gather"]
+        m["time/collect"] = time.perf_counter() - t0  # the whole stage: rollout, rewards, refills, gather, advantages
         m["throughput/rollout_tok_s"] = timing["gen_tokens"] / max(timing["rollout"], 1e-9)
         return Batch(rollout, groups.examples, groups.rewards, adv, loss_mask, m)
 

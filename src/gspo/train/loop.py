@@ -218,7 +218,9 @@ class Trainer:
     def rollout_batch_once(self, runlog: RunLog) -> None:
         """One rollout batch: weights to the engine, collect, update; its metrics lines are left in ``last_rows``."""
         state = self.state
+        t_sync = time.perf_counter()
         self.engine.sync_weights(self.actor.weights())
+        t_sync = time.perf_counter() - t_sync
         first = "first_rollout_at" not in self.timings
         if first:
             self.timings["first_rollout_at"] = round(process_seconds(), 3)
@@ -227,6 +229,7 @@ class Trainer:
         t_collect = time.perf_counter()
         with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint):
             batch = self.collector.collect()
+        batch.metrics["time/sync_weights"] = t_sync
         if first:
             self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
             self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
