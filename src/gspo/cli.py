@@ -146,6 +146,9 @@ def _compare_concurrently(args: argparse.Namespace, todo: list) -> int:
             while pending and len(running) < args.jobs:
                 overrides, run_dir, resume = pending.pop(0)
                 env = dict(os.environ)
+                # As torchrun does: processes sharing a host each get a share of its cores for their CPU ops (without
+                # it every one runs as many OpenMP threads as the host has cores, and they crowd each other out)
+                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
                 if gpus:
                     env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
                 slot += 1
