@@ -49,3 +49,21 @@ def test_reduce_across_torchrun_processes(tmp_path):
     assert [g["is_main"] for g in got] == [True, False] and {g["world"] for g in got} == {2}
     for g in got:
         assert g["values"] == {"mean": 0.5, "count": 3.0, "max": 2.0, "min": -5.0}
+
+
+def test_gpu_runs_use_one_cpu_thread_unless_omp_num_threads_says_otherwise(tmp_path):
+    """On a GPU torch's CPU work gets one thread (as torchrun sets for its processes); OMP_NUM_THREADS wins; a CPU run
+    keeps torch's default. In subprocesses: the thread count is process-wide."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from gspo.runtime import limit_cpu_threads as f; n = torch.get_num_threads(); "
+            "f(torch.device('cpu')); a = torch.get_num_threads(); f(torch.device('cuda')); print(n, a, torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    n, on_cpu, on_gpu = map(int, subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                                check=True).stdout.split())
+    assert (on_cpu, on_gpu) == (n, 1)
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["2", "2", "2"]
