@@ -4,7 +4,8 @@ interpreter (conftest sets TRITON_INTERPRET); with one, these same tests run the
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from conftest import tiny_llama
@@ -93,12 +94,33 @@ def _models(vocab):
     torch.manual_seed(0)
     small = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, initializer_range=0.1, tie_word_embeddings=True)
+    moe = dict(small, intermediate_size=48, num_experts_per_tok=2)
     return {"llama": tiny_llama(vocab_size=vocab, seed=4, init_std=0.1),
             "qwen2 (qkv bias)": Qwen2ForCausalLM(Qwen2Config(**small)).eval(),
-            "qwen3 (q/k norms)": Qwen3ForCausalLM(Qwen3Config(head_dim=32, **small)).eval()}
+            "qwen3 (q/k norms)": Qwen3ForCausalLM(Qwen3Config(head_dim=32, **small)).eval(),
+            "mixtral (MoE)": _moe(MixtralConfig(**moe, num_local_experts=4)),
+            "qwen2_moe (shared expert, a dense layer)": _moe(Qwen2MoeConfig(
+                **moe, num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+                mlp_only_layers=[1], norm_topk_prob=False)),
+            "qwen3_moe (q/k norms)": _moe(Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, head_dim=32,
+                                                         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True))}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2 (qkv bias)", "qwen3 (q/k norms)"])
+def _moe(config):
+    """A tiny MoE whose routers have opinions (some families start them at zero)."""
+    from gspo.moe import find_routers
+
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    for router in find_routers(model):
+        torch.nn.init.normal_(router.weight, std=0.5)
+    return model
+
+
+ARCHS = ["llama", "qwen2 (qkv bias)", "qwen3 (q/k norms)", "mixtral (MoE)", "qwen2_moe (shared expert, a dense layer)",
+         "qwen3_moe (q/k norms)"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_fused_step_samples_like_the_module_step(kernels, tokenizer, arch):
     """fp32: the fused engine's tokens and log-probs equal the module path's (1e-4). bf16 autocast: the same tokens,
     and log-probs within bf16 rounding of the module path's."""
@@ -140,6 +162,31 @@ def test_fused_step_refuses_what_it_does_not_cover(tokenizer):
     with pytest.raises(UserError, match="hidden_act 'gelu' is not silu; leave fused unset"):  # asked for explicitly
         GraphEngine(model, tokenizer, fused=True)
     assert GraphEngine(model, tokenizer).fused is None  # by default: the module path
+    olmoe = _moe(OlmoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=48, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(UserError, match="model_type 'olmoe' is not one of"):  # its q/k norms span all heads
+        GraphEngine(olmoe, tokenizer, fused=True)
+
+
+def test_fused_step_records_the_module_steps_routes(kernels, tokenizer):
+    """R3 in the fused step: the router hooks fire inside the fused layers (on a GPU as kernels of its graph), and the
+    records equal the module step's, position for position, on the same greedy completions."""
+    from gspo.moe import Routing
+
+    model = _models(len(tokenizer))["qwen2_moe (shared expert, a dense layer)"].to(DEV)
+    routing = Routing(model, "rollout")
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat."]]
+    params = SamplingParams(max_new_tokens=7, greedy=True)
+    out = {}
+    for fused in (True, False):
+        engine = GraphEngine(model, tokenizer, stop_ids=[2], fused=fused, device=DEV)
+        engine.routing = routing
+        out[fused] = engine.generate(prompts, 2, params)
+    a, b = out[True], out[False]
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.routes_mask, b.routes_mask)
+    assert a.routes_mask[:, max(map(len, prompts)):].any()  # decode positions were recorded, not only the prompts
+    assert torch.equal(a.routes[a.routes_mask], b.routes[b.routes_mask])
+    routing.close()
 
 
 def test_sliding_window_keeps_the_module_step_only_past_the_window(tokenizer):

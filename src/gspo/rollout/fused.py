@@ -1,4 +1,5 @@
-"""The graph engine's fused decode step for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3).
+"""The graph engine's fused decode step for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) and their MoE
+relatives (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 A decode layer becomes 4 GEMMs over packed low-precision copies of the layer's weights (q|k|v, o, gate|up, down) and
 5 Triton kernels (:mod:`gspo.rollout.kernels`): residual add + RMSNorm, rotary + K/V cache write, grouped-query
@@ -6,6 +7,11 @@ attention over live slots, SiLU-and-multiply, and the next residual add + RMSNor
 module path (the packed weights are the graph engine's own copy, refreshed by its ``sync_weights``; the norm weights
 are read from that copy in place) and rounds like HF's modules under autocast, so it samples the same distribution; a GPU test checks its
 tokens and log-probs against the module path, and the CPU tests run the kernels in Triton's interpreter.
+
+An MoE layer runs the same attention kernels; its sparse block (router, top-k, the experts as grouped GEMMs over the
+copy's low-precision expert weights, Qwen2-MoE's shared expert) is the family's own module, called on the fused
+step's normed hidden state: no host sync inside it (transformers sizes the expert groups with ``histc``), so it is
+captured in the step's CUDA graph, and hooks on its router (R3's route records) become kernels of that graph.
 
 Anything this path does not cover (other activations, sliding windows, odd head sizes, no Triton) makes
 :func:`fused_unsupported` say why, and the engine keeps the module path.
@@ -19,7 +25,18 @@ import torch.nn.functional as F
 
 from gspo.models import head_dim, kv_heads
 
-FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _dense_mlp(mlp) -> bool:
+    return all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _sparse_block(mlp) -> bool:
+    """An MoE block the fused step calls as a module: a top-k router at ``mlp.gate`` and stacked experts."""
+    from gspo.moe import find_routers
+
+    return hasattr(mlp, "experts") and find_routers(mlp) == [getattr(mlp, "gate", None)]
 
 
 def fused_unsupported(model, length: int = 0) -> str | None:
@@ -40,11 +57,13 @@ def fused_unsupported(model, length: int = 0) -> str | None:
     window = getattr(cfg, "sliding_window", None)
     if window is not None and getattr(cfg, "use_sliding_window", True) and length > window:
         return f"sliding_window {window} is shorter than the cache"
-    layer = model.model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    needed = [(attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))]
-    if not all(isinstance(getattr(m, n, None), torch.nn.Linear) for m, names in needed for n in names):
+    layers = model.model.layers[: cfg.num_hidden_layers]
+    layer = layers[0]
+    attn = layer.self_attn
+    if not all(isinstance(getattr(attn, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "the layer's projections are not plain nn.Linear modules (quantised or adapted?)"
+    if not all(_dense_mlp(x.mlp) or _sparse_block(x.mlp) for x in layers):
+        return "an MLP is neither plain nn.Linear projections nor a top-k MoE block (quantised or adapted?)"
     if not hasattr(attn, "scaling"):
         return "the attention module has no scaling attribute"
     if not hasattr(layer.input_layernorm, "variance_epsilon"):
@@ -58,16 +77,19 @@ class _Layer:
     def __init__(self, layer, dtype, device):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv_parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.gate_up_parts = [mlp.gate_proj, mlp.up_proj]
         self.w_qkv = _packed([m.weight for m in self.qkv_parts], dtype, device)
         self.b_qkv = _packed_bias(self.qkv_parts, dtype, device)
-        self.w_gate_up = _packed([m.weight for m in self.gate_up_parts], dtype, device)
-        self.b_gate_up = _packed_bias(self.gate_up_parts, dtype, device)
-        self.o, self.down = attn.o_proj, mlp.down_proj
+        self.o = attn.o_proj
         self.w_o = torch.empty_like(self.o.weight, dtype=dtype)
         self.b_o = None if self.o.bias is None else torch.empty_like(self.o.bias, dtype=dtype)
-        self.w_down = torch.empty_like(self.down.weight, dtype=dtype)
-        self.b_down = None if self.down.bias is None else torch.empty_like(self.down.bias, dtype=dtype)
+        self.moe = None if _dense_mlp(mlp) else mlp  # a sparse block runs as its module, on the copy's own weights
+        self.gate_up_parts = [] if self.moe is not None else [mlp.gate_proj, mlp.up_proj]
+        self.down = None if self.moe is not None else mlp.down_proj
+        if self.moe is None:
+            self.w_gate_up = _packed([m.weight for m in self.gate_up_parts], dtype, device)
+            self.b_gate_up = _packed_bias(self.gate_up_parts, dtype, device)
+            self.w_down = torch.empty_like(self.down.weight, dtype=dtype)
+            self.b_down = None if self.down.bias is None else torch.empty_like(self.down.bias, dtype=dtype)
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.scale = float(attn.scaling)
@@ -75,7 +97,12 @@ class _Layer:
     def copies(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
         """(module, parameter name, low-precision storage) for every weight and bias this layer packs."""
         out = []
-        for parts, w, bias in ((self.qkv_parts, self.w_qkv, self.b_qkv), (self.gate_up_parts, self.w_gate_up, self.b_gate_up)):
+        packed = [(self.qkv_parts, self.w_qkv, self.b_qkv)]
+        singles = [(self.o, self.w_o, self.b_o)]
+        if self.moe is None:
+            packed.append((self.gate_up_parts, self.w_gate_up, self.b_gate_up))
+            singles.append((self.down, self.w_down, self.b_down))
+        for parts, w, bias in packed:
             row = 0
             for m in parts:
                 n = m.weight.shape[0]
@@ -83,7 +110,7 @@ class _Layer:
                 if m.bias is not None:
                     out.append((m, "bias", bias[row:row + n]))
                 row += n
-        for m, w, b in ((self.o, self.w_o, self.b_o), (self.down, self.w_down, self.b_down)):
+        for m, w, b in singles:
             out.append((m, "weight", w))
             if b is not None:
                 out.append((m, "bias", b))
@@ -142,6 +169,9 @@ class FusedDecoder:
             kernels.decode_attention(q, cache.k[i], cache.v[i], starts, used, layer.scale, attn)
             o = F.linear(attn.view(B, -1).to(self.dtype), layer.w_o, layer.b_o)  # (B, H)
             kernels.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
+            if layer.moe is not None:  # the family's sparse block: router, top-k, grouped expert GEMMs
+                delta = layer.moe(x[:, None]).reshape(B, -1)  # (B, H)
+                continue
             gate_up = F.linear(x, layer.w_gate_up, layer.b_gate_up)  # (B, 2I)
             act = torch.empty(B, gate_up.shape[1] // 2, dtype=gate_up.dtype, device=res.device)
             kernels.silu_mul(gate_up, act)

@@ -45,8 +45,8 @@ from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
 # whose inner model has embed_tokens / layers / norm / rotary_emb with nothing else between them.
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3",
-             # MoE: the HF modules' step (transformers' grouped-GEMM experts are CUDA-graph safe: offsets from histc, no
-             # host sync); the fused step is dense-only
+             # MoE: transformers' grouped-GEMM experts are CUDA-graph safe (offsets from histc, no host sync); the fused
+             # step runs them as modules between its own attention kernels (not OLMoE: its q/k norms span all heads)
              "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
@@ -342,9 +342,6 @@ class GraphEngine:
         self._routing, self._route_hooks = routing, []
         if routing is None:
             return
-        if self.fused is not None:
-            raise UserError("moe.routing_replay = 'rollout' cannot record in the fused decode step; the graph engine "
-                            "runs MoE models on the HF modules' step (set rollout.fused_step = 'off').")
         self._routers = find_routers(self.model)
         self._route_hooks = [r.register_forward_hook(self._record_route) for r in self._routers]
         self._router_index = {id(r): i for i, r in enumerate(self._routers)}
