@@ -59,7 +59,7 @@ def one_process_steps(tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_two_processes_train_a_batch_as_one_does(one_process_steps, tmp_path, strategy):
     """Every preset (and KL with micro-batches, engine log-probs over 4 minibatches, MoE with and without Routing Replay
-    R2): one rollout batch's update on
+    R2, LoRA): one rollout batch's update on
     the same fixed batch -- rows of uneven lengths, so the two processes' slices hold different token counts -- gives
     the same losses, metrics, gradients and weights on two processes (FSDP2 shards, or DDP copies) as in one."""
     worker = str(TESTS / "dist" / "step_worker.py")
@@ -67,7 +67,7 @@ def test_two_processes_train_a_batch_as_one_does(one_process_steps, tmp_path, st
                          text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = one_process_steps, torch.load(tmp_path / "two.pt")
-    assert list(a) == list(b) and len(a) == 9
+    assert list(a) == list(b) and len(a) == 10
     for case in a:
         for x, y in zip(a[case]["steps"], b[case]["steps"], strict=True):
             # the processes' timing to their gradients exists under torchrun only
@@ -179,6 +179,31 @@ def _two_processes_after(cwd: Path, run: Path, overrides: list[str], lines: int)
     return proc, workers
 
 
+def test_lora_trains_under_two_processes_and_resumes_in_one(tiny_dir, tmp_path):  # noqa: F811
+    """LoRA under torchrun (DDP, what `auto` picks for it): two processes train with replicated adapters, process 0
+    writes the adapter checkpoint (with every process's RNG file), and one process resumes it: the lines before are
+    kept, the adapter loads, and the resumed run finishes."""
+    pytest.importorskip("peft")
+    run = tmp_path / "run"
+    lora = ["lora.rank=4", "lora.alpha=8"]
+    two = _train(tmp_path, _torchrun(2), _overrides(tiny_dir, "train.steps=2", *lora), "--run-dir", str(run))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "DDP: every one of the 2 processes" in two.stderr and "LoRA: rank 4" in two.stderr
+    ckpt = run / "checkpoints" / "step-000002"
+    assert (ckpt / "adapter_model.safetensors").is_file() and (ckpt / "rank-00001.pt").is_file()
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    one = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=4", *lora), "--resume", "--run-dir",
+                 str(run))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "resumed on 1 process(es) from a checkpoint written by 2" in one.stderr
+    resumed = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed[:2] == rows
+    from gspo.models import load_model
+
+    load_model(str(run / "checkpoints" / "step-000004"))  # the base with the adapter merged in
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_path, fault):  # noqa: F811
     """One of two processes is SIGKILLed (it crashed) or SIGSTOPped (it hangs) mid-run: the other ends within
@@ -247,6 +272,7 @@ def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  
     (["rollout.prompts_per_batch=2", "rollout.group_size=3", "train.minibatches=2"], "cannot be cut into 2 equal"),
     (["train.micro_batch_size=2"], "must divide each process's slice"),
     (["model.device='cuda:0'"], "all 2 processes on one GPU"),
+    (["lora.rank=4", "dist.strategy='fsdp'"], "lora.rank = 4 with dist.strategy = 'fsdp'.*set dist.strategy = 'ddp'"),
 ])
 def test_a_setting_the_processes_cannot_share_is_refused_in_one_line(overrides, match):
     """Checked before any process group or model exists (gspo.dist.check_layout), with the key and the fix."""

@@ -191,6 +191,32 @@ DCP_DIR = "dcp"  # a sharded checkpoint's model and optimizer, in torch's distri
 RANK_FILE = "rank-{:05d}.pt"  # each process's own RNG and sampler state
 
 
+def _open_collective(ckpt_root: Path, step: int) -> Path:
+    """Rank 0 makes checkpoint ``step``'s ``.tmp`` directory; every process returns it once it exists."""
+    import torch.distributed as dist
+
+    tmp = ckpt_root / f"step-{step:06d}.tmp"
+    if dist.get_rank() == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    return tmp
+
+
+def _close_collective(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int,
+                      model_state: dict[str, torch.Tensor] | None) -> Path:
+    """After every process has written its files: rank 0 completes the checkpoint (``save_checkpoint`` on the
+    prepared directory), and nobody goes on, or reads it back, before it is complete."""
+    import torch.distributed as dist
+
+    dist.barrier()  # every process's files are written (each fsyncs its own; rank 0 fsyncs the tree again)
+    if dist.get_rank() == 0:
+        save_checkpoint(ckpt_root, step, model, tokenizer, state, keep, model_state=model_state, prepared=True)
+    dist.barrier()
+    return ckpt_root / f"step-{step:06d}"
+
+
 def save_sharded(ckpt_root: Path, step: int, model, optimizer, tokenizer, state: dict[str, Any],
                  rank_state: dict[str, Any], keep: int) -> Path:
     """A checkpoint written by every process of a ``torchrun`` job, in the layout of :func:`save_checkpoint` plus:
@@ -202,24 +228,26 @@ def save_sharded(ckpt_root: Path, step: int, model, optimizer, tokenizer, state:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    rank = dist.get_rank()
-    tmp = ckpt_root / f"step-{step:06d}.tmp"
-    if rank == 0:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
+    tmp = _open_collective(ckpt_root, step)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    torch.save(rank_state, tmp / RANK_FILE.format(rank))
+    torch.save(rank_state, tmp / RANK_FILE.format(dist.get_rank()))
     # The HF export: every process gives its shards, rank 0 receives the full tensors on the CPU.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    dist.barrier()  # every process's files are written (DCP fsyncs its own; rank 0 fsyncs the tree again)
-    final = ckpt_root / f"step-{step:06d}"
-    if rank == 0:
-        save_checkpoint(ckpt_root, step, model, tokenizer, state, keep, model_state=full, prepared=True)
-    dist.barrier()  # nobody goes on (or reads the checkpoint back) before it is complete
-    return final
+    return _close_collective(ckpt_root, step, model, tokenizer, state, keep, full)
+
+
+def save_replicated(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], rank_state: dict[str, Any],
+                    keep: int) -> Path:
+    """A checkpoint of a policy every process of a ``torchrun`` job holds whole and alike (LoRA: the adapter and its
+    optimizer state): rank 0 writes it as one process would (:func:`save_checkpoint`; ``trainer_state.pt`` holds the
+    optimizer), every process its own ``rank-NNNNN.pt`` (its RNGs), and it is complete only once all have written. It
+    resumes at any number of processes, one included."""
+    import torch.distributed as dist
+
+    tmp = _open_collective(ckpt_root, step)
+    torch.save(rank_state, tmp / RANK_FILE.format(dist.get_rank()))
+    return _close_collective(ckpt_root, step, model, tokenizer, state, keep, None)
 
 
 def _plain_architecture(ckpt: Path) -> None:

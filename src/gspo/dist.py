@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -67,9 +67,10 @@ def check_layout(cfg, world: int) -> None:
     if cfg.model.device.startswith("cuda:"):
         raise UserError(f"model.device = {cfg.model.device!r} would put all {world} processes on one GPU; use 'cuda' or "
                         "'auto' under torchrun (each process takes its own GPU, cuda:LOCAL_RANK).")
-    if cfg.lora.rank:
-        raise UserError(f"lora.rank = {cfg.lora.rank} under torchrun is not supported yet (adapters with DDP / FSDP2 "
-                        "are not built); train the LoRA run in one process, or set lora.rank = 0.")
+    if cfg.lora.rank and cfg.dist.strategy == "fsdp":
+        raise UserError(f"lora.rank = {cfg.lora.rank} with dist.strategy = 'fsdp': LoRA trains with every process "
+                        "holding the whole frozen base (it needs no gradients or optimizer state), so adapters are not "
+                        "built for FSDP2; set dist.strategy = 'ddp' or 'auto'.")
     r, t = cfg.rollout, cfg.train
     mb = r.prompts_per_batch * r.group_size // t.minibatches
     if r.prompts_per_batch % world:
@@ -194,12 +195,14 @@ def shard(model: torch.nn.Module, autocast: torch.dtype | None) -> None:
 STATE_BYTES, REF_BYTES = 18, 4
 
 
-def choose_strategy(setting: str, model: torch.nn.Module, device: torch.device, *, reference: bool) -> str:
+def choose_strategy(setting: str, model: torch.nn.Module, device: torch.device, *, reference: bool,
+                    lora: bool = False) -> str:
     """``fsdp`` or ``ddp`` for ``dist.strategy = setting``: ``auto`` replicates a model whose training state takes at
     most half of one device's memory (the rest is for activations, the KV cache and CUDA graphs), and shards a
-    larger one."""
-    if setting != "auto":
-        return setting
+    larger one. LoRA always replicates (``check_layout`` refuses it with ``fsdp``): its frozen base has no gradients
+    or optimizer state to shard."""
+    if setting != "auto" or lora:
+        return "ddp" if lora else setting
     params = sum(p.numel() for p in model.parameters())
     need = params * (STATE_BYTES + (REF_BYTES if reference else 0))
     if device.type == "cuda":
@@ -209,11 +212,12 @@ def choose_strategy(setting: str, model: torch.nn.Module, device: torch.device, 
     return "ddp" if need <= have // 2 else "fsdp"
 
 
-def replicate(model: torch.nn.Module) -> None:
-    """DDP's starting point: every process holds rank 0's weights (they load the same files, but a model initialised
-    at random, or a file read differently, must not split the processes' copies silently)."""
+def replicate(params: Iterable[torch.nn.Parameter]) -> None:
+    """DDP's starting point: every process holds rank 0's values of ``params`` (they load the same files, but a model
+    initialised at random -- LoRA's adapters are --, or a file read differently, must not split the processes' copies
+    silently)."""
     with torch.no_grad():
-        for p in model.parameters():
+        for p in params:
             torch.distributed.broadcast(p.data, src=0)
 
 

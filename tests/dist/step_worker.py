@@ -23,6 +23,9 @@ CASES = {
     # MoE: routing records are kept by batch row, so each process replays its own rows; flip counts are summed
     "mixtral-r2": ["algorithm='grpo'", "moe.routing_replay='old'"],
     "qwen3_moe": ["algorithm='grpo'"],
+    # LoRA: every process holds the frozen base and rank 0's adapters (each starts from its own random ones here),
+    # the adapters' gradients are summed
+    "gspo-lora": ["algorithm='gspo'", "lora.rank=4", "lora.alpha=8"],
 }
 
 
@@ -48,7 +51,10 @@ def run(name: str, extra: list[str], strategy: str) -> dict:
     family = name.split("-")[0]
     moe = family in ("mixtral", "qwen3_moe")
     actor = Actor(cfg, runtime, tiny_moe(family) if moe else tiny_llama(vocab_size=512, seed=0))
-    actor.shard(strategy)
+    actor.shard("ddp" if cfg.lora.rank else strategy)  # LoRA trains replicated whatever the strategy of the others
+    if cfg.lora.rank:
+        torch.manual_seed(100 + dist.rank_world()[0])  # different random adapters in every process, until replicated
+        actor.adapt()
     batch = fixed_batch(vocab=256 if moe else 512)
     tokens = torch.tensor([len(p) for p in batch.rollout.prompt_ids]) + batch.rollout.lengths
     plan = actor.plan(16, tokens)  # under torchrun: slices balanced by tokens
@@ -58,7 +64,8 @@ def run(name: str, extra: list[str], strategy: str) -> dict:
         out = actor.step(batch, plan, k, k)
         steps.append({key: float(v) for key, v in out.metrics.items()})
         if k == 0:  # gradients stay in .grad after the optimizer step
-            grads = {n: dist.full_value(p.grad).clone() for n, p in actor.model.named_parameters()}
+            grads = {n: dist.full_value(p.grad).clone() for n, p in actor.model.named_parameters()
+                     if p.grad is not None}
     return {"steps": steps, "grads": grads, "grad_scale": max(float(g.abs().max()) for g in grads.values()),
             "weights": {n: t.clone() for n, t in actor.weights()}, "old_logprobs": batch.old_logprobs.clone()}
 

@@ -95,6 +95,8 @@ class Actor:
         from gspo import lora
 
         self.peft = lora.apply(self.model, self.cfg.lora, self.cfg.model.name)
+        if self.replicated:  # every process starts from rank 0's random adapters
+            dist.replicate(trainable_parameters(self.model))
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.model.parameters())
         log.info("LoRA: rank %d, alpha %g on %s: %d trainable parameters of %d (%.2f%%); the engine samples from the "
@@ -113,9 +115,9 @@ class Actor:
         if self.runtime.world_size == 1 or self.distributed:
             return
         if strategy == "ddp":
-            dist.replicate(self.model)
+            dist.replicate(self.model.parameters())
             if self.ref_model is not None:
-                dist.replicate(self.ref_model)
+                dist.replicate(self.ref_model.parameters())
             self.replicated = True
             log.info("DDP: every one of the %d processes holds the whole policy; gradients are summed with one "
                      "all-reduce per 64 MB bucket before each optimizer step", self.runtime.world_size)
@@ -430,7 +432,7 @@ class Actor:
         """What a checkpoint's ``trainer_state.pt`` holds of the actor (under torchrun the optimizer goes to DCP; see
         :func:`gspo.checkpoint.save_sharded`)."""
         out = {"shuffle_gen": self.shuffle_gen.get_state(), "lr_scale": self.lr_scale}
-        if not self.distributed:
+        if not self.distributed or self.peft is not None:  # LoRA's adapter optimizer: the same in every process
             out["optimizer"] = self.optimizer.state_dict()
         return out
 

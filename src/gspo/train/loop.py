@@ -89,7 +89,8 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         lap("model_load")
         actor = Actor(cfg, runtime, model)
         lap("actor")
-        strategy = (dist.choose_strategy(cfg.dist.strategy, model, runtime.device, reference=cfg.loss.beta > 0)
+        strategy = (dist.choose_strategy(cfg.dist.strategy, model, runtime.device, reference=cfg.loss.beta > 0,
+                                         lora=cfg.lora.rank > 0)
                     if runtime.world_size > 1 else None)
         # Under FSDP, and with LoRA, the engine takes its own copy of the plain weights before the policy is sharded or
         # adapted; it is fed the gathered or merged weights after every optimizer step.
@@ -424,6 +425,10 @@ class Trainer:
         c = self.collector
         parts = {**self.actor.state_dict(), "generator": c.generator.get_state(), "data": c.stream.state_dict(),
                  "skipped_prompts": c.skipped_prompts, "world_size": self.runtime.world_size}
+        if self.actor.distributed and self.actor.peft is not None:  # LoRA under torchrun: the adapter by rank 0
+            self.writer.write_replicated(self.state, parts, self.actor.peft, self.tokenizer, self.cfg.log.keep_checkpoints,
+                                         self.t_start)
+            return
         if self.actor.distributed:  # every process writes its shards; synchronous (see gspo.checkpoint.save_sharded)
             self.writer.write_sharded(self.state, parts, self.actor, self.tokenizer, self.cfg.log.keep_checkpoints,
                                       self.t_start)

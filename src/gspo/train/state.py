@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import complete_checkpoints, rng_state, save_checkpoint, save_sharded, set_rng_state, to_cpu
+from gspo.checkpoint import (complete_checkpoints, rng_state, save_checkpoint, save_replicated, save_sharded, set_rng_state,
+                             to_cpu)
 from gspo.errors import UserError
 
 log = logging.getLogger("gspo")
@@ -122,12 +123,22 @@ class CheckpointWriter:
                       t_start: float) -> None:
         """Write checkpoint ``step-<state.step>`` of a sharded policy now, with every process (a collective; see
         :func:`gspo.checkpoint.save_sharded`)."""
+        self._write_collectively(state, parts, t_start, lambda payload, own: save_sharded(
+            self.run_dir / "checkpoints", state.step, actor.model, actor.optimizer, tokenizer, payload, own, keep))
+
+    def write_replicated(self, state: TrainState, parts: dict[str, Any], model, tokenizer, keep: int,
+                         t_start: float) -> None:
+        """Write checkpoint ``step-<state.step>`` of a policy every process holds alike (LoRA under torchrun) now, with
+        every process (a collective; see :func:`gspo.checkpoint.save_replicated`)."""
+        self._write_collectively(state, parts, t_start, lambda payload, own: save_replicated(
+            self.run_dir / "checkpoints", state.step, model, tokenizer, payload, own, keep))
+
+    def _write_collectively(self, state: TrainState, parts: dict[str, Any], t_start: float, save) -> None:
         t0 = time.perf_counter()
         payload = {**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts}
-        own = {"rng": payload["rng"], "generator": parts["generator"]}
+        own = {"rng": payload["rng"], "generator": parts["generator"]}  # this process's own, in its rank file
         try:
-            self.last = save_sharded(self.run_dir / "checkpoints", state.step, actor.model, actor.optimizer, tokenizer,
-                                     payload, own, keep)
+            self.last = save(payload, own)
         except OSError as e:
             raise self._failed(state.step, e) from e
         self.seconds += time.perf_counter() - t0
