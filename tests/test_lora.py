@@ -102,12 +102,13 @@ def test_bad_lora_settings_are_refused_in_one_line(tiny_dir, overrides, match): 
         tiny_config(tiny_dir, *LORA, *overrides)
 
 
-def test_adapters_on_modules_the_model_lacks_and_under_torchrun_are_refused(tiny_dir, tmp_path):  # noqa: F811
+def test_adapters_on_modules_the_model_lacks_and_under_fsdp_are_refused(tiny_dir, tmp_path):  # noqa: F811
     with pytest.raises(UserError, match="does not fit"):
         Trainer(_lora(tiny_dir, "lora.target_modules=['nope_proj']"), tmp_path / "run")
     with pytest.raises(UserError, match="ties to its input embeddings"):  # the tiny Llama ties them, as SmolLM2 does
         Trainer(_lora(tiny_dir, "lora.target_modules=['q_proj', 'lm_head']"), tmp_path / "tied")
     from gspo import dist
 
-    with pytest.raises(UserError, match="under torchrun is not supported yet"):
-        dist.check_layout(_lora(tiny_dir), 2)
+    with pytest.raises(UserError, match="with dist.strategy = 'fsdp'.*set dist.strategy = 'ddp' or 'auto'"):
+        dist.check_layout(_lora(tiny_dir, "dist.strategy='fsdp'"), 2)
+    dist.check_layout(_lora(tiny_dir), 2)  # auto: replicated
