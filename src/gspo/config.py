@@ -96,10 +96,14 @@ class RolloutConfig:
     top_k: int = 0
     """Top-k sampling (0 disables it)."""
     engine: str = "auto"
-    """``graph`` (static KV cache + CUDA graphs), ``hf`` (simple, any model) or ``auto`` (graph on CUDA if supported)."""
+    """``graph`` (static KV cache + CUDA graphs), ``hf`` (simple, any model), ``vllm`` (vLLM in this process; ``pip
+    install 'gspo[vllm]'``) or ``auto`` (graph on CUDA if supported)."""
+    vllm_gpu_memory: float = 0.3
+    """With ``engine = "vllm"`` on a GPU: the share of its memory vLLM takes for its weights and KV cache (the rest is
+    the trainer's)."""
     fused_step: str = "auto"
-    """The graph engine's decode step: ``auto`` (fused Triton kernels on CUDA for Llama / Mistral / Qwen2 / Qwen3 with a
-    16-bit cache, else the HF modules) or ``off`` (always the HF modules)."""
+    """The graph engine's decode step: ``auto`` (fused Triton kernels on CUDA for Llama / Mistral / Qwen2 / Qwen3 and
+    Mixtral / Qwen2-MoE / Qwen3-MoE with a 16-bit cache, else the HF modules) or ``off`` (always the HF modules)."""
 
 
 @dataclass
@@ -594,7 +598,7 @@ def validate(cfg: Config) -> None:
                               (t.cuda_graphs, ("auto", "off"), "train.cuda_graphs"),
                               (t.schedule, ("constant", "linear", "cosine"), "train.schedule"),
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),
-                              (r.engine, ("auto", "graph", "hf"), "rollout.engine"),
+                              (r.engine, ("auto", "graph", "hf", "vllm"), "rollout.engine"),
                               (r.fused_step, ("auto", "off"), "rollout.fused_step"),
                               (cfg.moe.routing_replay, ("off", "old", "rollout"), "moe.routing_replay"),
                               (cfg.dist.strategy, ("auto", "fsdp", "ddp"), "dist.strategy")):
@@ -636,6 +640,12 @@ def validate(cfg: Config) -> None:
         raise UserError(f"rollout.temperature = {r.temperature} must be > 0 for sampling; use e.g. 1.0.")
     if not 0 < r.top_p <= 1 or r.top_k < 0:
         raise UserError("rollout.top_p must be in (0, 1] and rollout.top_k >= 0 (0 disables it).")
+    if not 0 < r.vllm_gpu_memory < 1:
+        raise UserError(f"rollout.vllm_gpu_memory = {r.vllm_gpu_memory} must be a share of the GPU in (0, 1), e.g. 0.3.")
+    if r.engine == "vllm" and t.old_logprobs == "rollout" and (r.top_p < 1 or r.top_k > 0):
+        raise UserError(f"train.old_logprobs = 'rollout' with rollout.engine = 'vllm' and top_p = {r.top_p} / top_k = "
+                        f"{r.top_k}: vLLM's log-probs are renormalised over the kept tokens, so the importance ratio "
+                        "would be biased; set train.old_logprobs = 'recompute', or top_p = 1 and top_k = 0.")
     n = r.prompts_per_batch * r.group_size
     if t.minibatches < 1 or n % t.minibatches:
         raise UserError(
@@ -667,7 +677,7 @@ RESUMABLE = (
     "train.micro_batch_size", "train.logprob_chunk", "train.packing", "train.cuda_graphs",  # memory / speed only
     "train.max_nonfinite_steps",
     "model.device", "model.gradient_checkpointing",  # where and how memory is spent, not what is computed
-    "rollout.engine", "rollout.fused_step",
+    "rollout.engine", "rollout.fused_step", "rollout.vllm_gpu_memory",
     "rewards.workers", "rewards.timeout_s",
     "log.", "sentinel.",  # what is written and watched
     "dist.",  # how long to wait for other processes, and how they share the model (both write the same checkpoints)

@@ -27,7 +27,8 @@ def evaluate(cfg: Config, *, model_name: str | None = None, n: int = 200, sample
     model, tok = load_model(model_name or cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(device))
     model.to(device).eval()
     engine = make_engine(cfg.rollout.engine, model, tok, stop_ids=stop_token_ids(tok, model), device=device,
-                         autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step)
+                         autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
+                         vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
     dataset = build_dataset(dataset_args(cfg.data, cfg.seed + 10_000))  # generated tasks: other items than training saw
     examples = [dataset[i] for i in range(min(n, len(dataset)))]
     spec = [RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions[:1]] or [RewardSpec(default_reward(cfg.data.task))]

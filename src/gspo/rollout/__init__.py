@@ -19,7 +19,7 @@ from gspo.types import Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
 
-ENGINES = ("auto", "graph", "hf")
+ENGINES = ("auto", "graph", "hf", "vllm")
 FUSED_STEPS = ("auto", "off")
 
 
@@ -39,12 +39,20 @@ class RolloutEngine(Protocol):
 
 
 def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: torch.device,
-                autocast_dtype: torch.dtype | None = None, fused_step: str = "auto", replica: bool = False) -> RolloutEngine:
-    """The engine ``rollout.engine`` names: ``graph``, ``hf``, or ``auto`` (graph on CUDA when the model is supported);
-    ``fused_step = "off"`` keeps the graph engine on the HF modules' decode step. ``model`` gives the architecture and
-    the first weights; ``replica``: the hf engine keeps its own copy of them instead of sampling from ``model`` (the
-    graph engine always does), for a policy that will be sharded across processes."""
+                autocast_dtype: torch.dtype | None = None, fused_step: str = "auto", replica: bool = False,
+                vllm_gpu_memory: float = 0.3) -> RolloutEngine:
+    """The engine ``rollout.engine`` names: ``graph``, ``hf``, ``vllm`` (:mod:`gspo.rollout.vllm_engine`, imported only
+    then), or ``auto`` (graph on CUDA when the model is supported); ``fused_step = "off"`` keeps the graph engine on the
+    HF modules' decode step. ``model`` gives the architecture and the first weights; ``replica``: the hf engine keeps
+    its own copy of them instead of sampling from ``model`` (the graph and vLLM engines always do), for a policy that
+    will be sharded across processes."""
     from gspo.rollout import graph
+
+    if kind == "vllm":
+        from gspo.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
+                          gpu_memory=vllm_gpu_memory)
 
     if kind == "auto":
         why_not = graph.unsupported(model, autocast_dtype)

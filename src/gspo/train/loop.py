@@ -96,7 +96,7 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         # adapted; it is fed the gathered or merged weights after every optimizer step.
         engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
-                             replica=strategy == "fsdp" or cfg.lora.rank > 0)
+                             replica=strategy == "fsdp" or cfg.lora.rank > 0, vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
         if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
             if not hasattr(engine, "routing") or actor.routing is None:
                 raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
