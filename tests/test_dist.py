@@ -273,6 +273,7 @@ def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  
     (["train.micro_batch_size=2"], "must divide each process's slice"),
     (["model.device='cuda:0'"], "all 2 processes on one GPU"),
     (["lora.rank=4", "dist.strategy='fsdp'"], "lora.rank = 4 with dist.strategy = 'fsdp'.*set dist.strategy = 'ddp'"),
+    (["rollout.engine='vllm'"], "rollout.engine = 'vllm' under torchrun is not built"),
 ])
 def test_a_setting_the_processes_cannot_share_is_refused_in_one_line(overrides, match):
     """Checked before any process group or model exists (gspo.dist.check_layout), with the key and the fix."""

@@ -67,6 +67,10 @@ def check_layout(cfg, world: int) -> None:
     if cfg.model.device.startswith("cuda:"):
         raise UserError(f"model.device = {cfg.model.device!r} would put all {world} processes on one GPU; use 'cuda' or "
                         "'auto' under torchrun (each process takes its own GPU, cuda:LOCAL_RANK).")
+    if cfg.rollout.engine == "vllm":
+        raise UserError("rollout.engine = 'vllm' under torchrun is not built (each process would need vLLM's "
+                        "external-launcher executor); use rollout.engine = 'auto' with several processes, or vLLM in "
+                        "one process.")
     if cfg.lora.rank and cfg.dist.strategy == "fsdp":
         raise UserError(f"lora.rank = {cfg.lora.rank} with dist.strategy = 'fsdp': LoRA trains with every process "
                         "holding the whole frozen base (it needs no gradients or optimizer state), so adapters are not "
