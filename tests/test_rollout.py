@@ -195,3 +195,16 @@ def test_bad_requests_raise_user_error(Engine, tiny_model, tokenizer, prompts_, 
     """Empty prompts, n < 1, non-positive temperature or top_p, and too long requests raise UserError."""
     with pytest.raises(UserError):
         Engine(tiny_model, tokenizer).generate(prompts_, n, params)
+
+
+def test_the_vllm_engine_without_vllm_is_one_line_naming_the_extra(tokenizer):
+    """Where vLLM is not installed (the main CI venv), choosing it ends in one line naming the extra and the way back."""
+    import importlib.util
+
+    from conftest import tiny_llama
+    from gspo.rollout import make_engine
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/test_vllm.py covers the engine")
+    with pytest.raises(UserError, match=r"needs vLLM.*pip install 'gspo\[vllm\]'.*rollout.engine = 'auto'"):
+        make_engine("vllm", tiny_llama(vocab_size=len(tokenizer)), tokenizer, stop_ids=[2], device=torch.device("cpu"))
