@@ -2,7 +2,8 @@
 # MoE evidence on one GPU, after ../shared/device/stage.sh's two transfers (the model at /root/smollm2/model.gguf).
 #   bash benchmarks/gpu_moe.sh upcycle   # function preservation on the real model, then gspo upcycle (8 x top-2)
 #   ARMS='gspo grpo grpo+r2' bash benchmarks/gpu_moe.sh train   # arms on the upcycled model, concurrently, time-boxed
-#   SECS=480 bash benchmarks/gpu_moe.sh compare   # the experiment: gspo compare --jobs over every GPU, stopped after SECS
+#   SECS=480 bash benchmarks/gpu_moe.sh compare   # the experiment: gspo compare --jobs 8 (2 runs per GPU of 4: 3 ran out
+#                                                 # of memory), stopped after SECS
 #                                                 # with checkpoints (the same command again resumes it)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -28,26 +29,7 @@ train)
   mkdir -p /tmp/moe
   arms=${ARMS:-"gspo grpo grpo+r2"}
   for arm in $arms; do  # preset[+r2|+r3], as gspo compare names arms
-    replay=off; case $arm in *+r2) replay=old;; *+r3) replay=rollout;; compare)
-  W=/dev/shm/moe-compare  # 15 runs' checkpoints (~8 GB each) are written at every stop: in memory, not on the disk
-  timeout -s TERM ${SECS:-480} python3 -m gspo.cli compare configs/quickstart.toml model.name="'$MOE'" \
-    log.progress=false log.checkpoint_every=${CKPT:-10} log.keep_checkpoints=1 train.steps=${TRAIN_STEPS:-300} \
-    ${EXTRA:-} --algos ${ARMS:-gspo,grpo,grpo+r2,grpo+r3,gspo+r2} --seeds ${SEEDS:-1,2,3} --jobs ${JOBS:-15} \
-    --out $W 2>&1 | grep -v "Warn\|warn(" | tail -40
-  for d in $W/*-seed*; do
-    python3 - $d <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
-b = [r for r in rows if r["minibatch"] == 0]
-print(sys.argv[1].split("/")[-1], "step", rows[-1]["step"], "reward first/last", round(b[0]["reward/mean"], 3),
-      round(b[-1]["reward/mean"], 3), "peak GiB", round(max(r.get("memory/peak_gib", 0) for r in rows), 1),
-      "s/batch", round((b[-1]["time/elapsed"] - b[0]["time/elapsed"]) / max(1, len(b) - 1), 2))
-PY
-  done
-  tail -3 $W/logs/*.log | grep -i "error" | head
-  tar czf $OUT/moe_compare.tgz -C $W --exclude=checkpoints .
-  ;;
-esac
+    replay=off; case $arm in *+r2) replay=old;; *+r3) replay=rollout;; esac
     run ${arm/+/_} algorithm="'${arm%%+*}'" moe.routing_replay="'$replay'" &
   done
   wait
@@ -67,7 +49,7 @@ compare)
   W=/dev/shm/moe-compare  # 15 runs' checkpoints (~8 GB each) are written at every stop: in memory, not on the disk
   timeout -s TERM ${SECS:-480} python3 -m gspo.cli compare configs/quickstart.toml model.name="'$MOE'" \
     log.progress=false log.checkpoint_every=${CKPT:-10} log.keep_checkpoints=1 train.steps=${TRAIN_STEPS:-300} \
-    ${EXTRA:-} --algos ${ARMS:-gspo,grpo,grpo+r2,grpo+r3,gspo+r2} --seeds ${SEEDS:-1,2,3} --jobs ${JOBS:-15} \
+    ${EXTRA:-} --algos ${ARMS:-gspo,grpo,grpo+r2,grpo+r3,gspo+r2} --seeds ${SEEDS:-1,2,3} --jobs ${JOBS:-8} \
     --out $W 2>&1 | grep -v "Warn\|warn(" | tail -40
   for d in $W/*-seed*; do
     python3 - $d <<'PY'
@@ -79,7 +61,7 @@ print(sys.argv[1].split("/")[-1], "step", rows[-1]["step"], "reward first/last",
       "s/batch", round((b[-1]["time/elapsed"] - b[0]["time/elapsed"]) / max(1, len(b) - 1), 2))
 PY
   done
-  tail -3 $W/logs/*.log | grep -i "error" | head
+  tail -n 3 $W/logs/*.log | grep -i "error" | head
   tar czf $OUT/moe_compare.tgz -C $W --exclude=checkpoints .
   ;;
 esac
