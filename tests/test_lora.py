@@ -11,6 +11,7 @@ from gspo.models import load_model  # noqa: E402
 from gspo.train import Trainer  # noqa: E402
 from gspo.types import SamplingParams  # noqa: E402
 
+from test_moe import moe_dir  # noqa: E402,F401  (a tiny Mixtral, module fixture)
 from test_trainer import tiny_config, tiny_dir  # noqa: E402,F401  (the module fixture)
 
 LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
@@ -42,6 +43,33 @@ def test_only_the_adapters_train_and_the_engine_samples_the_merged_weights(tiny_
     assert diff < 1e-4, diff
     engine_params = dict(trainer.engine.model.named_parameters())
     assert not any("lora" in n for n in engine_params)
+
+
+def test_adapters_on_moe_expert_parameters_train_and_merge_into_the_engine(moe_dir, tmp_path):  # noqa: F811
+    """lora.target_parameters puts adapters on a Mixtral's stacked expert weights (3-D parameters, peft's nested
+    ParamWrappers): the expert adapters train, the base experts never move, and the engine's plain copy holds the merged
+    experts (its log-probs are the adapted policy's)."""
+    from gspo.config import build_config
+
+    cfg = build_config({}, [f"model.name='{moe_dir}'", "rollout.prompts_per_batch=2", "rollout.group_size=4",
+                            "rollout.max_new_tokens=6", "train.steps=2", "train.minibatches=2", "rewards.workers=0",
+                            "log.progress=false", "log.checkpoint_every=0", *LORA, "lora.target_modules=['q_proj']",
+                            "lora.target_parameters=['experts.gate_up_proj', 'experts.down_proj']",
+                            "rewards.functions=[{path='trainer_rewards:text_length'}]"], device="cpu")
+    trainer = Trainer(cfg, tmp_path / "run")
+    model = trainer.actor.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all(".lora_" in n for n in changed)
+    assert any("experts" in n and ".lora_B." in n for n in changed)  # the expert adapters trained
+    names = dict(trainer.actor.weights())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any("lora" in n or "base_layer" in n for n in names)
+    trainer.engine.sync_weights(trainer.actor.weights())
+    rollout = trainer.engine.generate([[1, 5, 9, 13], [1, 7, 7]], 2, SamplingParams(max_new_tokens=6),
+                                      generator=torch.Generator().manual_seed(0))
+    logp, _ = trainer.actor.logprobs(rollout)
+    assert (logp - rollout.logprobs)[rollout.completion_mask].abs().max() < 1e-4
 
 
 def test_the_reference_policy_is_the_policy_with_adapters_off(tiny_dir, tmp_path):  # noqa: F811
@@ -105,6 +133,8 @@ def test_bad_lora_settings_are_refused_in_one_line(tiny_dir, overrides, match): 
 def test_adapters_on_modules_the_model_lacks_and_under_fsdp_are_refused(tiny_dir, tmp_path):  # noqa: F811
     with pytest.raises(UserError, match="does not fit"):
         Trainer(_lora(tiny_dir, "lora.target_modules=['nope_proj']"), tmp_path / "run")
+    with pytest.raises(UserError, match="lora.target_parameters = \\['experts.gate_up_proj'\\] does not fit"):
+        Trainer(_lora(tiny_dir, "lora.target_parameters=['experts.gate_up_proj']"), tmp_path / "dense")
     with pytest.raises(UserError, match="ties to its input embeddings"):  # the tiny Llama ties them, as SmolLM2 does
         Trainer(_lora(tiny_dir, "lora.target_modules=['q_proj', 'lm_head']"), tmp_path / "tied")
     from gspo import dist

@@ -170,6 +170,9 @@ class LoraConfig:
     """LoRA dropout; must stay 0 in RL (the update has to see the policy that computed the old log-probs)."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Modules that get adapters: ``["all-linear"]`` (every Linear but the LM head) or module names (``q_proj``...)."""
+    target_parameters: list[str] = field(default_factory=list)
+    """Parameters (not modules) that get adapters, through peft's ``target_parameters``: an MoE's stacked expert
+    weights, e.g. ``["experts.gate_up_proj", "experts.down_proj"]`` (Mixtral, Qwen-MoE, OLMoE in transformers 5)."""
 
 
 @dataclass

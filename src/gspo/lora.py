@@ -1,4 +1,5 @@
-"""LoRA through peft (``lora.rank > 0``): adapters on the policy's Linear layers, the engine fed merged weights.
+"""LoRA through peft (``lora.rank > 0``): adapters on the policy's Linear layers (and, with ``lora.target_parameters``,
+on parameters such as an MoE's stacked expert weights), the engine fed merged weights.
 
 - :func:`apply` injects the adapters (peft's ``LoraConfig`` / ``get_peft_model``) into the policy in place: its
   Linear modules become peft's LoRA layers, the base weights freeze, and only the adapters train.
@@ -42,37 +43,58 @@ def apply(model: torch.nn.Module, lora, base_name: str):
                         "input embeddings (the merged head would overwrite both); leave lm_head out.")
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",
                              target_modules="all-linear" if targets == ["all-linear"] else list(targets),
-                             task_type="CAUSAL_LM")
+                             target_parameters=list(lora.target_parameters) or None, task_type="CAUSAL_LM")
     try:
         wrapped = peft.get_peft_model(model, config)
-    except ValueError as e:  # peft's message names the module it could not find
-        raise UserError(f"lora.target_modules = {targets} does not fit {type(model).__name__}: {e}") from e
+    except ValueError as e:  # peft's message names the module or parameter it could not find
+        raise UserError(f"lora.target_modules = {targets} / lora.target_parameters = {lora.target_parameters} does not "
+                        f"fit {type(model).__name__}: {e}") from e
+    _check_parameter_targets(model, lora.target_parameters)
     wrapped.peft_config["default"].base_model_name_or_path = base_name
     return wrapped
+
+
+def _check_parameter_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """peft skips a ``target_parameters`` entry that matches nothing without a word: refuse it instead (a dense model
+    given MoE expert targets would otherwise train no adapter where the user asked for one)."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = [f"{name.replace('.base_layer', '')}.{m.parameter_name}" for name, m in model.named_modules()
+               if isinstance(m, LoraLayer) and hasattr(m, "parameter_name")]
+    missing = [t for t in targets if not any(a == t or a.endswith("." + t) for a in adapted)]
+    if missing:
+        raise UserError(f"lora.target_parameters = {targets} does not fit {type(model).__name__}: {missing} names no "
+                        "parameter of it (write a module path suffix and the parameter, e.g. 'experts.gate_up_proj'); "
+                        "fix the names or leave lora.target_parameters empty.")
 
 
 @torch.no_grad()
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of the plain model for every weight of ``model`` (the policy with adapters injected): an
-    adapted layer's weight is ``W + delta`` under the plain name, the adapters themselves are left out. Each delta is
-    computed as its weight is handed out, so at most one layer's merged copy exists at a time."""
+    adapted weight is ``W + delta`` under the plain name, the adapters themselves are left out. A Linear's LoRA layer
+    adapts its ``weight``; a parameter adapter (peft's ``ParamWrapper``, e.g. an MoE's stacked expert weights) adapts
+    its ``parameter_name``, and several of them on one module nest (``experts.base_layer.base_layer.gate_up_proj``).
+    Each delta is computed as its weight is handed out, so at most one merged tensor exists at a time."""
     from peft.tuners.lora import LoraLayer
 
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    by_owner: dict[str, list] = {}  # the plain name of a module -> the LoRA layers around it
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            by_owner.setdefault(name.replace(".base_layer", ""), []).append(m)
     for name, p in model.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
             continue
-        if ".base_layer." in name:
-            owner, _, leaf = name.partition(".base_layer.")
-            value = p.detach()
-            layer = layers.get(owner)
-            if leaf == "weight" and layer is not None:
+        plain = name.replace(".base_layer", "")
+        value = p.detach()
+        if plain != name:
+            owner, leaf = plain.rsplit(".", 1)
+            for layer in by_owner.get(owner, []):
+                if getattr(layer, "parameter_name", "weight") != leaf:
+                    continue
                 for adapter in layer.active_adapters:
                     if adapter in layer.lora_A:
                         value = value + layer.get_delta_weight(adapter).to(value.dtype)
-            yield f"{owner}.{leaf}", value
-        else:
-            yield name, p.detach()
+        yield plain, value
 
 
 def load_adapter(wrapped, folder: Path) -> None:
