@@ -52,6 +52,7 @@ compare)
     ${EXTRA:-} --algos ${ARMS:-gspo,grpo,grpo+r2,grpo+r3,gspo+r2} --seeds ${SEEDS:-1,2,3} --jobs ${JOBS:-8} \
     --out $W 2>&1 | grep -v "Warn\|warn(" | tail -40
   for d in $W/*-seed*; do
+    case $d in *.incomplete-*) continue;; esac  # runs compare moved aside
     python3 - $d <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]

@@ -26,8 +26,9 @@ from gspo.metrics import read_jsonl  # noqa: E402
 def run(n_gpus: int, args, out_dir: Path, prompts: int | None = None) -> dict:
     prompts = prompts or args.prompts_per_gpu * n_gpus
     run_dir = out_dir / f"gpus{n_gpus}-prompts{prompts}"
-    if run_dir.exists():  # the same count listed twice (--gpus 1,2,4,1)
-        run_dir = run_dir.with_name(f"{run_dir.name}-{len(list(out_dir.glob(run_dir.name + '*')))}")
+    base, k = run_dir, 1
+    while run_dir.exists():  # the same count listed twice (--gpus 1,2,4,1), or an output directory reused
+        run_dir, k = base.with_name(f"{base.name}-{k}"), k + 1
     cmd = [sys.executable, "-m", "gspo.cli", "train", args.config, f"rollout.prompts_per_batch={prompts}",
            f"rollout.group_size={args.group_size}", f"train.steps={args.batches * args.minibatches}",
            f"train.minibatches={args.minibatches}", "log.checkpoint_every=0", "log.progress=false",

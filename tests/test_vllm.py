@@ -32,7 +32,10 @@ def _tiny(vocab: int, seed: int = 3) -> LlamaForCausalLM:
 @pytest.fixture(scope="module")
 def engine_and_model(tokenizer):
     model = _tiny(len(tokenizer))
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
     engine = VLLMEngine(model, tokenizer, stop_ids=[2], device=torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), state)  # vLLM reseeds the global RNGs as it starts: put back
     yield engine, model
     engine.close()
 
@@ -57,11 +60,15 @@ def test_samples_and_log_probs_equal_the_trainers_recomputation(engine_and_model
     assert torch.equal(a.completion_ids, b.completion_ids)
     c = engine.generate(prompts, 3, params, generator=torch.Generator().manual_seed(2))
     assert not torch.equal(a.completion_ids, c.completion_ids)
+    # The same prompt twice: every sample has a seed of its own (vLLM seeds sample j of a request with seed + j)
+    twice = engine.generate([prompts[0], prompts[0]], 2, params, generator=torch.Generator().manual_seed(3))
+    assert len({tuple(row.tolist()) for row in twice.completion_ids}) == 4
 
 
 def test_stop_tokens_end_a_completion_and_are_kept(engine_and_model, tokenizer):
     """A stop id the model always picks first: one-token completions holding it, finish reason stop (greedy, n = 2:
-    vLLM takes greedy requests one sample at a time). One vLLM engine per process: vLLM's parallel state is global."""
+    vLLM takes greedy requests one sample at a time). On the module's engine: vLLM's parallel state is process-wide,
+    and an engine destroyed while another lives breaks the other (gspo builds one per run)."""
     engine, model = engine_and_model
     prompt = tokenizer.encode(PROMPTS[0])
     with torch.no_grad():

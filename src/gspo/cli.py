@@ -120,17 +120,19 @@ def _visible_gpus() -> list[str]:
 
 
 def _compare_concurrently(args: argparse.Namespace, todo: list) -> int:
-    """``gspo compare --jobs N``: up to N runs at a time, each a ``gspo train`` process of its own, dealt round-robin
-    over the visible GPUs (several on one GPU when N exceeds them: small models leave a GPU idle between kernels, which
-    another process's kernels fill). Each run's output goes to ``<out>/logs/<run>.log``. A stop signal is passed to
-    every run, which checkpoints and stops; the same command continues them."""
+    """``gspo compare --jobs N``: up to N runs at a time, each a ``gspo train`` process of its own, each started on the
+    visible GPU running the fewest of them (several on one GPU when N exceeds them: small models leave a GPU idle
+    between kernels, which another process's kernels fill). Each run's output goes to ``<out>/logs/<run>.log``. A stop
+    signal is passed to every run, which checkpoints and stops; the same command continues them."""
     import signal
     import subprocess
 
     gpus = _visible_gpus()
     logs = Path(args.out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    pending, running, failed, stopped = list(todo), {}, [], None  # running: Popen -> (run_dir, log path)
+    pending, running = list(todo), {}  # running: Popen -> (run_dir, log path, GPU or None)
+    failed, halted, stopped = [], [], None  # halted: runs that stopped on a signal (they resume)
+    stop_codes = (130, 143, -signal.SIGINT, -signal.SIGTERM)  # a run stopped by a signal, before or after it trapped it
 
     def forward(signum, _frame):
         nonlocal stopped
@@ -141,32 +143,46 @@ def _compare_concurrently(args: argparse.Namespace, todo: list) -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        slot = 0
         while pending or running:
             while pending and len(running) < args.jobs:
                 overrides, run_dir, resume = pending.pop(0)
                 env = dict(os.environ)
-                # As torchrun does: processes sharing a host each get a share of its cores for their CPU ops (without
-                # it every one runs as many OpenMP threads as the host has cores, and they crowd each other out)
-                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
-                if gpus:
-                    env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
-                slot += 1
+                gpu = None
+                if gpus:  # the GPU with the fewest runs of this command on it
+                    load = {g: 0 for g in gpus}
+                    for _, _, g in running.values():
+                        load[g] += 1
+                    gpu = min(gpus, key=lambda g: load[g])
+                    env["CUDA_VISIBLE_DEVICES"] = gpu
+                # As torchrun does for its processes: one CPU thread on a GPU (see gspo.runtime.limit_cpu_threads);
+                # CPU runs share the host's cores (each would otherwise start as many OpenMP threads as it has)
+                env.setdefault("OMP_NUM_THREADS", "1" if gpus else str(max(1, (os.cpu_count() or 1) // args.jobs)))
                 cmd = [sys.executable, "-m", "gspo.cli", "train", *([args.config] if args.config else []), *overrides,
                        "--run-dir", str(run_dir), *(["--resume"] if resume else [])]
                 log_path = logs / f"{run_dir.name}.log"
-                where = f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if gpus else ""
+                where = f" on GPU {gpu}" if gpu is not None else ""
                 print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}{where}; output: "
                       f"{log_path}", file=sys.stderr)
                 with open(log_path, "a") as log_file:  # the child holds its own descriptor
-                    running[subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                             start_new_session=True)] = (run_dir, log_path)
+                    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+                running[proc] = (run_dir, log_path, gpu)
+                if stopped:  # the signal came while it was being started
+                    proc.send_signal(signal.SIGINT if stopped == "SIGINT" else signal.SIGTERM)
             time.sleep(0.5)
             for proc in [p for p in running if p.poll() is not None]:
-                run_dir, log_path = running.pop(proc)
-                if proc.returncode not in (0, 130, 143):
+                run_dir, log_path, _ = running.pop(proc)
+                if proc.returncode in stop_codes:
+                    halted.append(run_dir.name)
+                elif proc.returncode != 0:
                     lines = log_path.read_text(errors="replace").strip().splitlines()
                     failed.append(f"{run_dir.name} (exit {proc.returncode}: {lines[-1] if lines else 'no output'})")
+    except BaseException:
+        for proc in running:  # nothing is left training on the GPUs, holding its run directory's lock
+            proc.terminate()
+        for proc in running:
+            proc.wait()
+        raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -174,8 +190,9 @@ def _compare_concurrently(args: argparse.Namespace, todo: list) -> int:
         print(f"[compare] {len(failed)} run(s) failed: {'; '.join(failed)}. Their output is in {logs}; fix the cause "
               "and run the same command again (finished runs are kept, stopped ones resume).", file=sys.stderr)
         return 1
-    if stopped:
-        print(f"[compare] stopped by {stopped}; run the same command again to continue", file=sys.stderr)
+    if stopped or halted:
+        print(f"[compare] stopped by {stopped or 'a signal to ' + ', '.join(halted)}; run the same command again to "
+              "continue", file=sys.stderr)
         return 130 if stopped == "SIGINT" else 143
     return 0
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
+from gspo.checkpoint import rng_state, set_rng_state
 from gspo.errors import UserError
 from gspo.models import pad_token_id
 from gspo.rollout.hf import check_request
@@ -50,6 +51,7 @@ class VLLMEngine:
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int], device: torch.device,
                  autocast_dtype: torch.dtype | None = None, gpu_memory: float = 0.3, max_len: int | None = None):
+        self._dir = None
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -64,6 +66,7 @@ class VLLMEngine:
         # vLLM builds its model from a directory: the config alone, the weights come through sync_weights.
         self._dir = tempfile.mkdtemp(prefix="gspo-vllm-")
         model.config.save_pretrained(self._dir)
+        rng = rng_state()  # vLLM seeds torch, random and numpy as it starts: the run's own streams are put back
         try:
             self.llm = vllm.LLM(model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, seed=0,
                                 enforce_eager=device.type != "cuda", logprobs_mode="processed_logprobs",
@@ -74,6 +77,8 @@ class VLLMEngine:
             first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
             raise UserError(f"vLLM could not start on this model ({type(e).__name__}: {first}); use rollout.engine = "
                             "'auto' (gspo's own engines run any Hugging Face causal LM).") from e
+        finally:
+            set_rng_state(rng)
         self.sync_weights((n, t.detach()) for n, t in model.state_dict().items())
         log.info("rollout engine: vllm %s (%s, colocated%s)", vllm.__version__, dtype,
                  f", {gpu_memory:.0%} of the GPU" if device.type == "cuda" else "")
@@ -100,8 +105,8 @@ class VLLMEngine:
         requests = [self._vllm.SamplingParams(
             n=per_request, temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0 if params.greedy else params.top_p, top_k=0 if params.greedy else params.top_k,
-            max_tokens=params.max_new_tokens, seed=base + i, logprobs=0, stop_token_ids=self.stop_ids,
-            ignore_eos=True, detokenize=False) for i in range(len(prompts)) for _ in range(copies)]
+            max_tokens=params.max_new_tokens, seed=base + k * per_request, logprobs=0, stop_token_ids=self.stop_ids,
+            ignore_eos=True, detokenize=False) for k in range(len(prompts) * copies)]  # vLLM seeds sample j: seed + j
         inputs = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(copies)]
         outs = self.llm.generate(inputs, requests, use_tqdm=False)
         samples = [c for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
@@ -123,7 +128,10 @@ class VLLMEngine:
                        pad_id=self.pad_id)
 
     def close(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
+        """Remove the config directory (vLLM's own memory goes with the object)."""
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def __del__(self):
         self.close()

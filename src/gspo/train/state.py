@@ -135,8 +135,9 @@ class CheckpointWriter:
 
     def _write_collectively(self, state: TrainState, parts: dict[str, Any], t_start: float, save) -> None:
         t0 = time.perf_counter()
-        payload = {**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts}
-        own = {"rng": payload["rng"], "generator": parts["generator"]}  # this process's own, in its rank file
+        # On the CPU: a LoRA payload holds the adapters' AdamW state, which lives on the GPU
+        payload = to_cpu({**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts})
+        own = {"rng": payload["rng"], "generator": payload["generator"]}  # this process's own, in its rank file
         try:
             self.last = save(payload, own)
         except OSError as e:
