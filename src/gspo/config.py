@@ -102,8 +102,9 @@ class RolloutConfig:
     """With ``engine = "vllm"`` on a GPU: the share of its memory vLLM takes for its weights and KV cache (the rest is
     the trainer's)."""
     fused_step: str = "auto"
-    """The graph engine's decode step: ``auto`` (fused Triton kernels on CUDA for Llama / Mistral / Qwen2 / Qwen3 and
-    Mixtral / Qwen2-MoE / Qwen3-MoE with a 16-bit cache, else the HF modules) or ``off`` (always the HF modules)."""
+    """The graph engine's decode step: ``auto`` (fused Triton kernels on CUDA for Llama / Mistral / Qwen2 / Qwen3 with a
+    16-bit cache, else the HF modules; MoE models keep the HF modules until the fused MoE step is measured on a GPU) or
+    ``off`` (always the HF modules)."""
 
 
 @dataclass
