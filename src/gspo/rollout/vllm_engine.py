@@ -20,6 +20,7 @@ vLLM is imported only when this engine is chosen.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -65,7 +66,9 @@ class VLLMEngine:
         dtype = "bfloat16" if autocast_dtype == torch.bfloat16 else "float32"
         # vLLM builds its model from a directory: the config alone, the weights come through sync_weights.
         self._dir = tempfile.mkdtemp(prefix="gspo-vllm-")
-        model.config.save_pretrained(self._dir)
+        config = copy.deepcopy(model.config)
+        config.architectures = config.architectures or [type(model).__name__]  # vLLM picks its model class by it
+        config.save_pretrained(self._dir)
         rng = rng_state()  # vLLM seeds torch, random and numpy as it starts: the run's own streams are put back
         try:
             self.llm = vllm.LLM(model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, seed=0,
