@@ -127,7 +127,12 @@ def test_fused_step_samples_like_the_module_step(kernels, tokenizer, arch):
     model = _models(len(tokenizer))[arch].to(DEV)
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat and a dog."]]
     params = SamplingParams(max_new_tokens=8, temperature=0.8)
-    for dtype, tol in ((None, 1e-4), (torch.bfloat16, 0.05)):
+    # MoE on a CPU: fp32 only (the exact check; the sparse block is the family's own module in both paths, and the
+    # bf16 attention kernels are the dense archs' cases) -- each case costs ~10 s in Triton's interpreter
+    cases = ((None, 1e-4), (torch.bfloat16, 0.05))
+    if "moe" in arch.lower() and DEV.type == "cpu":
+        cases = cases[:1]
+    for dtype, tol in cases:
         out = {}
         for fused in (True, False):
             engine = GraphEngine(model, tokenizer, stop_ids=[2], autocast_dtype=dtype, fused=fused, device=DEV)
