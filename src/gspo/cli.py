@@ -486,8 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seeds", type=_int_list, default="1", help="comma-separated seeds (default 1)")
     m.add_argument("--out", type=_out_dir, required=True, help="directory for the runs (<algo>-seed<seed>) and report/")
     m.add_argument("--jobs", type=_count(1), default=1,
-                   help="runs trained at the same time, each in its own process, dealt round-robin over the visible "
-                        "GPUs (default 1: one after another in this process)")
+                   help="runs trained at the same time, each in its own process, each started on the visible GPU "
+                        "running the fewest of them (default 1: one after another in this process)")
     m.set_defaults(func=cmd_compare)
     r = sub.add_parser("report", help="figures and an HTML page from run directories")
     r.add_argument("run_dirs", nargs="+", type=_run_dir, help="run directories")
