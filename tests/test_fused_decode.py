@@ -126,7 +126,7 @@ def test_fused_step_samples_like_the_module_step(kernels, tokenizer, arch):
     and log-probs within bf16 rounding of the module path's."""
     model = _models(len(tokenizer))[arch].to(DEV)
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat and a dog."]]
-    params = SamplingParams(max_new_tokens=8, temperature=0.8)
+    params = SamplingParams(max_new_tokens=6, temperature=0.8)
     # MoE on a CPU: fp32 only (the exact check; the sparse block is the family's own module in both paths, and the
     # bf16 attention kernels are the dense archs' cases) -- each case costs ~10 s in Triton's interpreter
     cases = ((None, 1e-4), (torch.bfloat16, 0.05))
