@@ -213,8 +213,10 @@ def choose_strategy(setting: str, model: torch.nn.Module, device: torch.device, 
     most half of one device's memory (the rest is for activations, the KV cache and CUDA graphs), and shards a
     larger one. LoRA always replicates (``check_layout`` refuses it with ``fsdp``): its frozen base has no gradients
     or optimizer state to shard."""
-    if setting != "auto" or lora:
-        return "ddp" if lora else setting
+    if lora:
+        return "ddp"
+    if setting != "auto":
+        return setting
     params = sum(p.numel() for p in model.parameters())
     need = params * (STATE_BYTES + (REF_BYTES if reference else 0))
     if device.type == "cuda":

@@ -57,10 +57,8 @@ def apply(model: torch.nn.Module, lora, base_name: str):
 def _check_parameter_targets(model: torch.nn.Module, targets: list[str]) -> None:
     """peft skips a ``target_parameters`` entry that matches nothing without a word: refuse it instead (a dense model
     given MoE expert targets would otherwise train no adapter where the user asked for one)."""
-    from peft.tuners.lora import LoraLayer
-
-    adapted = [f"{name.replace('.base_layer', '')}.{m.parameter_name}" for name, m in model.named_modules()
-               if isinstance(m, LoraLayer) and hasattr(m, "parameter_name")]
+    adapted = [f"{owner}.{m.parameter_name}" for owner, layers in _layers_by_owner(model).items() for m in layers
+               if hasattr(m, "parameter_name")]
     missing = [t for t in targets if not any(a == t or a.endswith("." + t) for a in adapted)]
     if missing:
         raise UserError(f"lora.target_parameters = {targets} does not fit {type(model).__name__}: {missing} names no "
@@ -75,12 +73,7 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     adapts its ``weight``; a parameter adapter (peft's ``ParamWrapper``, e.g. an MoE's stacked expert weights) adapts
     its ``parameter_name``, and several of them on one module nest (``experts.base_layer.base_layer.gate_up_proj``).
     Each delta is computed as its weight is handed out, so at most one merged tensor exists at a time."""
-    from peft.tuners.lora import LoraLayer
-
-    by_owner: dict[str, list] = {}  # the plain name of a module -> the LoRA layers around it
-    for name, m in model.named_modules():
-        if isinstance(m, LoraLayer):
-            by_owner.setdefault(name.replace(".base_layer", ""), []).append(m)
+    by_owner = _layers_by_owner(model)
     for name, p in model.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
             continue
@@ -95,6 +88,18 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
                     if adapter in layer.lora_A:
                         value = value + layer.get_delta_weight(adapter).to(value.dtype)
         yield plain, value
+
+
+def _layers_by_owner(model: torch.nn.Module) -> dict[str, list]:
+    """The plain name of each adapted module (peft's ``.base_layer`` wrappers removed) -> the LoRA layers around it:
+    one for a Linear, one per adapted parameter for parameter targets (peft nests those wrappers)."""
+    from peft.tuners.lora import LoraLayer
+
+    by_owner: dict[str, list] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            by_owner.setdefault(name.replace(".base_layer", ""), []).append(m)
+    return by_owner
 
 
 def load_adapter(wrapped, folder: Path) -> None:

@@ -108,6 +108,13 @@ class Actor:
     def distributed(self) -> bool:
         return self.sharded or self.replicated
 
+    @property
+    def collective_checkpoint(self) -> bool:
+        """Whether every process writes its shards of the policy and optimizer (DCP; see
+        :func:`gspo.checkpoint.save_sharded`). Not in one process, and not with LoRA under torchrun: the adapter and its
+        optimizer are the same in every process, and rank 0 writes them as one process does."""
+        return self.distributed and self.peft is None
+
     def shard(self, strategy: str | None = "fsdp") -> None:
         """Under ``torchrun``: shard the policy (and the reference model) with FSDP2 (``strategy = "fsdp"``), or keep
         it whole in every process with rank 0's weights (``"ddp"``), then set up the passes and the optimizer. Nothing
@@ -432,7 +439,7 @@ class Actor:
         """What a checkpoint's ``trainer_state.pt`` holds of the actor (under torchrun the optimizer goes to DCP; see
         :func:`gspo.checkpoint.save_sharded`)."""
         out = {"shuffle_gen": self.shuffle_gen.get_state(), "lr_scale": self.lr_scale}
-        if not self.distributed or self.peft is not None:  # LoRA's adapter optimizer: the same in every process
+        if not self.collective_checkpoint:
             out["optimizer"] = self.optimizer.state_dict()
         return out
 

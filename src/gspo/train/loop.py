@@ -425,13 +425,13 @@ class Trainer:
         c = self.collector
         parts = {**self.actor.state_dict(), "generator": c.generator.get_state(), "data": c.stream.state_dict(),
                  "skipped_prompts": c.skipped_prompts, "world_size": self.runtime.world_size}
-        if self.actor.distributed and self.actor.peft is not None:  # LoRA under torchrun: the adapter by rank 0
-            self.writer.write_replicated(self.state, parts, self.actor.peft, self.tokenizer, self.cfg.log.keep_checkpoints,
-                                         self.t_start)
-            return
-        if self.actor.distributed:  # every process writes its shards; synchronous (see gspo.checkpoint.save_sharded)
+        if self.actor.collective_checkpoint:  # every process writes its shards; synchronous
             self.writer.write_sharded(self.state, parts, self.actor, self.tokenizer, self.cfg.log.keep_checkpoints,
                                       self.t_start)
+            return
+        if self.actor.distributed:  # LoRA under torchrun: rank 0 writes the adapter, every process its RNGs
+            self.writer.write_replicated(self.state, parts, self.actor.peft, self.tokenizer, self.cfg.log.keep_checkpoints,
+                                         self.t_start)
             return
         self.writer.submit(self.state, parts, self.actor.peft or self.actor.model, self.tokenizer,
                            self.cfg.log.keep_checkpoints, self.t_start)

@@ -69,6 +69,12 @@ def newest_checkpoint(run_dir: Path) -> str | None:
     return done[-1].name if done else None
 
 
+def _payload(state: TrainState, parts: dict[str, Any], t_start: float) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.pt``: the run's counters, elapsed time, every RNG and ``parts``, copied to the
+    CPU (an optimizer state on the GPU, a LoRA run's under torchrun too, must not load back onto one device)."""
+    return to_cpu({**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts})
+
+
 class CheckpointWriter:
     """Writes checkpoints off the training loop's critical path: ``submit`` takes a CPU snapshot of everything the
     checkpoint holds (a device-to-host copy, the only part the loop waits for) and writes, fsyncs and renames it in a
@@ -89,7 +95,7 @@ class CheckpointWriter:
         state) and every RNG, as they are now."""
         self.wait()
         t0 = time.perf_counter()
-        payload = to_cpu({**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts})
+        payload = _payload(state, parts, t_start)
         # A LoRA policy (a PeftModel) is checkpointed as its adapter: peft's save_pretrained keeps the lora_ tensors.
         weights = to_cpu({k: v for k, v in model.state_dict().items() if "lora_" in k} if hasattr(model, "peft_config")
                          else model.state_dict())
@@ -135,8 +141,7 @@ class CheckpointWriter:
 
     def _write_collectively(self, state: TrainState, parts: dict[str, Any], t_start: float, save) -> None:
         t0 = time.perf_counter()
-        # On the CPU: a LoRA payload holds the adapters' AdamW state, which lives on the GPU
-        payload = to_cpu({**asdict(state), "elapsed": time.time() - t_start, "rng": rng_state(), **parts})
+        payload = _payload(state, parts, t_start)
         own = {"rng": payload["rng"], "generator": payload["generator"]}  # this process's own, in its rank file
         try:
             self.last = save(payload, own)
