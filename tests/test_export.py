@@ -85,6 +85,8 @@ def test_gguf_export_reads_back_through_transformers(trained, tmp_path, dtype, a
     ids = torch.tensor([[1, 5, 9, 13, 2, 7, 300, 4000]])
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, plain(ids).logits, rtol=0, atol=atol)
+    if dtype != "fp32":
+        return  # the tokenizer is the same in both files; reading it back costs ~10 s (a 49k-entry GGUF vocabulary)
     text = "What is 7 + 5? Answer: 12 ... café"
     tok = AutoTokenizer.from_pretrained(out, gguf_file="model.gguf")
     assert tok(text)["input_ids"] == AutoTokenizer.from_pretrained(out)(text)["input_ids"]
