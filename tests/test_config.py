@@ -79,6 +79,9 @@ def test_malformed_toml_and_missing_file(tmp_path):
     ({}, ["sentinel.reward_drop=-1"], "sentinel thresholds"),
     ({}, ["log.trace_every=-1"], "log.trace_every"),
     ({}, ["sentinel.action='retry'"], "sentinel.action"),
+    ({}, ["rollout.engine_weight_bits=1"], "must be 0 \\(off\\) or 2-16"),
+    ({}, ["rollout.engine_weight_bits=17"], "must be 0 \\(off\\) or 2-16"),
+    ({"algorithm": "grpo"}, ["loss.step_credit='task'"], "data.task = 'arithmetic' has no built-in step credit"),
 ])
 def test_every_guard_raises_with_the_fix(data, overrides, match):
     """Each invalid setting raises a UserError whose message names the fix."""
@@ -116,12 +119,27 @@ def test_every_field_is_documented():
 
 
 def test_shipped_configs_build(tmp_path):
-    """The configs in configs/ build on both device types."""
+    """The configs in configs/ build on both device types, and so does every arm of the `gspo compare` commands their
+    comments give (the experiments' configs)."""
     import pathlib
+    import re
+    import shlex
 
-    for path in pathlib.Path(__file__).parent.parent.joinpath("configs").glob("*.toml"):
+    from gspo.config import parse_arm
+
+    paths = sorted(pathlib.Path(__file__).parent.parent.joinpath("configs").rglob("*.toml"))
+    assert any("experiments" in p.parts for p in paths)
+    for path in paths:
+        data = load_toml(path)
         for device in ("cpu", "cuda"):
-            build_config(load_toml(path), device=device)
+            build_config(data, device=device)
+        for line in re.findall(r"^#\s+(gspo compare .*)$", path.read_text(), flags=re.M):
+            argv = shlex.split(line)
+            overrides = [a for a in argv[3:argv.index("--algos")] if "=" in a]
+            for arm in argv[argv.index("--algos") + 1].split(","):
+                preset, extra = parse_arm(arm)
+                build_config(data, [*overrides, f"algorithm={preset!r}", *(f"{k}={v!r}" for k, v in extra.items())],
+                             device="cuda")
 
 
 def test_clip_range_follows_an_explicit_level():

@@ -227,3 +227,36 @@ def test_rows_without_loss_tokens_do_not_count_as_sequences():
         loss.backward()
         grads.append(lp.grad[0])
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_length_bin_metrics_hand_worked():
+    """Three responses of 2, 70 and 0 tokens (the last left out of the loss) in a run of max_length 128: bins 0-63 and
+    64-127 (512+ and the others cannot be filled). Bin 0-63 holds row 0: token log-ratios (log 2, 0), one clipped ->
+    clip 1/2, token ratios (2, 1): std 0.5, one sequence: std 0. Bin 64-127 holds row 1: 70 tokens of ratio 1, none
+    clipped."""
+    from gspo.algorithms.losses import length_bin_metrics, response_length_bins
+
+    assert [name for *_, name in response_length_bins(128)] == ["0-63", "64-127"]
+    assert [name for *_, name in response_length_bins(600)] == ["0-63", "64-127", "128-255", "256-511", "512+"]
+    T = 80
+    mask = torch.zeros(3, T, dtype=torch.bool)
+    mask[0, :2], mask[1, :70] = True, True
+    token_lr = torch.zeros(3, T)
+    token_lr[0, 0] = math.log(2.0)
+    clipped = torch.zeros(3, T, dtype=torch.bool)
+    clipped[0, 0] = True
+    out = {k: float(v) for k, v in length_bin_metrics(token_lr, mask, clipped, 128).items()}
+    assert out["bylen/0-63/seqs"] == 1 and out["bylen/64-127/seqs"] == 1
+    assert out["bylen/0-63/clip_token"] == 0.5 and out["bylen/64-127/clip_token"] == 0.0
+    assert out["bylen/0-63/ratio_token_std"] == pytest.approx(0.5) and out["bylen/0-63/ratio_seq_std"] == 0.0
+    assert out["bylen/64-127/ratio_token_std"] == 0.0
+    empty = length_bin_metrics(token_lr, mask & False, clipped, 128)
+    assert float(empty["bylen/0-63/seqs"]) == 0 and math.isnan(float(empty["bylen/0-63/clip_token"]))
+
+
+def test_policy_loss_reports_length_bins_of_its_max_length():
+    logp, old = torch.zeros(2, 5), torch.zeros(2, 5)
+    _, metrics = policy_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 5, dtype=torch.bool), level="token",
+                             eps_low=0.2, eps_high=0.2, aggregation="token-mean", max_length=300)
+    assert {k for k in metrics if k.endswith("/seqs")} == {"bylen/0-63/seqs", "bylen/64-127/seqs", "bylen/128-255/seqs",
+                                                           "bylen/256-511/seqs"}

@@ -6,6 +6,7 @@ import subprocess
 import pytest
 
 from gspo.cli import main
+from gspo.metrics import read_jsonl
 from gspo.report import Run, key_metrics, write_report
 
 from test_trainer import tiny_config  # noqa: F401  (the tiny model fixture lives there too)
@@ -72,16 +73,19 @@ def test_report_opens_in_headless_chromium(two_runs, tmp_path):
 
 
 def test_compare_trains_each_algorithm_and_seed_then_reports(tiny_dir, tmp_path, capsys):  # noqa: F811
-    """`gspo compare` runs algos x seeds into <out>/<algo>-seed<seed>, writes the report, prints the key-metrics table;
-    run again, it keeps the finished runs instead of training them twice."""
-    args = ["compare", "--algos", "gspo,grpo", "--seeds", "3", "--out", str(tmp_path / "cmp"), f"model.name='{tiny_dir}'",
+    """`gspo compare` runs arms x seeds into <out>/<arm>-seed<seed>, writes the report, prints the key-metrics table;
+    run again, it keeps the finished runs instead of training them twice. An arm's suffix sets its settings
+    (+lr: the learning rate) and names it in the report."""
+    args = ["compare", "--algos", "gspo,grpo+lr2e-3", "--seeds", "3", "--out", str(tmp_path / "cmp"), f"model.name='{tiny_dir}'",
             "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=2",
             "train.minibatches=2", "rewards.workers=0", "log.progress=false", "log.checkpoint_every=0",
             "rewards.functions=[{path='trainer_rewards:text_length'}]"]
     assert main(args) == 0
     printed = capsys.readouterr()
-    assert (tmp_path / "cmp" / "gspo-seed3" / "metrics.jsonl").exists() and (tmp_path / "cmp" / "grpo-seed3").exists()
+    assert (tmp_path / "cmp" / "gspo-seed3" / "metrics.jsonl").exists()
+    assert [r["lr"] for r in read_jsonl(tmp_path / "cmp" / "grpo+lr2e-3-seed3" / "metrics.jsonl")] == [2e-3, 2e-3]
     assert (tmp_path / "cmp" / "report" / "index.html").exists() and "| gspo (mean of 1) |" in printed.out
+    assert "| grpo+lr2e-3 (mean of 1) |" in printed.out
     assert main(args) == 0
     assert printed.err.count("training") == 2 and capsys.readouterr().err.count("complete; kept") == 2
 
@@ -198,7 +202,18 @@ def test_compare_arms_parse_and_refuse_unknown_suffixes():
     from gspo.config import parse_arm
     from gspo.errors import UserError
 
+    from gspo.config import Config, arm_label, build_config
+
     assert parse_arm("grpo+r2") == ("grpo", {"moe.routing_replay": "old"})
     assert parse_arm("gspo") == ("gspo", {})
-    with pytest.raises(UserError, match="unknown suffix"):
-        parse_arm("grpo+r9")
+    assert parse_arm("grpo+mb8+lr2e-5") == ("grpo", {"train.minibatches": 8, "train.lr": 2e-5})
+    assert parse_arm("gspo+enginelp+int8") == ("gspo", {"train.old_logprobs": "rollout", "rollout.engine_weight_bits": 8})
+    assert parse_arm("gspo_token+credit") == ("gspo_token", {"loss.step_credit": "task"})
+    for bad in ("grpo+r9", "grpo+mb", "grpo+mbx", "grpo+lr", "grpo+lrfast", "grpo+"):
+        with pytest.raises(UserError, match="unknown suffix"):
+            parse_arm(bad)
+    # a run's arm: the suffixes its settings switch on, or the label compare gave it
+    cfg = build_config({}, ["algorithm='grpo'", "train.old_logprobs='rollout'", "rollout.engine_weight_bits=8"])
+    assert arm_label(cfg.to_dict()) == "grpo+enginelp+int8"
+    assert arm_label(build_config({}, ["log.label='grpo+mb8'"]).to_dict()) == "grpo+mb8"
+    assert arm_label(Config().to_dict()) == "gspo"

@@ -208,3 +208,19 @@ def test_the_vllm_engine_without_vllm_is_one_line_naming_the_extra(tokenizer):
         pytest.skip("vLLM is installed here: tests/test_vllm.py covers the engine")
     with pytest.raises(UserError, match=r"needs vLLM.*pip install 'gspo\[vllm\]'.*rollout.engine = 'auto'"):
         make_engine("vllm", tiny_llama(vocab_size=len(tokenizer)), tokenizer, stop_ids=[2], device=torch.device("cpu"))
+
+
+def test_rounded_weights_hand_worked():
+    """3 bits: qmax 3; the row (1, -2, 0.5) has scale 2/3, so W/s = (1.5, -3, 0.75) rounds (half to even) to (2, -3, 1)
+    and comes back as (4/3, -2, 2/3); a vector passes as it is; the given tensors are not written."""
+    from gspo.rollout import rounded_weights
+
+    w, b = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]]), torch.tensor([0.3, 0.7])
+    before = w.clone()
+    out = dict(rounded_weights([("w", w), ("b", b)], bits=3))
+    torch.testing.assert_close(out["w"], torch.tensor([[4 / 3, -2.0, 2 / 3], [0.0, 0.0, 0.0]]))
+    assert out["b"] is b and torch.equal(w, before)
+    x = torch.randn(16, 64)
+    for bits in (4, 8):
+        err = (dict(rounded_weights([("x", x)], bits))["x"] - x).abs().max(dim=-1).values
+        assert (err <= x.abs().amax(-1) / (2 ** (bits - 1) - 1) / 2 + 1e-6).all()  # at most half a step per row

@@ -24,6 +24,7 @@ DOCUMENTED_KEYS = [
     "dynamic/dropped_groups", "dynamic/padded_groups", "dynamic/rounds", "data/skipped_prompts", "data/position",
     "throughput/rollout_tok_s", "throughput/train_tok_s",
     "time/rollout", "time/reward", "time/logprobs", "time/update", "time/elapsed",
+    "bylen/0-63/seqs", "bylen/0-63/clip_token", "bylen/0-63/ratio_token_std", "bylen/0-63/ratio_seq_std",
 ]
 
 
@@ -475,3 +476,18 @@ def test_sentinel_reward_history_survives_a_restart(tiny_dir, tmp_path):
     assert t.rewards_seen == {0: 1.0}
     with pytest.raises(UserError, match="reward_drop"):
         t.train()  # batch 1: reward 0, a drop of 1 from the best before the restart
+
+
+def test_engine_weight_bits_samples_from_rounded_weights_and_leaves_the_trainers(tiny_dir, tmp_path):
+    """rollout.engine_weight_bits = 4: the engine (hf, which then keeps its own copy) samples from 4-bit-rounded
+    weights, so its log-probs differ from the trainer's recomputation (logprob/engine_diff_*), while the trainer's
+    weights stay unrounded; with it off, the hf engine samples from the trainer's model and the gap is 0."""
+    gaps = {}
+    for bits in (0, 4):
+        trainer = Trainer(tiny_config(tiny_dir, "rollout.engine='hf'", f"rollout.engine_weight_bits={bits}",
+                                      "train.steps=2"), tmp_path / f"run{bits}")
+        trainer.train()
+        gaps[bits] = read_jsonl(tmp_path / f"run{bits}" / "metrics.jsonl")[0]["logprob/engine_diff_mean"]
+        w = trainer.actor.model.model.layers[0].mlp.up_proj.weight  # (out, in): 4 bits give at most 15 values a row
+        assert len(torch.unique(w[0])) > 15
+    assert gaps[0] < 1e-5 and gaps[4] > 100 * max(gaps[0], 1e-6)

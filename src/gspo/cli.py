@@ -208,7 +208,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     run_dirs, todo = [], []  # todo: (overrides, run_dir, resume) of the runs still to train
     for algo, preset, extra in args.algos:
         for seed in seeds:
-            overrides = [*args.overrides, f"algorithm={preset!r}", f"seed={seed}",
+            overrides = [*args.overrides, f"algorithm={preset!r}", f"seed={seed}", f"log.label={algo!r}",
                          *(f"{k}={v!r}" for k, v in extra.items())]
             cfg = _config(args.config, overrides)  # every arm's settings checked before any run starts
             run_dir = out / f"{algo}-seed{seed}"
@@ -303,7 +303,7 @@ def _presets(text: str) -> list[tuple[str, str, dict]]:
     if not algos or unknown:
         raise argparse.ArgumentTypeError(f"{text!r} names {'no preset' if not algos else ', '.join(map(repr, unknown))};"
                                          f" use a comma-separated list of {', '.join(PRESETS)}, each optionally with "
-                                         f"{', '.join('+' + k for k in ARM_SUFFIXES)}")
+                                         f"{', '.join('+' + k for k in ARM_SUFFIXES)}, +mb<N> or +lr<X>")
     return arms
 
 
@@ -482,7 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("config", nargs="?", help="TOML config shared by every run (default: the built-in defaults)")
     m.add_argument("overrides", nargs="*", help="dotted key=value overrides for every run")
     m.add_argument("--algos", type=_presets, default="gspo,grpo",
-                   help="comma-separated presets, each optionally +r2 or +r3 (Routing Replay R2 / R3; default gspo,grpo)")
+                   help="comma-separated arms (default gspo,grpo): a preset, each optionally with suffixes: +r2 / +r3 "
+                        "(Routing Replay R2 / R3), +enginelp (the engine's log-probs as the old policy's), +int8 (the "
+                        "engine samples from int8-rounded weights), +credit (the task's per-token step credit), "
+                        "+mb<N> (N minibatches per rollout batch), +lr<X> (learning rate X); e.g. grpo+mb8,gspo+enginelp")
     m.add_argument("--seeds", type=_int_list, default="1", help="comma-separated seeds (default 1)")
     m.add_argument("--out", type=_out_dir, required=True, help="directory for the runs (<algo>-seed<seed>) and report/")
     m.add_argument("--jobs", type=_count(1), default=1,

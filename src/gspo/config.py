@@ -105,6 +105,11 @@ class RolloutConfig:
     """The graph engine's decode step: ``auto`` (fused Triton kernels on CUDA for Llama / Mistral / Qwen2 / Qwen3 with a
     16-bit cache, else the HF modules; MoE models keep the HF modules until the fused MoE step is measured on a GPU) or
     ``off`` (always the HF modules)."""
+    engine_weight_bits: int = 0
+    """For experiments on the engine-trainer gap: the rollout engine samples from its copy of the weights with every
+    weight matrix rounded to signed integers of this many bits (symmetric, one scale per output row, as weight-only
+    int8 inference does); norms and biases are kept. The trainer's weights are untouched; the gap shows in
+    ``logprob/engine_diff_*``. 0 (default) = off; 2-16."""
 
 
 @dataclass
@@ -128,7 +133,8 @@ class LossConfig:
     """Allow a sequence-level ratio with a token-summing aggregation, which weights each sequence by its length."""
     step_credit: str | None = None
     """Per-token advantages from process credit: ``module:function`` splitting a completion into scored steps
-    (``gspo.rewards.builtin:running_sum_step_spans`` / ``numbered_words_line_spans`` for the long tasks). Each token
+    (``gspo.rewards.builtin:running_sum_step_spans`` / ``numbered_words_line_spans`` for the long tasks; ``task``
+    picks the one of ``data.task``). Each token
     gets the outcome advantage plus the normalised credit of its step and every later one (DeepSeekMath's process
     supervision; centred on the group's steps and scaled as ``loss.advantage_scale`` says). Token-level ratios only:
     GSPO-token (``gspo_token``) or GRPO-family presets."""
@@ -295,6 +301,9 @@ class LogConfig:
     """W&B project of the run."""
     wandb_entity: str = ""
     """W&B entity (user or team); empty = your default one."""
+    label: str = ""
+    """The run's arm in reports (``gspo compare`` sets it to the arm, e.g. ``grpo+mb8``); empty = the algorithm and
+    the arm suffixes its settings switch on."""
 
 
 @dataclass
@@ -352,25 +361,50 @@ _PRESET_FALLBACK = {"loss.mask_truncated": False, "dapo.dynamic_sampling": False
 
 
 # Arms of a comparison: a preset, then "+"-suffixes that switch a technique on (`gspo compare --algos grpo,grpo+r2`).
-ARM_SUFFIXES: dict[str, dict[str, Any]] = {"r2": {"moe.routing_replay": "old"}, "r3": {"moe.routing_replay": "rollout"}}
+# Comparison arms (``gspo compare --algos``): a preset, then "+"-suffixes, each switching settings on.
+ARM_SUFFIXES: dict[str, dict[str, Any]] = {
+    "r2": {"moe.routing_replay": "old"},  # Routing Replay R2
+    "r3": {"moe.routing_replay": "rollout"},  # Routing Replay R3
+    "enginelp": {"train.old_logprobs": "rollout"},  # the engine's log-probs as the old policy's (no recomputation)
+    "int8": {"rollout.engine_weight_bits": 8},  # the engine samples from int8-rounded weights
+    "credit": {"loss.step_credit": "task"},  # per-token process credit of the task's steps
+}
+# Suffixes with a number: +mb8 (8 minibatches per rollout batch), +lr2e-5 (learning rate 2e-5)
+ARM_NUMBERED: dict[str, tuple[str, type]] = {"mb": ("train.minibatches", int), "lr": ("train.lr", float)}
+TASK_STEP_CREDIT = {"running_sum": "gspo.rewards.builtin:running_sum_step_spans",  # loss.step_credit = "task"
+                    "numbered_words": "gspo.rewards.builtin:numbered_words_line_spans"}
 
 
 def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
-    """``"grpo+r2"`` -> ``("grpo", {"moe.routing_replay": "old"})``; a UserError for an unknown preset or suffix."""
+    """``"grpo+r2"`` -> ``("grpo", {"moe.routing_replay": "old"})``, ``"gspo+mb8"`` -> ``("gspo",
+    {"train.minibatches": 8})``; a UserError for an unknown preset or suffix."""
     preset, *suffixes = [part.strip() for part in arm.split("+")]
     if preset not in PRESETS:
         raise _unknown_key(preset, list(PRESETS), "algorithm value ")
     extra: dict[str, Any] = {}
     for suffix in suffixes:
-        if suffix not in ARM_SUFFIXES:
-            raise UserError(f"{arm!r}: unknown suffix +{suffix}; known: {', '.join('+' + k for k in ARM_SUFFIXES)}.")
-        extra.update(ARM_SUFFIXES[suffix])
+        if suffix in ARM_SUFFIXES:
+            extra.update(ARM_SUFFIXES[suffix])
+            continue
+        numbered = next(((key, kind, suffix[len(p):]) for p, (key, kind) in ARM_NUMBERED.items()
+                         if suffix.startswith(p)), None)
+        try:
+            if numbered is None:
+                raise ValueError
+            key, kind, text = numbered
+            extra[key] = kind(text)
+        except ValueError:
+            known = [*("+" + k for k in ARM_SUFFIXES), "+mb<minibatches>", "+lr<learning rate>"]
+            raise UserError(f"{arm!r}: unknown suffix +{suffix}; known: {', '.join(known)}.") from None
     return preset, extra
 
 
 def arm_label(config: dict[str, Any]) -> str:
-    """The arm a resolved config (``Config.to_dict()``) trains: its algorithm and the suffixes its settings switch on."""
+    """The arm a resolved config (``Config.to_dict()``) trains: ``log.label`` when set (``gspo compare`` sets it), else
+    its algorithm and the suffixes its settings switch on."""
     flat = _flatten(config)
+    if flat.get("log.label"):
+        return str(flat["log.label"])
     label = str(config.get("algorithm", "?"))
     for suffix, keys in ARM_SUFFIXES.items():
         if all(flat.get(k) == v for k, v in keys.items()):
@@ -615,6 +649,11 @@ def validate(cfg: Config) -> None:
     if lo.rank and lo.dropout != 0:
         raise UserError(f"lora.dropout = {lo.dropout}: dropout must stay off in RL (the update must see the policy "
                         "that computed the old log-probs, as gspo turns off the model's own dropout); set it to 0.")
+    if not (r.engine_weight_bits == 0 or 2 <= r.engine_weight_bits <= 16):
+        raise UserError(f"rollout.engine_weight_bits = {r.engine_weight_bits} must be 0 (off) or 2-16, e.g. 8.")
+    if lc.step_credit == "task" and cfg.data.task not in TASK_STEP_CREDIT:
+        raise UserError(f"loss.step_credit = 'task': data.task = {cfg.data.task!r} has no built-in step credit (only "
+                        f"{', '.join(TASK_STEP_CREDIT)} do); name a 'module:function' instead.")
     if lc.step_credit is not None and lc.level == "sequence":
         raise UserError(f"loss.step_credit gives per-token advantages, which {cfg.algorithm}'s sequence-level ratio "
                         "cannot take (one advantage per sequence); use algorithm = 'gspo_token' (GSPO-token) or a "

@@ -112,6 +112,8 @@ def key_metrics(run: Run) -> dict[str, Any]:
         "reward_best": max(smooth) if smooth else None, "largest_drop": drop,
         "entropy_end": mean("entropy", last_batch), "wall_s": run.metrics[-1].get("time/elapsed"),
         "flip_rate": mean("moe/flip_rate", run.metrics),
+        "ratio_token_std": mean("ratio/token_std", off), "ratio_seq_std": mean("ratio/seq_std", off),
+        "engine_gap": mean("logprob/engine_diff_mean", [r for r in run.metrics if r.get("minibatch", 0) == 0]),
     }
 
 
@@ -148,8 +150,11 @@ def _plot_band(ax, x, mean, lo, hi, label, color):
 
 def _colors(groups: dict[str, list[Run]]) -> dict[str, str]:
     palette = {"gspo": "#1f77b4", "grpo": "#d62728", "gspo_token": "#2ca02c", "dapo": "#ff7f0e", "dr_grpo": "#9467bd"}
-    extra = iter(["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"])
-    return {g: palette.get(g) or next(extra, "#333333") for g in groups}
+    import matplotlib
+
+    taken = {palette[g] for g in groups if g in palette}
+    extra = iter([c for c in matplotlib.colormaps["tab20"].colors if matplotlib.colors.to_hex(c) not in taken])
+    return {g: palette.get(g) or matplotlib.colors.to_hex(next(extra, (0.2, 0.2, 0.2))) for g in groups}
 
 
 def _label(name: str, runs: list[Run]) -> str:
@@ -365,6 +370,61 @@ def fig_moe(plt, groups, colors, out: Path) -> str | None:
     return _save(fig, out / "moe_flips.png")
 
 
+def fig_minibatch_depth(plt, groups, colors, out: Path) -> str | None:
+    """Off-policy depth: clipped fraction and ratio spread against the minibatch's index in its rollout batch (0 is
+    the on-policy step; k is k optimizer steps away from the policy that sampled), mean over steps and seeds. None
+    when no run has an off-policy step."""
+    depth = max((r.get("minibatch", 0) for runs in groups.values() for run in runs for r in run.metrics), default=0)
+    if depth < 1:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    panels = (("clip/token_total", "clipped tokens", True), ("ratio/token_std", "std of token ratios", True),
+              ("ratio/seq_std", "std of sequence ratios", True))
+    for ax, (key, what, log) in zip(axes, panels):
+        for g, runs in groups.items():
+            ks = sorted({r.get("minibatch", 0) for run in runs for r in run.metrics if r.get("minibatch", 0) > 0})
+            ys = [mean_present([r.get(key) for run in runs for r in run.metrics if r.get("minibatch") == k]) for k in ks]
+            pts = [(k, y) for k, y in zip(ks, ys) if y is not None and (y > 0 or not log)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[g], lw=1.4, ms=3, label=_label(g, runs))
+        if log:
+            ax.set_yscale("log")
+        ax.set(xlabel="minibatch index in its rollout batch (optimizer steps off-policy)", ylabel=what, title=what)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    return _save(fig, out / "minibatch_depth.png")
+
+
+def fig_by_length(plt, groups, colors, out: Path) -> str | None:
+    """By response length: clipped fraction and ratio spreads of each length bin (``bylen/<bin>/*``), mean over the
+    off-policy steps and seeds. None unless responses fell in two or more bins."""
+    names: list[str] = []
+    for runs in groups.values():
+        for run in runs:
+            for r in run.metrics:
+                for k, v in r.items():
+                    if k.startswith("bylen/") and k.endswith("/seqs") and v and k.split("/")[1] not in names:
+                        names.append(k.split("/")[1])
+    if len(names) < 2:
+        return None
+    names.sort(key=lambda n: int(n.split("-")[0].rstrip("+")))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    for ax, (key, what) in zip(axes, (("clip_token", "clipped tokens"), ("ratio_token_std", "std of token ratios"),
+                                      ("ratio_seq_std", "std of sequence ratios"))):
+        for g, runs in groups.items():
+            rows = [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0]
+            ys = [mean_present([r.get(f"bylen/{n}/{key}") for r in rows]) for n in names]
+            pts = [(i, y) for i, y in enumerate(ys) if y is not None and y > 0]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[g], lw=1.4, ms=3, label=_label(g, runs))
+        ax.set_xticks(range(len(names)), names)
+        ax.set_yscale("log")
+        ax.set(xlabel="response length (tokens)", ylabel=what, title=f"{what}, by response length (off-policy steps)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    return _save(fig, out / "by_length.png")
+
+
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -379,7 +439,8 @@ def _save(fig, path: Path) -> str:
 _COLUMNS = [("run", "run"), ("algorithm", "algorithm"), ("seed", "seed"), ("steps", "steps"),
             ("clip_token", "clipped tokens"), ("clip_seq", "clipped sequences"), ("reward_first", "reward, first"),
             ("reward_final", "reward, final (last 10)"), ("reward_best", "best (5-batch mean)"),
-            ("largest_drop", "largest drop"), ("entropy_end", "entropy, end"), ("flip_rate", "MoE flip rate"),
+            ("largest_drop", "largest drop"), ("entropy_end", "entropy, end"), ("ratio_token_std", "token-ratio std"),
+            ("ratio_seq_std", "sequence-ratio std"), ("engine_gap", "engine gap / token"), ("flip_rate", "MoE flip rate"),
             ("wall_s", "wall-clock s")]
 
 
@@ -389,7 +450,7 @@ def _fmt(key: str, v: Any) -> str:
     if key.startswith("clip"):
         return f"{100 * v:.3g}%"
     if isinstance(v, float):
-        return f"{v:.0f}" if key in ("wall_s", "steps") else f"{v:.3f}"
+        return f"{v:.0f}" if key in ("wall_s", "steps") else f"{v:.3g}" if key in ("ratio_seq_std", "engine_gap") else f"{v:.3f}"
     return html.escape(str(v))
 
 
@@ -430,6 +491,11 @@ _CAPTIONS = {
                  "variance of the per-token gradient weights (GRPO: token ratios; GSPO: one sequence ratio per "
                  "response), the per-response gradient norm, and the share of the gradient the importance weights add.",
     "length_entropy.png": "Mean response length and policy entropy per rollout batch (mean over seeds, band over seeds).",
+    "minibatch_depth.png": "Off-policy depth: clipped fraction and the spread of token and sequence ratios in each "
+                           "minibatch of a rollout batch, against its index (k = k optimizer steps after the policy "
+                           "that sampled), mean over steps and seeds, log scale.",
+    "by_length.png": "By response length: clipped fraction and ratio spreads of the responses in each length bin, mean "
+                     "over the off-policy steps and seeds, log scale. The seeds say token-level noise grows with length.",
     "moe_flips.png": "MoE expert volatility: the fraction of (token, layer, top-k slot) whose old-policy expert is not "
                      "among the current policy's top-k, per off-policy optimizer step (left; with Routing Replay, "
                      "measured inside the replay), and per layer (right, one map per arm, mean over seeds).",
@@ -461,7 +527,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
     figures = [fig_reward(plt, groups, colors, out), fig_clipping(plt, groups, colors, out),
                fig_ratios(plt, groups, colors, out), fig_token_strip(plt, groups, out),
                fig_noise(plt, groups, colors, out), fig_length_entropy(plt, groups, colors, out),
-               fig_moe(plt, groups, colors, out)]
+               fig_moe(plt, groups, colors, out), fig_minibatch_depth(plt, groups, colors, out),
+               fig_by_length(plt, groups, colors, out)]
     rows = [key_metrics(r) for r in runs]
     table_rows = rows + (group_means(rows) if any(len(v) > 1 for v in groups.values()) else [])
     (out / "summary.json").write_text(json.dumps({"runs": rows, "groups": group_means(rows)}, indent=1))

@@ -184,6 +184,41 @@ def ratio_metrics(logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, Ten
     return out
 
 
+# Response-length bins of the by-length diagnostics (``bylen/<lo>-<hi>/*``): [0, 64), [64, 128), [128, 256),
+# [256, 512), [512, inf) tokens. The seeds' claim is that token-level noise grows with length; these show it per step.
+LENGTH_EDGES = (64, 128, 256, 512)
+
+
+def response_length_bins(max_length: int) -> list[tuple[int, int | None, str]]:
+    """``(lo, hi or None, name)`` of the bins a run with completions of at most ``max_length`` tokens can fill."""
+    edges = [0, *LENGTH_EDGES]
+    bins = [(lo, hi, f"{lo}-{hi - 1}") for lo, hi in zip(edges, edges[1:])] + [(edges[-1], None, f"{edges[-1]}+")]
+    return [b for b in bins if b[0] < max_length]
+
+
+@torch.no_grad()
+def length_bin_metrics(token_lr: Tensor, mask: Tensor, clipped: Tensor, max_length: int) -> dict[str, Tensor]:
+    """Clipping and ratio spread by response length, as 0-dim tensors (NaN in a bin without responses):
+    ``bylen/<bin>/seqs`` (responses whose length, their tokens in ``mask``, falls in the bin), ``.../clip_token``
+    (clipped tokens / tokens), ``.../ratio_token_std`` (std of r_{i,t}) and ``.../ratio_seq_std`` (std of the
+    length-normalised sequence ratio s_i) -- for every level trained. ``token_lr``: (B, T) log r_{i,t}; ``clipped``:
+    (B, T) True on tokens the objective clipped."""
+    lengths = mask.sum(-1)  # (B,)
+    seq_ratio = torch.exp(sequence_log_ratio(token_lr, mask))  # (B,)
+    nan = torch.full((), float("nan"), dtype=token_lr.dtype, device=token_lr.device)
+    out = {}
+    for lo, hi, name in response_length_bins(max_length):
+        rows = (lengths >= max(lo, 1)) & (lengths < hi if hi is not None else True)  # (B,)
+        tmask = mask & rows[:, None]  # (B, T)
+        n_rows, n_tok = rows.sum(), tmask.sum()
+        empty = n_rows == 0
+        out[f"bylen/{name}/seqs"] = n_rows.to(token_lr.dtype)
+        out[f"bylen/{name}/clip_token"] = torch.where(empty, nan, (clipped & tmask).sum() / n_tok.clamp(min=1))
+        out[f"bylen/{name}/ratio_token_std"] = _masked_stats(torch.exp(token_lr), tmask, "r")["r_std"]
+        out[f"bylen/{name}/ratio_seq_std"] = _masked_stats(seq_ratio, rows, "r")["r_std"]
+    return out
+
+
 @torch.no_grad()
 def logprob_gap(engine_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """How far an inference engine's log-probs are from the trainer's for the same tokens, as 0-dim tensors: the
@@ -271,5 +306,8 @@ def policy_loss(
             metrics[f"clip/seq_{name}"] = torch.where(has_tokens, per_seq, 0.0).sum() / has_tokens.sum().clamp(min=1)
         if kl_term is not None:
             metrics["kl/ref"] = masked_mean(kl_term, mask)
+        token_lr = token_log_ratio(_at_least_fp32(logp), _at_least_fp32(old_logp), mask)
+        metrics.update(length_bin_metrics(token_lr, mask, (clipped_low | clipped_high) & mask,
+                                          max_length if max_length is not None else mask.shape[-1]))
     return loss, metrics
 

@@ -9,7 +9,7 @@ reading the trainer's parameters between two calls of ``sync_weights``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -36,6 +36,23 @@ class RolloutEngine(Protocol):
     ) -> Rollout: ...
 
     def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+def rounded_weights(weights: Iterable[tuple[str, torch.Tensor]], bits: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """``rollout.engine_weight_bits``: the ``(name, tensor)`` pairs with every matrix rounded to ``bits``-bit signed
+    integers and scaled back, one scale per output row (symmetric absmax, as weight-only int8 inference quantises):
+
+        s_r = max_j |W_rj| / (2^(bits-1) - 1),   W'_rj = s_r * round(W_rj / s_r)
+
+    Vectors (norms, biases) pass unchanged; every tensor is a new one (the trainer's weights are never written)."""
+    qmax = 2 ** (bits - 1) - 1
+    for name, w in weights:
+        if w.dim() < 2 or not w.is_floating_point():
+            yield name, w
+            continue
+        x = w.float()
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / qmax
+        yield name, ((x / scale).round().clamp(-qmax, qmax) * scale).to(w.dtype)
 
 
 def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: torch.device,

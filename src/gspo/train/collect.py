@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from gspo.algorithms import group_advantages, overlong_penalty, zero_variance_groups
-from gspo.config import Config
+from gspo.config import TASK_STEP_CREDIT, Config
 from gspo.checkpoint import to_cpu
 from gspo.data import DataStream
 from gspo.dist import active, gather_objects, rank_world
@@ -50,7 +50,8 @@ class Collector:
         self._shortest_skipped = 1 << 62
         self._warned_failures = False
         self._first_error: str | None = None  # of the rollout batch being collected
-        self.step_credit = load_step_credit(cfg.loss.step_credit) if cfg.loss.step_credit else None
+        self.credit_path = TASK_STEP_CREDIT[cfg.data.task] if cfg.loss.step_credit == "task" else cfg.loss.step_credit
+        self.step_credit = load_step_credit(self.credit_path) if self.credit_path else None
 
     # ------------------------------------------------------------------------------------------ stages
 
@@ -204,7 +205,7 @@ class Collector:
         shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards
         adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale)  # (N,)
         if self.step_credit is not None:  # (N, T): the outcome advantage plus each token's process credit
-            adv = token_advantages(cfg.loss.step_credit, self.step_credit, self.tokenizer, rollout, groups.examples,
+            adv = token_advantages(self.credit_path, self.step_credit, self.tokenizer, rollout, groups.examples,
                                    adv, cfg.rollout.group_size, cfg.loss.step_credit_weight,
                                    cfg.loss.advantage_scale)
         loss_mask = rollout.completion_mask.clone()  # (N, T)

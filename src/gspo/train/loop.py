@@ -29,7 +29,7 @@ from gspo.errors import UserError
 from gspo.metrics import read_jsonl
 from gspo.models import load_model, stop_token_ids
 from gspo.rewards.runner import RewardRunner, RewardSpec
-from gspo.rollout import RolloutEngine, make_engine
+from gspo.rollout import RolloutEngine, make_engine, rounded_weights
 from gspo.runlog import RunLog
 from gspo.runtime import Runtime, finite, process_seconds
 from gspo.train.actor import Actor
@@ -92,18 +92,21 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         strategy = (dist.choose_strategy(cfg.dist.strategy, model, runtime.device, reference=cfg.loss.beta > 0,
                                          lora=cfg.lora.rank > 0)
                     if runtime.world_size > 1 else None)
-        # Under FSDP, and with LoRA, the engine takes its own copy of the plain weights before the policy is sharded or
-        # adapted; it is fed the gathered or merged weights after every optimizer step.
+        # Under FSDP, with LoRA, and with rounded engine weights, the engine takes its own copy of the plain weights
+        # before the policy is sharded or adapted; it is fed the gathered, merged or rounded weights after every
+        # optimizer step.
         engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
-                             replica=strategy == "fsdp" or cfg.lora.rank > 0, vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
+                             replica=strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0,
+                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
         if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
             if not hasattr(engine, "routing") or actor.routing is None:
                 raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
                                 f"({type(engine).__name__} does not); set rollout.engine = 'hf' or 'graph'.")
             if getattr(engine, "replica", False):
-                why = "with LoRA" if cfg.lora.rank else "under FSDP"
-                fix = "" if cfg.lora.rank else "dist.strategy = 'ddp', "
+                why, fix = (("with LoRA", "") if cfg.lora.rank else
+                            ("with rollout.engine_weight_bits", "") if cfg.rollout.engine_weight_bits else
+                            ("under FSDP", "dist.strategy = 'ddp', "))
                 raise UserError(f"moe.routing_replay = 'rollout' {why} needs the graph engine (the hf engine's own copy "
                                 f"of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, {fix}or "
                                 "moe.routing_replay = 'old'.")
@@ -220,7 +223,10 @@ class Trainer:
         """One rollout batch: weights to the engine, collect, update; its metrics lines are left in ``last_rows``."""
         state = self.state
         t_sync = time.perf_counter()
-        self.engine.sync_weights(self.actor.weights())
+        weights = self.actor.weights()
+        if self.cfg.rollout.engine_weight_bits:  # an injected engine-trainer gap (the engine's copy only)
+            weights = rounded_weights(weights, self.cfg.rollout.engine_weight_bits)
+        self.engine.sync_weights(weights)
         t_sync = time.perf_counter() - t_sync
         first = "first_rollout_at" not in self.timings
         if first:
