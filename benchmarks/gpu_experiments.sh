@@ -41,7 +41,9 @@ run)
   compare length configs/experiments/numbered_words.toml ${LJOBS:-8} gspo,grpo,dapo,gspo_token+credit &
   compare depth $A ${JOBS:-8} gspo,grpo,gspo+mb8,grpo+mb8,gspo+mb16,grpo+mb16,gspo+lr5e-5,grpo+lr5e-5 &
   compare engine $A ${JOBS:-8} gspo+enginelp,grpo+enginelp,gspo+int8,grpo+int8,gspo+int8+enginelp,grpo+int8+enginelp &
-  compare rollback $A ${RJOBS:-4} gspo+lr5e-5,grpo+lr5e-5 sentinel.action="'rollback'" &
+  # the arms that collapsed in the engine experiment, with the sentinel's rollback on (its reward-drop detector)
+  compare rollback $A ${RJOBS:-4} gspo+int8+enginelp,grpo+int8+enginelp sentinel.action="'rollback'" \
+    sentinel.reward_drop=0.3 log.checkpoint_every=5 log.keep_checkpoints=3 &
   wait
   progress
   grep -h "failed\|rror" $W/*.log | tail -8

@@ -79,6 +79,8 @@ def test_malformed_toml_and_missing_file(tmp_path):
     ({}, ["sentinel.reward_drop=-1"], "sentinel thresholds"),
     ({}, ["log.trace_every=-1"], "log.trace_every"),
     ({}, ["sentinel.action='retry'"], "sentinel.action"),
+    ({}, ["sentinel.action='rollback'"], "every detector off .* never acts; turn one on"),
+    ({}, ["sentinel.action='stop'", "sentinel.window=3"], "every detector off"),
     ({}, ["rollout.engine_weight_bits=1"], "must be 0 \\(off\\) or 2-16"),
     ({}, ["rollout.engine_weight_bits=17"], "must be 0 \\(off\\) or 2-16"),
     ({"algorithm": "grpo"}, ["loss.step_credit='task'"], "data.task = 'arithmetic' has no built-in step credit"),

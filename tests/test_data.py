@@ -285,7 +285,7 @@ def test_running_sum_task_refuses_bad_settings_in_one_line(cfg, match):
 
 def test_numbered_words_task_is_a_deterministic_stream_of_word_lists():
     """Example i depends on (seed, i) only; it lists between terms[0] and terms[1] words of the embedded list and
-    its answer is how many there are."""
+    its answer is how many there are, which the prompt does not say (RL learned to copy it when it did)."""
     from gspo.data.tasks import WORDS
 
     task = build_dataset({"task": "numbered_words", "seed": 3, "terms": [5, 9]})
@@ -294,7 +294,7 @@ def test_numbered_words_task_is_a_deterministic_stream_of_word_lists():
         words = ex.meta["words"]
         assert ex == build_dataset({"task": "numbered_words", "seed": 3, "terms": [5, 9]})[i]
         assert 5 <= len(words) <= 9 and set(words) <= set(WORDS) and ex.answer == str(len(words))
-        assert ex.prompt.endswith("Words: " + ", ".join(words)) and f"Number these {len(words)} words" in ex.prompt
+        assert ex.prompt.endswith("Words: " + ", ".join(words)) and str(len(words)) not in ex.prompt.split("Words:")[0]
     assert len(WORDS) == len(set(WORDS)) == 64
     assert {len(build_dataset({"task": "numbered_words"})[i].meta["words"]) for i in range(300)} <= set(range(20, 41))
     assert default_reward("numbered_words") == "gspo.rewards.builtin:last_number"

@@ -213,6 +213,26 @@ def test_fused_decode_agrees_with_the_trainer_and_warms_up_fast(tokenizer):
     assert fused_gap.mean() < 2 * module_gap.mean() + 1e-3 and fused_gap.max() < 0.1
 
 
+def test_fused_moe_step_agrees_with_the_trainer_as_the_module_step_does(tokenizer):
+    """On CUDA the fused step is the default for a bf16 Mixtral too (the fused attention kernels around the family's
+    grouped-GEMM sparse block), and its log-probs are as close to the trainer's as the HF-module step's."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo.moe import find_routers
+    from test_moe import _configs
+
+    cfg = _configs()["mixtral"]
+    cfg.vocab_size, cfg.pad_token_id = len(tokenizer), 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().cuda().eval()
+    for router in find_routers(model):
+        torch.nn.init.normal_(router.weight, std=0.5)
+    engine, fused_gap = _engine_vs_trainer(model, tokenizer)
+    assert engine.fused is not None
+    _, module_gap = _engine_vs_trainer(model, tokenizer, fused=False)
+    assert fused_gap.mean() < 2 * module_gap.mean() + 1e-3 and fused_gap.max() < 0.1
+
+
 def test_non_finite_step_is_skipped_on_the_device(tmp_path, tokenizer, monkeypatch):
     """With the fused AdamW a non-finite loss skips the optimizer step on the GPU (found_inf, no host sync): the
     weights and Adam's step count stay as they were, the step is counted, and a finite step afterwards trains."""
@@ -281,7 +301,7 @@ def test_r3_records_inside_the_captured_decode_graph(tmp_path, tokenizer):
     with pytest.raises(UserError, match="fp32 MoE"):  # fp32 grouped GEMMs cannot be captured: refused, not crashed
         GraphEngine(model, tokenizer, stop_ids=[2])
     graph = GraphEngine(model, tokenizer, stop_ids=[2], autocast_dtype=torch.bfloat16)
-    assert graph.use_graphs and graph.fused is None
+    assert graph.use_graphs and graph.fused is not None  # the fused MoE step, by default: R3 records from inside it
     hf = HFEngine(model, tokenizer, stop_ids=[2], autocast_dtype=torch.bfloat16)
     out = []
     for engine in (hf, graph):

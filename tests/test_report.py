@@ -2,6 +2,7 @@
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from test_trainer import tiny_dir  # noqa: F401
 from gspo.train import Trainer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FIGURES = ["reward.png", "clipping.png", "ratios.png", "token_strip.png", "length_entropy.png"]
+FIGURES = ["reward.png", "clipping.png", "ratios.png", "token_strip.png", "length_entropy.png", "minibatch_depth.png"]
 
 
 def _row(step, batch, minibatch, reward, clip=0.0, entropy=1.0, elapsed=None):
@@ -217,3 +218,40 @@ def test_compare_arms_parse_and_refuse_unknown_suffixes():
     assert arm_label(cfg.to_dict()) == "grpo+enginelp+int8"
     assert arm_label(build_config({}, ["log.label='grpo+mb8'"]).to_dict()) == "grpo+mb8"
     assert arm_label(Config().to_dict()) == "gspo"
+
+
+def test_by_length_figure_and_experiment_summary_from_length_bins(tmp_path, capsys):
+    """Runs whose responses fall in two length bins get the by-length figure; benchmarks/experiments_summary.py gives
+    each arm's row, its per-minibatch rows and its per-bin rows (responses counted, values averaged over the
+    off-policy steps)."""
+    import importlib.util
+    import json
+
+    for arm, clip in (("grpo", 0.01), ("gspo", 0.3)):
+        d = tmp_path / "cmp" / f"{arm}-seed1"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"algorithm": arm, "seed": 1, "log": {"label": arm}}))
+        rows = []
+        for step in range(1, 9):
+            mb = (step - 1) % 2
+            row = {"step": step, "rollout_batch": (step - 1) // 2, "minibatch": mb, "reward/mean": 0.1 * step,
+                   "time/elapsed": float(step), "clip/token_total": clip * mb, "ratio/token_std": 0.05 * mb}
+            for name, n in (("0-63", 3), ("64-127", 5)):
+                row.update({f"bylen/{name}/seqs": n, f"bylen/{name}/clip_token": clip * mb,
+                            f"bylen/{name}/ratio_token_std": 0.04 * mb, f"bylen/{name}/ratio_seq_std": 0.01 * mb})
+            rows.append(row)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = write_report(sorted((tmp_path / "cmp").glob("*-seed1")), tmp_path / "report")
+    assert (tmp_path / "report" / "by_length.png").stat().st_size > 5000 and "by_length.png" in page.read_text()
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments_summary.py"
+    spec = importlib.util.spec_from_file_location("experiments_summary", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    arms = mod._runs([str(tmp_path / "cmp")])
+    assert set(arms) == {"gspo", "grpo"}
+    row = mod.arm_row("gspo", arms["gspo"])
+    assert row["seeds"] == 1 and row["collapsed"] == 0 and row["clip_token"] == pytest.approx(0.3)
+    bins = mod.length_rows("gspo", arms["gspo"])
+    assert [(b["bin"], b["responses"]) for b in bins] == [("0-63", 12), ("64-127", 20)]  # 4 off-policy steps
+    assert bins[1]["ratio_token_std"] == pytest.approx(0.04)
+    assert [r["minibatch"] for r in mod.depth_rows("grpo", arms["grpo"])] == [0, 1]

@@ -103,8 +103,8 @@ class RolloutConfig:
     the trainer's)."""
     fused_step: str = "auto"
     """The graph engine's decode step: ``auto`` (fused Triton kernels on CUDA for Llama / Mistral / Qwen2 / Qwen3 with a
-    16-bit cache, else the HF modules; MoE models keep the HF modules until the fused MoE step is measured on a GPU) or
-    ``off`` (always the HF modules)."""
+    16-bit cache, and for their MoE relatives Mixtral / Qwen2-MoE / Qwen3-MoE the same kernels around the family's
+    sparse block; else the HF modules) or ``off`` (always the HF modules)."""
     engine_weight_bits: int = 0
     """For experiments on the engine-trainer gap: the rollout engine samples from its copy of the weights with every
     weight matrix rounded to signed integers of this many bits (symmetric, one scale per output row, as weight-only
@@ -592,6 +592,9 @@ def validate(cfg: Config) -> None:
                                  (lg.trace_every, lg.trace_samples), "use 0 (off) or a positive count")):
         if not ok:
             raise UserError(f"{key} = {value} is invalid; {fix}.")
+    if sc.action != "warn" and not (sc.entropy_min or sc.reward_drop or sc.seq_ratio_log_max):
+        raise UserError(f"sentinel.action = {sc.action!r} with every detector off (sentinel.reward_drop, entropy_min and "
+                        "seq_ratio_log_max are 0) never acts; turn one on, e.g. sentinel.reward_drop = 0.3.")
     for key, on, package in (("log.tensorboard", lg.tensorboard, "tensorboard"), ("log.wandb", lg.wandb, "wandb")):
         if on and not _installed(package):
             raise UserError(f"{key} = true but the {package} package is not installed; pip install 'gspo[{package}]', "
@@ -703,6 +706,11 @@ def validate(cfg: Config) -> None:
         raise UserError(f"dapo.overlong_cache = {cfg.dapo.overlong_cache} must be in 1..rollout.max_new_tokens ({r.max_new_tokens}).")
     if lc.beta < 0:
         raise UserError(f"loss.beta = {lc.beta} must be >= 0.")
+    if t.old_logprobs == "rollout" and r.engine_weight_bits:
+        log.warning("train.old_logprobs = 'rollout' with rollout.engine_weight_bits = %d: the rounded engine's log-probs "
+                    "become the old policy's; on the reference run this collapsed every GSPO run and one GRPO run in "
+                    "three at 8 bits (docs/experiments/engine). Recompute them unless the gap is what you study.",
+                    r.engine_weight_bits)
     if t.minibatches == 1:
         log.warning("train.minibatches = 1: every update is on-policy, so the importance ratio is always 1 and GSPO, "
                     "GRPO and REINFORCE with a group baseline coincide; use 2+ minibatches to exercise the ratio.")

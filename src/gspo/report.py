@@ -419,7 +419,7 @@ def fig_by_length(plt, groups, colors, out: Path) -> str | None:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[g], lw=1.4, ms=3, label=_label(g, runs))
         ax.set_xticks(range(len(names)), names)
         ax.set_yscale("log")
-        ax.set(xlabel="response length (tokens)", ylabel=what, title=f"{what}, by response length (off-policy steps)")
+        ax.set(xlabel="response length (tokens), off-policy steps", ylabel=what, title=f"{what}, by length")
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=7)
     return _save(fig, out / "by_length.png")

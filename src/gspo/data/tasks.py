@@ -151,7 +151,9 @@ class RunningSumTask(_GeneratedTask):
         return f"RunningSumTask(seed={self.seed}, terms={self.terms}, values={self.values})"
 
 
-NUMBERED_WORDS_TEMPLATE = ('Number these {n} words in the order given, one per line ("1. first word", "2. second word", '
+# The prompt does not say how many words there are: stated, the count is copied and the numbering skipped (the first
+# GPU runs on it learned exactly that: "Answer: 27" alone, full reward, no lines).
+NUMBERED_WORDS_TEMPLATE = ('Number these words in the order given, one per line ("1. first word", "2. second word", '
                            'and so on), then write "Answer:" and how many words there are.\nWords: {words}')
 WORDS = tuple(
     "apple river stone cloud tiger pencil garden window bread candle forest rabbit mirror violin coffee planet ladder "

@@ -1,0 +1,119 @@
+"""The numbers of docs/experiments/ from the run directories of `gspo compare` (benchmarks/gpu_experiments.sh):
+per arm (mean over seeds, and the spread), per minibatch index, and per response-length bin. Prints markdown tables
+and writes JSON.
+
+    python benchmarks/experiments_summary.py runs/depth runs/engine --out summary.json
+
+Collapse: a run whose mean reward over its last 10 rollout batches is below half its best 5-batch moving average.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from gspo.metrics import mean_present, read_jsonl
+from gspo.report import key_metrics, load_run
+
+
+def _runs(dirs: list[str]) -> dict[str, list]:
+    """Finished runs by arm (the label compare gave them), in the order met."""
+    arms: dict[str, list] = {}
+    for d in dirs:
+        for run_dir in sorted(Path(d).glob("*-seed*")):
+            if ".incomplete-" in run_dir.name or not (run_dir / "metrics.jsonl").exists():
+                continue
+            run = load_run(run_dir)
+            arms.setdefault(run.algorithm, []).append(run)
+    return arms
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def arm_row(arm: str, runs: list) -> dict:
+    keys = [key_metrics(r) for r in runs]
+    out = {"arm": arm, "seeds": len(runs)}
+    for k in ("reward_first", "reward_final", "reward_best", "largest_drop", "clip_token", "clip_seq",
+              "ratio_token_std", "ratio_seq_std", "engine_gap"):
+        out[k] = _mean([m[k] for m in keys])
+    finals = [m["reward_final"] for m in keys]
+    out["reward_final_min"], out["reward_final_max"] = min(finals), max(finals)
+    out["collapsed"] = sum(m["reward_final"] < 0.5 * m["reward_best"] for m in keys)
+    first = [[r for r in run.metrics if r.get("minibatch", 0) == 0] for run in runs]
+    out["accuracy_final"] = _mean([_mean([r.get("accuracy") for r in b[-10:]]) for b in first])
+    out["length_final"] = _mean([_mean([r.get("completion/len_mean") for r in b[-10:]]) for b in first])
+    out["truncated_final"] = _mean([_mean([r.get("completion/truncated_frac") for r in b[-10:]]) for b in first])
+    out["engine_seq_gap"] = _mean([mean_present([r.get("logprob/engine_seq_diff_mean") for r in b], empty=None)
+                                   for b in first])
+    out["logprob_pass_s"] = _mean([mean_present([r.get("time/logprobs") for r in b], empty=None) for b in first])
+    out["batch_s"] = _mean([(b[-1]["time/elapsed"] - b[0]["time/elapsed"]) / max(1, len(b) - 1) for b in first])
+    return out
+
+
+def depth_rows(arm: str, runs: list) -> list[dict]:
+    ks = sorted({r.get("minibatch", 0) for run in runs for r in run.metrics})
+    rows = []
+    for k in ks:
+        sel = [r for run in runs for r in run.metrics if r.get("minibatch") == k]
+        rows.append({"arm": arm, "minibatch": k, **{key: mean_present([r.get(key) for r in sel], empty=None) for key in
+                     ("clip/token_total", "clip/seq_total", "ratio/token_std", "ratio/seq_std", "kl/old_new")}})
+    return rows
+
+
+def length_rows(arm: str, runs: list) -> list[dict]:
+    off = [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0]
+    names = sorted({k.split("/")[1] for r in off for k in r if k.startswith("bylen/")},
+                   key=lambda n: int(n.split("-")[0].rstrip("+")))
+    rows = []
+    for n in names:
+        seqs = sum(r.get(f"bylen/{n}/seqs") or 0 for r in off)
+        if not seqs:
+            continue
+        rows.append({"arm": arm, "bin": n, "responses": int(seqs), **{
+            key: mean_present([r.get(f"bylen/{n}/{key}") for r in off], empty=None)
+            for key in ("clip_token", "ratio_token_std", "ratio_seq_std")}})
+    return rows
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    return head + "".join("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |\n" for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="+", help="output directories of gspo compare")
+    ap.add_argument("--out", help="write the tables as JSON here")
+    ap.add_argument("--arms", help="comma-separated arms to keep (default: all)")
+    args = ap.parse_args()
+    arms = _runs(args.dirs)
+    if args.arms:
+        keep = args.arms.split(",")
+        arms = {a: arms[a] for a in keep if a in arms}
+    summary = {"arms": [arm_row(a, rs) for a, rs in arms.items()],
+               "by_minibatch": [row for a, rs in arms.items() for row in depth_rows(a, rs)],
+               "by_length": [row for a, rs in arms.items() for row in length_rows(a, rs)]}
+    print(_table(summary["arms"], ["arm", "seeds", "reward_first", "reward_final", "reward_final_min",
+                                   "reward_final_max", "reward_best", "largest_drop", "collapsed", "accuracy_final",
+                                   "length_final", "truncated_final", "clip_token", "clip_seq", "ratio_token_std",
+                                   "ratio_seq_std", "engine_gap", "engine_seq_gap", "logprob_pass_s", "batch_s"]))
+    print(_table(summary["by_minibatch"], ["arm", "minibatch", "clip/token_total", "clip/seq_total", "ratio/token_std",
+                                           "ratio/seq_std", "kl/old_new"]))
+    if summary["by_length"]:
+        print(_table(summary["by_length"], ["arm", "bin", "responses", "clip_token", "ratio_token_std", "ratio_seq_std"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
