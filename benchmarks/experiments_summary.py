@@ -4,7 +4,8 @@ and writes JSON.
 
     python benchmarks/experiments_summary.py runs/depth runs/engine --out summary.json
 
-Collapse: a run whose mean reward over its last 10 rollout batches is below half its best 5-batch moving average.
+Collapse: a run whose mean reward over its last 10 rollout batches is below half its best 5-batch moving average (a
+positive one). Runs that have not logged every step of their config are left out.
 """
 from __future__ import annotations
 
@@ -18,15 +19,19 @@ from gspo.report import key_metrics, load_run
 
 
 def _runs(dirs: list[str]) -> dict[str, list]:
-    """Finished runs by arm (the label compare gave them), in the order met."""
-    arms: dict[str, list] = {}
+    """Finished runs (every optimizer step of their config logged) by arm, the label compare gave them, in the order
+    met; an arm found in two of ``dirs`` is two arms, ``<dir>/<arm>``."""
+    found: dict[tuple[str, str], list] = {}
     for d in dirs:
         for run_dir in sorted(Path(d).glob("*-seed*")):
             if ".incomplete-" in run_dir.name or not (run_dir / "metrics.jsonl").exists():
                 continue
             run = load_run(run_dir)
-            arms.setdefault(run.algorithm, []).append(run)
-    return arms
+            if run.metrics[-1]["step"] < run.config.get("train", {}).get("steps", 0):
+                continue
+            found.setdefault((Path(d).name, run.algorithm), []).append(run)
+    labels = [arm for _, arm in found]
+    return {(arm if labels.count(arm) == 1 else f"{d}/{arm}"): runs for (d, arm), runs in found.items()}
 
 
 def _mean(xs):
@@ -42,7 +47,8 @@ def arm_row(arm: str, runs: list) -> dict:
         out[k] = _mean([m[k] for m in keys])
     finals = [m["reward_final"] for m in keys]
     out["reward_final_min"], out["reward_final_max"] = min(finals), max(finals)
-    out["collapsed"] = sum(m["reward_final"] < 0.5 * m["reward_best"] for m in keys)
+    out["collapsed"] = sum(m["reward_final"] is not None and m["reward_best"] is not None and m["reward_best"] > 0
+                           and m["reward_final"] < 0.5 * m["reward_best"] for m in keys)
     first = [[r for r in run.metrics if r.get("minibatch", 0) == 0] for run in runs]
     out["accuracy_final"] = _mean([_mean([r.get("accuracy") for r in b[-10:]]) for b in first])
     out["length_final"] = _mean([_mean([r.get("completion/len_mean") for r in b[-10:]]) for b in first])

@@ -36,7 +36,7 @@ for d in sorted(pathlib.Path(sys.argv[1]).glob("*/*-seed*")):
 PY
 }
 nvidia-smi -L
-case "$1" in
+case "${1:-}" in
 run)
   compare length configs/experiments/numbered_words.toml ${LJOBS:-8} gspo,grpo,dapo,gspo_token+credit &
   compare depth $A ${JOBS:-8} gspo,grpo,gspo+mb8,grpo+mb8,gspo+mb16,grpo+mb16,gspo+lr5e-5,grpo+lr5e-5 &
@@ -56,5 +56,9 @@ pack)
 timing)  # one GPU, nothing else on it: 80 steps of each, one after the other
   SECS=${SECS:-300} SEEDS=1 compare timing $A 1 gspo,gspo+enginelp,grpo,grpo+enginelp train.steps=80
   progress | grep timing/
+  ;;
+*)
+  echo "usage: bash benchmarks/gpu_experiments.sh run|pack|timing" >&2
+  exit 2
   ;;
 esac

@@ -131,17 +131,21 @@ def test_shipped_configs_build(tmp_path):
 
     paths = sorted(pathlib.Path(__file__).parent.parent.joinpath("configs").rglob("*.toml"))
     assert any("experiments" in p.parts for p in paths)
+    commands = 0
     for path in paths:
         data = load_toml(path)
         for device in ("cpu", "cuda"):
             build_config(data, device=device)
-        for line in re.findall(r"^#\s+(gspo compare .*)$", path.read_text(), flags=re.M):
+        lines = re.findall(r"^#.*?(gspo compare .*)$", path.read_text(), flags=re.M)
+        commands += len(lines)
+        for line in lines:
             argv = shlex.split(line)
             overrides = [a for a in argv[3:argv.index("--algos")] if "=" in a]
             for arm in argv[argv.index("--algos") + 1].split(","):
                 preset, extra = parse_arm(arm)
                 build_config(data, [*overrides, f"algorithm={preset!r}", *(f"{k}={v!r}" for k, v in extra.items())],
                              device="cuda")
+    assert commands >= 4  # numbered_words' one and arithmetic's three
 
 
 def test_clip_range_follows_an_explicit_level():

@@ -230,13 +230,14 @@ def test_rows_without_loss_tokens_do_not_count_as_sequences():
 
 
 def test_length_bin_metrics_hand_worked():
-    """Three responses of 2, 70 and 0 tokens (the last left out of the loss) in a run of max_length 128: bins 0-63 and
-    64-127 (512+ and the others cannot be filled). Bin 0-63 holds row 0: token log-ratios (log 2, 0), one clipped ->
+    """Three responses of 2, 70 and 0 tokens (the last left out of the loss) in a run of max_length 128: bins 0-63,
+    64-127 and 128-255 (for responses cut at exactly 128; 256 and more cannot be filled). Bin 0-63 holds row 0: token log-ratios (log 2, 0), one clipped ->
     clip 1/2, token ratios (2, 1): std 0.5, one sequence: std 0. Bin 64-127 holds row 1: 70 tokens of ratio 1, none
     clipped."""
     from gspo.algorithms.losses import length_bin_metrics, response_length_bins
 
-    assert [name for *_, name in response_length_bins(128)] == ["0-63", "64-127"]
+    assert [name for *_, name in response_length_bins(128)] == ["0-63", "64-127", "128-255"]
+    assert [name for *_, name in response_length_bins(127)] == ["0-63", "64-127"]
     assert [name for *_, name in response_length_bins(600)] == ["0-63", "64-127", "128-255", "256-511", "512+"]
     T = 80
     mask = torch.zeros(3, T, dtype=torch.bool)
@@ -250,6 +251,7 @@ def test_length_bin_metrics_hand_worked():
     assert out["bylen/0-63/clip_token"] == 0.5 and out["bylen/64-127/clip_token"] == 0.0
     assert out["bylen/0-63/ratio_token_std"] == pytest.approx(0.5) and out["bylen/0-63/ratio_seq_std"] == 0.0
     assert out["bylen/64-127/ratio_token_std"] == 0.0
+    assert out["bylen/128-255/seqs"] == 0 and math.isnan(out["bylen/128-255/clip_token"])
     empty = length_bin_metrics(token_lr, mask & False, clipped, 128)
     assert float(empty["bylen/0-63/seqs"]) == 0 and math.isnan(float(empty["bylen/0-63/clip_token"]))
 

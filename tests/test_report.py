@@ -96,6 +96,17 @@ def test_bad_seed_list_is_one_clear_error(tmp_path, capsys):
     assert "argument --seeds: 'one' is not a comma-separated list of integers" in capsys.readouterr().err
 
 
+def test_a_bad_arm_is_one_line_naming_it(tmp_path, capsys):
+    """An arm whose suffixes clash, or whose settings are invalid, ends compare before any run in one line naming it."""
+    assert main(["compare", "--algos", "gspo,grpo+r2+r3", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'grpo+r2+r3' sets moe.routing_replay twice" in err and len(err.splitlines()) == 1
+    assert main(["compare", "--algos", "gspo,grpo+mb0", "--out", str(tmp_path / "b"), "rewards.workers=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gspo") and "--algos grpo+mb0: train.minibatches = 0" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "b" / "grpo+mb0-seed1").exists()
+
+
 def test_length_bins_and_bin_summary_hand_worked():
     """Lengths 1..6 in 3 bins -> [1,2], [3,4], [5,6]; GRPO weights (1, 3) and GSPO (2, 2) in one bin: variances 1 and 0."""
     from gspo.probe import length_bins, summarize_bins
@@ -213,6 +224,9 @@ def test_compare_arms_parse_and_refuse_unknown_suffixes():
     for bad in ("grpo+r9", "grpo+mb", "grpo+mbx", "grpo+lr", "grpo+lrfast", "grpo+"):
         with pytest.raises(UserError, match="unknown suffix"):
             parse_arm(bad)
+    for twice in ("grpo+r2+r3", "gspo+mb8+mb16"):
+        with pytest.raises(UserError, match="twice; keep one suffix"):
+            parse_arm(twice)
     # a run's arm: the suffixes its settings switch on, or the label compare gave it
     cfg = build_config({}, ["algorithm='grpo'", "train.old_logprobs='rollout'", "rollout.engine_weight_bits=8"])
     assert arm_label(cfg.to_dict()) == "grpo+enginelp+int8"

@@ -210,7 +210,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         for seed in seeds:
             overrides = [*args.overrides, f"algorithm={preset!r}", f"seed={seed}", f"log.label={algo!r}",
                          *(f"{k}={v!r}" for k, v in extra.items())]
-            cfg = _config(args.config, overrides)  # every arm's settings checked before any run starts
+            try:  # every arm's settings checked before any run starts
+                cfg = _config(args.config, overrides)
+            except UserError as e:
+                raise UserError(f"--algos {algo}: {e}") from None
             run_dir = out / f"{algo}-seed{seed}"
             run_dirs.append(run_dir)
             rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
@@ -294,16 +297,18 @@ def _presets(text: str) -> list[tuple[str, str, dict]]:
     from gspo.config import ARM_SUFFIXES, PRESETS, parse_arm
 
     algos = [a.strip() for a in text.split(",") if a.strip()]
-    arms, unknown = [], []
+    arms, reasons = [], []
     for a in algos:
         try:
             arms.append((a, *parse_arm(a)))
-        except UserError:
-            unknown.append(a)
-    if not algos or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r} names {'no preset' if not algos else ', '.join(map(repr, unknown))};"
-                                         f" use a comma-separated list of {', '.join(PRESETS)}, each optionally with "
-                                         f"{', '.join('+' + k for k in ARM_SUFFIXES)}, +mb<N> or +lr<X>")
+        except UserError as e:
+            reasons.append(str(e).rstrip("."))
+    if not algos:
+        raise argparse.ArgumentTypeError(f"{text!r} names no preset; use a comma-separated list of {', '.join(PRESETS)}, "
+                                         f"each optionally with {', '.join('+' + k for k in ARM_SUFFIXES)}, +mb<N> "
+                                         "or +lr<X>")
+    if reasons:
+        raise argparse.ArgumentTypeError("; ".join(reasons))
     return arms
 
 

@@ -384,7 +384,9 @@ def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
     extra: dict[str, Any] = {}
     for suffix in suffixes:
         if suffix in ARM_SUFFIXES:
-            extra.update(ARM_SUFFIXES[suffix])
+            settings = ARM_SUFFIXES[suffix]
+            _no_second_value(arm, extra, settings)
+            extra.update(settings)
             continue
         numbered = next(((key, kind, suffix[len(p):]) for p, (key, kind) in ARM_NUMBERED.items()
                          if suffix.startswith(p)), None)
@@ -392,11 +394,20 @@ def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
             if numbered is None:
                 raise ValueError
             key, kind, text = numbered
-            extra[key] = kind(text)
+            value = kind(text)
         except ValueError:
             known = [*("+" + k for k in ARM_SUFFIXES), "+mb<minibatches>", "+lr<learning rate>"]
             raise UserError(f"{arm!r}: unknown suffix +{suffix}; known: {', '.join(known)}.") from None
+        _no_second_value(arm, extra, {key: value})
+        extra[key] = value
     return preset, extra
+
+
+def _no_second_value(arm: str, extra: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Two suffixes of one arm may not set the same key (``grpo+r2+r3``: which replay?)."""
+    for key in settings:
+        if key in extra:
+            raise UserError(f"{arm!r} sets {key} twice; keep one suffix for it.")
 
 
 def arm_label(config: dict[str, Any]) -> str:
@@ -592,9 +603,6 @@ def validate(cfg: Config) -> None:
                                  (lg.trace_every, lg.trace_samples), "use 0 (off) or a positive count")):
         if not ok:
             raise UserError(f"{key} = {value} is invalid; {fix}.")
-    if sc.action != "warn" and not (sc.entropy_min or sc.reward_drop or sc.seq_ratio_log_max):
-        raise UserError(f"sentinel.action = {sc.action!r} with every detector off (sentinel.reward_drop, entropy_min and "
-                        "seq_ratio_log_max are 0) never acts; turn one on, e.g. sentinel.reward_drop = 0.3.")
     for key, on, package in (("log.tensorboard", lg.tensorboard, "tensorboard"), ("log.wandb", lg.wandb, "wandb")):
         if on and not _installed(package):
             raise UserError(f"{key} = true but the {package} package is not installed; pip install 'gspo[{package}]', "
@@ -645,6 +653,9 @@ def validate(cfg: Config) -> None:
                               (cfg.dist.strategy, ("auto", "fsdp", "ddp"), "dist.strategy")):
         if value not in valid:
             raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
+    if sc.action in ("stop", "rollback") and not (sc.entropy_min or sc.reward_drop or sc.seq_ratio_log_max):
+        raise UserError(f"sentinel.action = {sc.action!r} with every detector off (sentinel.reward_drop, entropy_min and "
+                        "seq_ratio_log_max are 0) never acts; turn one on, e.g. sentinel.reward_drop = 0.3.")
     lo = cfg.lora
     if lo.rank < 0 or (lo.rank and not lo.alpha > 0) or not lo.target_modules:
         raise UserError(f"lora.rank = {lo.rank}, lora.alpha = {lo.alpha}, lora.target_modules = {lo.target_modules}: the "

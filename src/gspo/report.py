@@ -402,6 +402,8 @@ def fig_by_length(plt, groups, colors, out: Path) -> str | None:
     for runs in groups.values():
         for run in runs:
             for r in run.metrics:
+                if r.get("minibatch", 0) == 0:  # the figure is of the off-policy steps
+                    continue
                 for k, v in r.items():
                     if k.startswith("bylen/") and k.endswith("/seqs") and v and k.split("/")[1] not in names:
                         names.append(k.split("/")[1])

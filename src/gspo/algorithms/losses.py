@@ -190,10 +190,11 @@ LENGTH_EDGES = (64, 128, 256, 512)
 
 
 def response_length_bins(max_length: int) -> list[tuple[int, int | None, str]]:
-    """``(lo, hi or None, name)`` of the bins a run with completions of at most ``max_length`` tokens can fill."""
+    """``(lo, hi or None, name)`` of the bins a run with completions of at most ``max_length`` tokens can fill (a
+    completion cut at exactly ``max_length`` included)."""
     edges = [0, *LENGTH_EDGES]
     bins = [(lo, hi, f"{lo}-{hi - 1}") for lo, hi in zip(edges, edges[1:])] + [(edges[-1], None, f"{edges[-1]}+")]
-    return [b for b in bins if b[0] < max_length]
+    return [b for b in bins if b[0] <= max_length]
 
 
 @torch.no_grad()
@@ -268,7 +269,8 @@ def policy_loss(
     Returns ``(loss, metrics)``; metrics (empty unless ``with_metrics``) are detached 0-dim tensors: clip fractions low/high/total counted per token
     (``clip/token_*``: clipped tokens / tokens) and per sequence (``clip/seq_*``: mean over sequences of the
     fraction of the sequence's tokens clipped, which for ``sequence`` level is the fraction of sequences clipped),
-    ratio statistics at both levels and ``kl/old_new``.
+    ratio statistics at both levels, ``kl/old_new``, and the same by response length (``bylen/<bin>/*``, see
+    :func:`length_bin_metrics`; ``max_length``, or T, also decides which bins are reported).
     """
     _check_choice(level, LEVELS, "ratio level")
     mask = mask.bool()
