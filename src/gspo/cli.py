@@ -492,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine samples from int8-rounded weights), +credit (the task's per-token step credit), "
                         "+mb<N> (N minibatches per rollout batch), +lr<X> (learning rate X); e.g. grpo+mb8,gspo+enginelp")
     m.add_argument("--seeds", type=_int_list, default="1", help="comma-separated seeds (default 1)")
-    m.add_argument("--out", type=_out_dir, required=True, help="directory for the runs (<algo>-seed<seed>) and report/")
+    m.add_argument("--out", type=_out_dir, required=True, help="directory for the runs (<arm>-seed<seed>) and report/")
     m.add_argument("--jobs", type=_count(1), default=1,
                    help="runs trained at the same time, each in its own process, each started on the visible GPU "
                         "running the fewest of them (default 1: one after another in this process)")
