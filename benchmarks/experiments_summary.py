@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
-from gspo.metrics import mean_present, read_jsonl
-from gspo.report import key_metrics, load_run
+from gspo.metrics import mean_present
+from gspo.report import key_metrics, length_bins_seen, load_run, minibatch_means
+
+
+def _mean(xs: list) -> float | None:
+    return mean_present(xs)
 
 
 def _runs(dirs: list[str]) -> dict[str, list]:
@@ -34,11 +37,6 @@ def _runs(dirs: list[str]) -> dict[str, list]:
     return {(arm if labels.count(arm) == 1 else f"{d}/{arm}"): runs for (d, arm), runs in found.items()}
 
 
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
 def arm_row(arm: str, runs: list) -> dict:
     keys = [key_metrics(r) for r in runs]
     out = {"arm": arm, "seeds": len(runs)}
@@ -53,36 +51,25 @@ def arm_row(arm: str, runs: list) -> dict:
     out["accuracy_final"] = _mean([_mean([r.get("accuracy") for r in b[-10:]]) for b in first])
     out["length_final"] = _mean([_mean([r.get("completion/len_mean") for r in b[-10:]]) for b in first])
     out["truncated_final"] = _mean([_mean([r.get("completion/truncated_frac") for r in b[-10:]]) for b in first])
-    out["engine_seq_gap"] = _mean([mean_present([r.get("logprob/engine_seq_diff_mean") for r in b], empty=None)
+    out["engine_seq_gap"] = _mean([_mean([r.get("logprob/engine_seq_diff_mean") for r in b])
                                    for b in first])
-    out["logprob_pass_s"] = _mean([mean_present([r.get("time/logprobs") for r in b], empty=None) for b in first])
+    out["logprob_pass_s"] = _mean([_mean([r.get("time/logprobs") for r in b]) for b in first])
     out["batch_s"] = _mean([(b[-1]["time/elapsed"] - b[0]["time/elapsed"]) / max(1, len(b) - 1) for b in first])
     return out
 
 
 def depth_rows(arm: str, runs: list) -> list[dict]:
-    ks = sorted({r.get("minibatch", 0) for run in runs for r in run.metrics})
-    rows = []
-    for k in ks:
-        sel = [r for run in runs for r in run.metrics if r.get("minibatch") == k]
-        rows.append({"arm": arm, "minibatch": k, **{key: mean_present([r.get(key) for r in sel], empty=None) for key in
-                     ("clip/token_total", "clip/seq_total", "ratio/token_std", "ratio/seq_std", "kl/old_new")}})
-    return rows
+    keys = ("clip/token_total", "clip/seq_total", "ratio/token_std", "ratio/seq_std", "kl/old_new")
+    by_key = {key: minibatch_means(runs, key) for key in keys}
+    return [{"arm": arm, "minibatch": k, **{key: by_key[key][k] for key in keys}} for k in by_key[keys[0]]]
 
 
 def length_rows(arm: str, runs: list) -> list[dict]:
     off = [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0]
-    names = sorted({k.split("/")[1] for r in off for k in r if k.startswith("bylen/")},
-                   key=lambda n: int(n.split("-")[0].rstrip("+")))
-    rows = []
-    for n in names:
-        seqs = sum(r.get(f"bylen/{n}/seqs") or 0 for r in off)
-        if not seqs:
-            continue
-        rows.append({"arm": arm, "bin": n, "responses": int(seqs), **{
-            key: mean_present([r.get(f"bylen/{n}/{key}") for r in off], empty=None)
-            for key in ("clip_token", "ratio_token_std", "ratio_seq_std")}})
-    return rows
+    return [{"arm": arm, "bin": n, "responses": int(sum(r.get(f"bylen/{n}/seqs") or 0 for r in off)),
+             **{key: _mean([r.get(f"bylen/{n}/{key}") for r in off])
+                for key in ("clip_token", "ratio_token_std", "ratio_seq_std")}}
+            for n in length_bins_seen(off)]
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:

@@ -294,7 +294,7 @@ def _int_list(text: str) -> list[int]:
 def _presets(text: str) -> list[tuple[str, str, dict]]:
     """Comparison arms: presets, each optionally with "+"-suffixes (``grpo+r2``: GRPO with Routing Replay R2), as
     ``(arm, preset, overrides)``."""
-    from gspo.config import ARM_SUFFIXES, PRESETS, parse_arm
+    from gspo.config import ARM_SUFFIX_NAMES, PRESETS, parse_arm
 
     algos = [a.strip() for a in text.split(",") if a.strip()]
     arms, reasons = [], []
@@ -305,8 +305,7 @@ def _presets(text: str) -> list[tuple[str, str, dict]]:
             reasons.append(str(e).rstrip("."))
     if not algos:
         raise argparse.ArgumentTypeError(f"{text!r} names no preset; use a comma-separated list of {', '.join(PRESETS)}, "
-                                         f"each optionally with {', '.join('+' + k for k in ARM_SUFFIXES)}, +mb<N> "
-                                         "or +lr<X>")
+                                         f"each optionally with {', '.join(ARM_SUFFIX_NAMES)}")
     if reasons:
         raise argparse.ArgumentTypeError("; ".join(reasons))
     return arms

@@ -371,6 +371,7 @@ ARM_SUFFIXES: dict[str, dict[str, Any]] = {
 }
 # Suffixes with a number: +mb8 (8 minibatches per rollout batch), +lr2e-5 (learning rate 2e-5)
 ARM_NUMBERED: dict[str, tuple[str, type]] = {"mb": ("train.minibatches", int), "lr": ("train.lr", float)}
+ARM_SUFFIX_NAMES = [*("+" + k for k in ARM_SUFFIXES), "+mb<minibatches>", "+lr<learning rate>"]
 TASK_STEP_CREDIT = {"running_sum": "gspo.rewards.builtin:running_sum_step_spans",  # loss.step_credit = "task"
                     "numbered_words": "gspo.rewards.builtin:numbered_words_line_spans"}
 
@@ -396,8 +397,7 @@ def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
             key, kind, text = numbered
             value = kind(text)
         except ValueError:
-            known = [*("+" + k for k in ARM_SUFFIXES), "+mb<minibatches>", "+lr<learning rate>"]
-            raise UserError(f"{arm!r}: unknown suffix +{suffix}; known: {', '.join(known)}.") from None
+            raise UserError(f"{arm!r}: unknown suffix +{suffix}; known: {', '.join(ARM_SUFFIX_NAMES)}.") from None
         _no_second_value(arm, extra, {key: value})
         extra[key] = value
     return preset, extra

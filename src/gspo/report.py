@@ -370,6 +370,21 @@ def fig_moe(plt, groups, colors, out: Path) -> str | None:
     return _save(fig, out / "moe_flips.png")
 
 
+def minibatch_means(runs: list[Run], key: str) -> dict[int, float | None]:
+    """``key`` averaged over every step and run at each minibatch index (0 = the on-policy step)."""
+    rows: dict[int, list] = {}
+    for run in runs:
+        for r in run.metrics:
+            rows.setdefault(r.get("minibatch", 0), []).append(r.get(key))
+    return {k: mean_present(rows[k], empty=None) for k in sorted(rows)}
+
+
+def length_bins_seen(rows: list[dict[str, Any]]) -> list[str]:
+    """The response-length bins (``bylen/<bin>/*``) that hold responses in ``rows``, shortest first."""
+    names = {k.split("/")[1] for r in rows for k, v in r.items() if k.startswith("bylen/") and k.endswith("/seqs") and v}
+    return sorted(names, key=lambda n: int(n.split("-")[0].rstrip("+")))
+
+
 def fig_minibatch_depth(plt, groups, colors, out: Path) -> str | None:
     """Off-policy depth: clipped fraction and ratio spread against the minibatch's index in its rollout batch (0 is
     the on-policy step; k is k optimizer steps away from the policy that sampled), mean over steps and seeds. None
@@ -382,9 +397,7 @@ def fig_minibatch_depth(plt, groups, colors, out: Path) -> str | None:
               ("ratio/seq_std", "std of sequence ratios", True))
     for ax, (key, what, log) in zip(axes, panels):
         for g, runs in groups.items():
-            ks = sorted({r.get("minibatch", 0) for run in runs for r in run.metrics if r.get("minibatch", 0) > 0})
-            ys = [mean_present([r.get(key) for run in runs for r in run.metrics if r.get("minibatch") == k]) for k in ks]
-            pts = [(k, y) for k, y in zip(ks, ys) if y is not None and (y > 0 or not log)]
+            pts = [(k, y) for k, y in minibatch_means(runs, key).items() if k > 0 and y is not None and (y > 0 or not log)]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[g], lw=1.4, ms=3, label=_label(g, runs))
         if log:
@@ -398,24 +411,15 @@ def fig_minibatch_depth(plt, groups, colors, out: Path) -> str | None:
 def fig_by_length(plt, groups, colors, out: Path) -> str | None:
     """By response length: clipped fraction and ratio spreads of each length bin (``bylen/<bin>/*``), mean over the
     off-policy steps and seeds. None unless responses fell in two or more bins."""
-    names: list[str] = []
-    for runs in groups.values():
-        for run in runs:
-            for r in run.metrics:
-                if r.get("minibatch", 0) == 0:  # the figure is of the off-policy steps
-                    continue
-                for k, v in r.items():
-                    if k.startswith("bylen/") and k.endswith("/seqs") and v and k.split("/")[1] not in names:
-                        names.append(k.split("/")[1])
+    off = {g: [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0] for g, runs in groups.items()}
+    names = length_bins_seen([r for rows in off.values() for r in rows])
     if len(names) < 2:
         return None
-    names.sort(key=lambda n: int(n.split("-")[0].rstrip("+")))
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     for ax, (key, what) in zip(axes, (("clip_token", "clipped tokens"), ("ratio_token_std", "std of token ratios"),
                                       ("ratio_seq_std", "std of sequence ratios"))):
         for g, runs in groups.items():
-            rows = [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0]
-            ys = [mean_present([r.get(f"bylen/{n}/{key}") for r in rows]) for n in names]
+            ys = [mean_present([r.get(f"bylen/{n}/{key}") for r in off[g]], empty=None) for n in names]
             pts = [(i, y) for i, y in enumerate(ys) if y is not None and y > 0]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[g], lw=1.4, ms=3, label=_label(g, runs))
