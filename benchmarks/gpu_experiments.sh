@@ -6,6 +6,9 @@
 #   SECS=480 bash benchmarks/gpu_experiments.sh run    # again until every run is done
 #   bash benchmarks/gpu_experiments.sh pack            # the runs (no checkpoints) and logs to $OUT/experiments.tgz
 #   bash benchmarks/gpu_experiments.sh timing          # old-policy pass: recompute vs the engine's log-probs, alone
+#   bash benchmarks/gpu_experiments.sh rest            # what the first lease left, one GPU each (4 GPUs): seeds 2 and
+#       # 3 of length (GPUs 0, 1), the timing, the noise probe and the rollback experiment (GPU 2), the MoE upcycle of
+#       # benchmarks/gpu_moe.sh (GPU 3; UPCYCLE= to skip); SECS-limited and resumable like run
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 M=/root/smollm2/model.gguf
@@ -53,9 +56,33 @@ pack)
   tar czf $OUT/experiments.tgz -C $W --exclude=checkpoints .
   ls -la $OUT
   ;;
-timing)  # one GPU, nothing else on it: 80 steps of each, one after the other
-  SECS=${SECS:-300} SEEDS=1 compare timing $A 1 gspo,gspo+enginelp,grpo,grpo+enginelp train.steps=80
+timing)  # one GPU, nothing else on it: TSTEPS steps of each, one after the other
+  SECS=${SECS:-300} SEEDS=1 compare timing $A 1 gspo,gspo+enginelp,grpo,grpo+enginelp train.steps=${TSTEPS:-80}
   progress | grep timing/
+  ;;
+rest)
+  # 4 long runs share a GPU: micro-batches of 8 sequences keep each one's update memory small (same math)
+  L="configs/experiments/numbered_words.toml 4 gspo,grpo,dapo,gspo_token+credit train.micro_batch_size=8"
+  CUDA_VISIBLE_DEVICES=0 SEEDS=2 compare length_s2 $L &
+  CUDA_VISIBLE_DEVICES=1 SEEDS=3 compare length_s3 $L &
+  if [ -n "${UPCYCLE-1}" ] && [ ! -f /root/smollm2-moe/upcycle.json ]; then
+    (CUDA_VISIBLE_DEVICES=3 CHECK= STEPS=700 LR=3e-4 bash benchmarks/gpu_moe.sh upcycle > $W/upcycle.log 2>&1
+     echo "upcycle: exit $?") &
+  fi
+  export CUDA_VISIBLE_DEVICES=2
+  # alone on its GPU first: the old-policy pass with and without recomputation, 40 steps of each
+  [ -d $W/timing/report ] || [ -n "${NOTIMING-}" ] || TSTEPS=40 SECS=200 bash $0 timing
+  if [ ! -f $W/probe/probe_noise.json ]; then
+    mkdir -p $W/probe
+    timeout 300 python3 -m gspo.cli probe noise configs/experiments/numbered_words.toml model.name="'$M'" \
+      --rows 128 --bins 6 --out $W/probe/probe_noise.json > $W/probe.log 2>&1
+    echo "probe: exit $?"; tail -12 $W/probe.log
+  fi
+  compare rollback $A 3 gspo+int8+enginelp,grpo+int8+enginelp sentinel.action="'rollback'" sentinel.reward_drop=0.3 \
+    log.checkpoint_every=5 log.keep_checkpoints=3
+  wait
+  progress
+  grep -h "failed\|rror" $W/*.log | tail -8
   ;;
 *)
   echo "usage: bash benchmarks/gpu_experiments.sh run|pack|timing" >&2
