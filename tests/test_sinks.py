@@ -2,6 +2,7 @@
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,12 +126,25 @@ def wandb_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_DIR", raising=False)  # unset: the runs go into the run directory
 
 
-def read_wandb_run(path: Path) -> tuple[dict, list[dict]]:
-    """The config and history rows of an offline ``run-<id>.wandb`` file: W&B's framing of LevelDB's log format, a
-    7-byte file header, then 32 KiB blocks of records, each with a 7-byte header (crc32, length, type)."""
+def read_wandb_run(path: Path, wait_s: float = 60.0) -> tuple[dict, list[dict]]:
+    """The config and history rows of an offline ``run-<id>.wandb`` file, once W&B's service process has written its
+    exit record: ``run.finish()`` can return before that process has written the last records (seen on a loaded
+    2-core machine: no history yet when the test read the file, all of it a moment later)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        config, rows, closed = _parse_wandb_file(path)
+        if closed or time.monotonic() > deadline:
+            assert closed, f"{path} has no exit record after {wait_s} s"
+            return config, rows
+        time.sleep(0.2)
+
+
+def _parse_wandb_file(path: Path) -> tuple[dict, list[dict], bool]:
+    """W&B's framing of LevelDB's log format: a 7-byte file header, then 32 KiB blocks of records, each with a 7-byte
+    header (crc32, length, type). Returns the config, the history rows and whether the exit record is there."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data = path.read_bytes()
+    data, closed = path.read_bytes(), False
     assert data[:4] == b":W&B", "not a W&B data file (has the format changed?)"
     block, pos, parts, config, rows = 32768, 7, [], {}, []
     while True:
@@ -152,7 +166,8 @@ def read_wandb_run(path: Path) -> tuple[dict, list[dict]]:
                 config.update({i.key: json.loads(i.value_json) for i in items})
             elif which == "history":
                 rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item})
-    return config, rows
+            closed |= which == "exit"
+    return config, rows, closed
 
 
 def test_wandb_offline_run_logs_the_metrics_and_resumes_the_same_run(tiny_dir, tmp_path, wandb_offline):

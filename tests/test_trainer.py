@@ -437,6 +437,52 @@ def test_sentinel_rollback_reloads_an_earlier_checkpoint_with_a_lower_lr(tiny_di
     assert [r["lr"] for r in rows] == [1e-3, 1e-3, 5e-4, 5e-4]
 
 
+def test_reward_drop_peak_and_rollback_limit_by_hand():
+    """Hand-worked: window 2 over batch rewards 0.2 0.8 1.0 0.9 0.5 0.3 (batch 3 has none): the window means end at
+    batches 1..6 as 0.5 0.9 0.95 0.7 0.4; the newest, 0.4, is 0.55 below the best earlier one (0.95, ending at batch 4),
+    so a drop of 0.5 trips. A rollback may resume at batch 5 at the latest (weights after batch 4, the peak); without a
+    drop, at the batch before the trigger's (6 - 1)."""
+    from types import SimpleNamespace
+
+    from gspo.train.sentinel import best_window_end, reward_drop, rollback_limit
+
+    sc = SimpleNamespace(reward_drop=0.5, window=2)
+    rewards = {0: 0.2, 1: 0.8, 2: 1.0, 3: None, 4: 0.9, 5: 0.5, 6: 0.3}
+    assert reward_drop(sc, rewards) == ("mean reward of the last 2 batches 0.400 is 0.550 below its best 0.950 "
+                                        "(sentinel.reward_drop = 0.5)")
+    assert best_window_end(sc, rewards, before_newest=True) == 4 and best_window_end(sc, rewards) == 4
+    assert rollback_limit(6, 4) == 5 and rollback_limit(6, None) == 5 and rollback_limit(6, 1) == 2
+    assert reward_drop(SimpleNamespace(reward_drop=0.6, window=2), rewards) is None  # 0.55 is not more than 0.6
+    assert best_window_end(SimpleNamespace(reward_drop=0.0, window=2), rewards) is None  # detector off
+    assert reward_drop(sc, {0: 1.0, 1: 1.0, 2: 0.0}) is None  # 2 x window batches needed
+    # equal best windows: the latest is the peak
+    assert best_window_end(SimpleNamespace(reward_drop=0.5, window=1), {0: 1.0, 1: 1.0, 2: 0.0}, True) == 1
+    assert reward_drop(sc, {0: 1.0, 1: 1.0, 2: float("nan"), 3: 0.0}) is None  # a NaN window is no finding
+
+
+def test_a_rollback_after_a_gradual_drop_goes_back_to_the_peak(tiny_dir, tmp_path, caplog):
+    """The reward peaks in batches 0-1 and declines over three batches before the sentinel trips (batch 4). The
+    rollback goes to the checkpoint written at the peak (step 4), not to the newest one before the trigger (step 6,
+    already inside the decline, from which the window's mean trips the sentinel again at once); pruning kept that
+    checkpoint though log.keep_checkpoints = 1."""
+    import trainer_rewards
+
+    trainer_rewards._CALLS.clear()
+    run = tmp_path / "run"
+    t = Trainer(tiny_config(tiny_dir, "train.steps=20", "sentinel.action='rollback'", "sentinel.reward_drop=0.5",
+                            "sentinel.window=1", "log.checkpoint_every=1", "log.keep_checkpoints=1",
+                            "rewards.functions=[{path='trainer_rewards:peaks_then_declines'}]"), run)
+    with caplog.at_level("WARNING", logger="gspo"), pytest.raises(UserError, match="no checkpoint older"):
+        t.train()
+    assert "collapse sentinel at step 10:" in caplog.text
+    assert caplog.text.count("rolling back to step-000004") == 1 and t.state.rollbacks == 1
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert [n for n in names if n.startswith("step-")] == ["step-000004"], names
+    assert any(n.startswith("rolled-back-step-000008") for n in names), names
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # the abandoned timeline's lines are gone
+
+
 def test_resume_with_a_lower_lr_uses_it(tiny_dir, tmp_path):
     """The config's train.lr wins over the checkpoint's on --resume (and is what the metrics log)."""
     Trainer(tiny_config(tiny_dir, "train.steps=2"), tmp_path / "run").train()

@@ -47,6 +47,17 @@ def declining_later(completion, example):
     return 1.0 if len(_CALLS) <= 16 else 0.0
 
 
+_RISE_FALL = [1.0, 1.0, 0.7, 0.6, 0.4]  # then 0.0
+
+
+def peaks_then_declines(completion, example):
+    """Per rollout batch of the tiny config (8 calls): 1.0, 1.0, then a gradual decline 0.7, 0.6, 0.4, then 0.0
+    (every completion of a batch alike)."""
+    _CALLS.append(1)
+    batch = (len(_CALLS) - 1) // 8
+    return _RISE_FALL[batch] if batch < len(_RISE_FALL) else 0.0
+
+
 def dyadic_length(completion, example):
     """Length in units of 1/128: exact in binary floating point, so group statistics have no rounding to disagree on."""
     return len(completion) / 128.0

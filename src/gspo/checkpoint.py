@@ -107,8 +107,9 @@ def to_cpu(obj: Any) -> Any:
 
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int,
                     model_state: dict[str, torch.Tensor] | None = None, seconds: dict[str, float] | None = None,
-                    prepared: bool = False) -> Path:
-    """Write checkpoint ``step`` atomically, then prune all but the ``keep`` newest complete ones. ``model_state``
+                    prepared: bool = False, pinned: int | None = None) -> Path:
+    """Write checkpoint ``step`` atomically, then prune all but the ``keep`` newest complete ones and checkpoint
+    ``pinned`` (a step: the collapse sentinel's rollback target from before a reward drop, whatever its age). ``model_state``
     (a snapshot of ``model.state_dict()``) is written instead of the live weights when given; ``seconds`` gets the
     time of the writes and of the fsync. ``prepared``: the ``.tmp`` directory exists and holds files of this
     checkpoint already (a sharded one's)."""
@@ -146,8 +147,14 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
     if seconds is not None:
         seconds.update(write_s=round(t1 - t0, 3), fsync_s=round(time.perf_counter() - t1, 3))
     for old in complete_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
-        _discard(old)
+        if checkpoint_step(old) != pinned:
+            _discard(old)
     return final
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The optimizer step of a checkpoint, from its name (``step-NNNNNN``)."""
+    return int(ckpt.name.split("-", 1)[1])
 
 
 def complete_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -205,20 +212,21 @@ def _open_collective(ckpt_root: Path, step: int) -> Path:
 
 
 def _close_collective(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int,
-                      model_state: dict[str, torch.Tensor] | None) -> Path:
+                      model_state: dict[str, torch.Tensor] | None, pinned: int | None) -> Path:
     """After every process has written its files: rank 0 completes the checkpoint (``save_checkpoint`` on the
     prepared directory), and nobody goes on, or reads it back, before it is complete."""
     import torch.distributed as dist
 
     dist.barrier()  # every process's files are written (each fsyncs its own; rank 0 fsyncs the tree again)
     if dist.get_rank() == 0:
-        save_checkpoint(ckpt_root, step, model, tokenizer, state, keep, model_state=model_state, prepared=True)
+        save_checkpoint(ckpt_root, step, model, tokenizer, state, keep, model_state=model_state, prepared=True,
+                        pinned=pinned)
     dist.barrier()
     return ckpt_root / f"step-{step:06d}"
 
 
 def save_sharded(ckpt_root: Path, step: int, model, optimizer, tokenizer, state: dict[str, Any],
-                 rank_state: dict[str, Any], keep: int) -> Path:
+                 rank_state: dict[str, Any], keep: int, pinned: int | None = None) -> Path:
     """A checkpoint written by every process of a ``torchrun`` job, in the layout of :func:`save_checkpoint` plus:
     ``dcp/`` (the sharded model and optimizer, reshardable to any number of processes, written by all), and one
     ``rank-NNNNN.pt`` per process (its RNGs). Rank 0 then exports the full model as the checkpoint's HF files (for
@@ -234,11 +242,11 @@ def save_sharded(ckpt_root: Path, step: int, model, optimizer, tokenizer, state:
     torch.save(rank_state, tmp / RANK_FILE.format(dist.get_rank()))
     # The HF export: every process gives its shards, rank 0 receives the full tensors on the CPU.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return _close_collective(ckpt_root, step, model, tokenizer, state, keep, full)
+    return _close_collective(ckpt_root, step, model, tokenizer, state, keep, full, pinned)
 
 
 def save_replicated(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], rank_state: dict[str, Any],
-                    keep: int) -> Path:
+                    keep: int, pinned: int | None = None) -> Path:
     """A checkpoint of a policy every process of a ``torchrun`` job holds whole and alike (LoRA: the adapter and its
     optimizer state): rank 0 writes it as one process would (:func:`save_checkpoint`; ``trainer_state.pt`` holds the
     optimizer), every process its own ``rank-NNNNN.pt`` (its RNGs), and it is complete only once all have written. It
@@ -247,7 +255,7 @@ def save_replicated(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
 
     tmp = _open_collective(ckpt_root, step)
     torch.save(rank_state, tmp / RANK_FILE.format(dist.get_rank()))
-    return _close_collective(ckpt_root, step, model, tokenizer, state, keep, None)
+    return _close_collective(ckpt_root, step, model, tokenizer, state, keep, None, pinned)
 
 
 def _plain_architecture(ckpt: Path) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from gspo import dist
-from gspo.checkpoint import RANK_FILE, complete_checkpoints, seed_everything, set_rng_state
+from gspo.checkpoint import RANK_FILE, checkpoint_step, complete_checkpoints, seed_everything, set_rng_state
 from gspo.config import SOURCE_KEYS, Config, resume_changes, source_fingerprints
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.errors import UserError
@@ -35,9 +35,9 @@ from gspo.runtime import Runtime, finite, process_seconds
 from gspo.train.actor import Actor
 from gspo.train.collect import Collector
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, lock_run_dir, out_of_memory
-from gspo.train.sentinel import collapse_findings, response, stop_reason
-from gspo.train.state import (CheckpointWriter, TrainState, checkpoint_batch, checkpoint_step, load as load_state,
-                              newest_checkpoint)
+from gspo.train.sentinel import (best_window_end, collapse_findings, response, reward_drop, rollback_limit,
+                                 stop_reason)
+from gspo.train.state import CheckpointWriter, TrainState, checkpoint_batch, load as load_state, newest_checkpoint
 from gspo.types import Batch
 
 log = logging.getLogger("gspo")
@@ -296,10 +296,12 @@ class Trainer:
         if sc.action == "warn":
             log.warning("collapse sentinel at step %d: %s", state.step, self.collapse)
             return False
-        # The newest checkpoint written before the batch that tripped the sentinel: the one right before it would
-        # replay the same rollouts (weights, RNG and data are restored exactly) and trip it again.
-        older = [c for c in complete_checkpoints(self.run_dir / "checkpoints")
-                 if checkpoint_batch(c) < state.rollout_batch - 1]
+        # The newest checkpoint rollback_limit allows: from before the batch before the trigger and, after a reward
+        # drop, from before the decline.
+        trigger = state.rollout_batch - 1
+        peak = best_window_end(sc, self.rewards_seen, before_newest=True) if reward_drop(sc, self.rewards_seen) else None
+        limit = rollback_limit(trigger, peak)
+        older = [c for c in complete_checkpoints(self.run_dir / "checkpoints") if checkpoint_batch(c) <= limit]
         action = response(sc, state.rollbacks, bool(older))
         if action == "rollback":
             rollbacks = state.rollbacks + 1
@@ -307,13 +309,13 @@ class Trainer:
                         "of %d)", state.step, self.collapse, older[-1].name, sc.lr_factor, rollbacks, sc.max_rollbacks)
             self.actor.lr_scale *= sc.lr_factor
             state.rollbacks = rollbacks
-            self.restore(before_batch=state.rollout_batch - 1)
+            self.restore(before_batch=limit + 1)
             if self.runtime.is_main:
                 self._abandon_checkpoints_after(state.step)
             dist.barrier()
             return True
         last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
-        last += stop_reason(sc, state.rollbacks, bool(older))
+        last += stop_reason(sc, state.rollbacks, bool(older), peak if limit < trigger - 1 else None)
         raise UserError(f"Collapse sentinel stopped the run at step {state.step}: {self.collapse}; {last}. Resume from "
                         "it with a lower train.lr, or loosen the sentinel.* thresholds.")
 
@@ -428,6 +430,7 @@ class Trainer:
 
     def checkpoint(self) -> None:
         """Start writing a checkpoint of the run as it is now (in the background; see CheckpointWriter)."""
+        self.writer.pinned = self.rollback_target_pin()
         c = self.collector
         parts = {**self.actor.state_dict(), "generator": c.generator.get_state(), "data": c.stream.state_dict(),
                  "skipped_prompts": c.skipped_prompts, "world_size": self.runtime.world_size}
@@ -441,6 +444,18 @@ class Trainer:
             return
         self.writer.submit(self.state, parts, self.actor.peft or self.actor.model, self.tokenizer,
                            self.cfg.log.keep_checkpoints, self.t_start)
+
+    def rollback_target_pin(self) -> int | None:
+        """The step of the checkpoint a reward drop would roll back to (the newest written by the end of the best
+        reward window so far), which pruning must keep however old it gets; None unless the sentinel rolls back on
+        reward drops."""
+        sc = self.cfg.sentinel
+        peak = best_window_end(sc, self.rewards_seen) if sc.action == "rollback" else None
+        if peak is None:
+            return None
+        self.writer.wait()  # the write in flight may be the one to pin
+        kept = [c for c in complete_checkpoints(self.run_dir / "checkpoints") if checkpoint_batch(c) <= peak + 1]
+        return checkpoint_step(kept[-1]) if kept else None
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""

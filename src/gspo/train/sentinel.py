@@ -13,12 +13,9 @@ def collapse_findings(sc, rows: list[dict[str, Any]], rewards: dict[int, float |
     entropy = rows[0].get("entropy")
     if sc.entropy_min > 0 and entropy is not None and entropy < sc.entropy_min:
         found.append(f"entropy {entropy:.4f} < sentinel.entropy_min = {sc.entropy_min}")
-    history = [r for _, r in sorted(rewards.items()) if r is not None]
-    if sc.reward_drop > 0 and len(history) >= 2 * sc.window:
-        means = [sum(history[i - sc.window:i]) / sc.window for i in range(sc.window, len(history) + 1)]
-        if max(means[:-1]) - means[-1] > sc.reward_drop:
-            found.append(f"mean reward of the last {sc.window} batches {means[-1]:.3f} is {max(means[:-1]) - means[-1]:.3f} "
-                         f"below its best {max(means[:-1]):.3f} (sentinel.reward_drop = {sc.reward_drop})")
+    drop = reward_drop(sc, rewards)
+    if drop:
+        found.append(drop)
     if sc.seq_ratio_log_max > 0:
         # None (null in metrics.jsonl) or NaN: not measurable that step (no loss token in the minibatch), not a spread.
         values = [r.get(k) for r in rows for k in ("ratio/seq_min", "ratio/seq_max")
@@ -29,9 +26,47 @@ def collapse_findings(sc, rows: list[dict[str, Any]], rewards: dict[int, float |
     return found
 
 
+def reward_drop(sc, rewards: dict[int, float | None]) -> str | None:
+    """What the reward-drop detector saw: the mean reward of the last ``window`` batches more than
+    ``sc.reward_drop`` below the best earlier such mean (once ``2 * window`` batches have a reward), else None."""
+    means = [mean for mean, _ in _window_means(sc, rewards)] if sc.reward_drop > 0 else []
+    if len(means) <= sc.window or not max(means[:-1]) - means[-1] > sc.reward_drop:  # (NaN: no finding)
+        return None
+    return (f"mean reward of the last {sc.window} batches {means[-1]:.3f} is {max(means[:-1]) - means[-1]:.3f} "
+            f"below its best {max(means[:-1]):.3f} (sentinel.reward_drop = {sc.reward_drop})")
+
+
+def _window_means(sc, rewards: dict[int, float | None]) -> list[tuple[float, int]]:
+    """(mean reward of ``sc.window`` consecutive batches, the last of them) for every window of ``rewards``, oldest
+    first (batches without a reward are skipped)."""
+    seen = [(b, r) for b, r in sorted(rewards.items()) if r is not None]
+    return [(sum(r for _, r in seen[i - sc.window:i]) / sc.window, seen[i - 1][0])
+            for i in range(sc.window, len(seen) + 1)]
+
+
+def best_window_end(sc, rewards: dict[int, float | None], before_newest: bool = False) -> int | None:
+    """The rollout batch ending the best ``window``-batch mean reward (the latest of equal ones), before the newest
+    window with ``before_newest``: the peak a reward drop is measured from. None without a reward-drop detector or
+    such a window."""
+    means = _window_means(sc, rewards)[:-1 if before_newest else None] if sc.reward_drop > 0 else []
+    if not means:
+        return None
+    best = max(mean for mean, _ in means)
+    return max(batch for mean, batch in means if mean == best)
+
+
+def rollback_limit(trigger: int, peak: int | None) -> int:
+    """The latest rollout batch a rollback's checkpoint may resume at, after batch ``trigger`` (0-based) tripped the
+    sentinel: one written before the batch before the trigger (the one right before it would replay the same rollouts
+    and trip it again) and, after a reward drop whose best window ended at batch ``peak``, one written by then. A
+    checkpoint from inside the decline resumes with the window's mean still low and trips the sentinel again within
+    a batch or two, before the lower learning rate can act (measured: docs/experiments/collapse/)."""
+    return trigger - 1 if peak is None else min(trigger - 1, peak + 1)
+
+
 def response(sc, rollbacks: int, has_older_checkpoint: bool) -> str:
-    """What to do about a collapse: ``warn``, ``rollback`` (to a checkpoint older than the batch before the trigger)
-    or ``stop``."""
+    """What to do about a collapse: ``warn``, ``rollback`` (to a checkpoint :func:`rollback_limit` allows) or
+    ``stop``."""
     if sc.action == "warn":
         return "warn"
     if sc.action == "rollback" and has_older_checkpoint and rollbacks < sc.max_rollbacks:
@@ -39,11 +74,15 @@ def response(sc, rollbacks: int, has_older_checkpoint: bool) -> str:
     return "stop"
 
 
-def stop_reason(sc, rollbacks: int, has_older_checkpoint: bool) -> str:
-    """Why a ``rollback`` sentinel stopped instead (empty for ``stop``)."""
+def stop_reason(sc, rollbacks: int, has_older_checkpoint: bool, peak: int | None = None) -> str:
+    """Why a ``rollback`` sentinel stopped instead (empty for ``stop``); ``peak``: the reward drop's best window ended
+    at this batch, earlier than the batch before the trigger."""
     if sc.action != "rollback":
         return ""
     if has_older_checkpoint:
         return f" ({rollbacks} rollbacks done, sentinel.max_rollbacks = {sc.max_rollbacks})"
+    if peak is not None:
+        return (f" (no checkpoint from before the drop to roll back to: the best {sc.window}-batch reward ended at "
+                f"rollout batch {peak + 1}, before the first checkpoint; lower log.checkpoint_every)")
     return (" (no checkpoint older than the batch before the trigger to roll back to; it would replay the same "
             "rollouts: raise log.keep_checkpoints)")

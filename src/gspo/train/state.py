@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import (complete_checkpoints, rng_state, save_checkpoint, save_replicated, save_sharded, set_rng_state,
-                             to_cpu)
+from gspo.checkpoint import (checkpoint_step, complete_checkpoints, rng_state, save_checkpoint, save_replicated,
+                             save_sharded, set_rng_state, to_cpu)
 from gspo.errors import UserError
 
 log = logging.getLogger("gspo")
@@ -44,11 +44,6 @@ def checkpoint_batch(ckpt: Path) -> int:
         return int(json.loads((ckpt / "state.json").read_text())["rollout_batch"])
     except (OSError, ValueError, KeyError):
         return 1 << 30
-
-
-def checkpoint_step(ckpt: Path) -> int:
-    """The optimizer step of a checkpoint, from its name (``step-NNNNNN``)."""
-    return int(ckpt.name.split("-", 1)[1])
 
 
 def metrics_cover(rows: list[dict[str, Any]] | None) -> int | None:
@@ -89,6 +84,7 @@ class CheckpointWriter:
         self.last: Path | None = None  # the newest checkpoint this writer completed
         self.seconds = 0.0  # time the loop spent waiting for checkpoints (snapshots and waits), cumulative
         self.phases: dict[str, float] = {}  # the last checkpoint's snapshot, write and fsync seconds
+        self.pinned: int | None = None  # a checkpoint's step that pruning spares (set by the loop before a write)
 
     def submit(self, state: TrainState, parts: dict[str, Any], model, tokenizer, keep: int, t_start: float) -> None:
         """Start writing checkpoint ``step-<state.step>`` with the model, ``parts`` (the actor's and collect stage's
@@ -101,15 +97,16 @@ class CheckpointWriter:
                          else model.state_dict())
         self.phases = {"snapshot_s": round(time.perf_counter() - t0, 3)}
         step = state.step
-        self._thread = threading.Thread(target=self._write, args=(step, model, tokenizer, payload, keep, weights),
+        self._thread = threading.Thread(target=self._write, args=(step, model, tokenizer, payload, keep, weights,
+                                                                  self.pinned),
                                         name=f"gspo-checkpoint-{step}", daemon=True)
         self._thread.start()
         self.seconds += time.perf_counter() - t0
 
-    def _write(self, step, model, tokenizer, payload, keep, weights) -> None:
+    def _write(self, step, model, tokenizer, payload, keep, weights, pinned) -> None:
         try:
             self.last = save_checkpoint(self.run_dir / "checkpoints", step, model, tokenizer, payload, keep, weights,
-                                        self.phases)
+                                        self.phases, pinned=pinned)
         except (OSError, RuntimeError) as e:  # no space (torch.save reports it as a RuntimeError), a read-only or
             # vanished directory: the previous checkpoints are untouched
             self._error = self._failed(step, e)
@@ -130,14 +127,15 @@ class CheckpointWriter:
         """Write checkpoint ``step-<state.step>`` of a sharded policy now, with every process (a collective; see
         :func:`gspo.checkpoint.save_sharded`)."""
         self._write_collectively(state, parts, t_start, lambda payload, own: save_sharded(
-            self.run_dir / "checkpoints", state.step, actor.model, actor.optimizer, tokenizer, payload, own, keep))
+            self.run_dir / "checkpoints", state.step, actor.model, actor.optimizer, tokenizer, payload, own, keep,
+            self.pinned))
 
     def write_replicated(self, state: TrainState, parts: dict[str, Any], model, tokenizer, keep: int,
                          t_start: float) -> None:
         """Write checkpoint ``step-<state.step>`` of a policy every process holds alike (LoRA under torchrun) now, with
         every process (a collective; see :func:`gspo.checkpoint.save_replicated`)."""
         self._write_collectively(state, parts, t_start, lambda payload, own: save_replicated(
-            self.run_dir / "checkpoints", state.step, model, tokenizer, payload, own, keep))
+            self.run_dir / "checkpoints", state.step, model, tokenizer, payload, own, keep, self.pinned))
 
     def _write_collectively(self, state: TrainState, parts: dict[str, Any], t_start: float, save) -> None:
         t0 = time.perf_counter()
