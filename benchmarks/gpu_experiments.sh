@@ -85,7 +85,7 @@ rest)
   grep -h "failed\|rror" $W/*.log | tail -8
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_experiments.sh run|pack|timing" >&2
+  echo "usage: bash benchmarks/gpu_experiments.sh run|pack|timing|rest" >&2
   exit 2
   ;;
 esac

@@ -13,5 +13,7 @@ if python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/de
   python -m pip install -q "triton>=3.8"
 fi
 # Two workers (pytest-xdist): many tests wait on child processes (torchrun, kills, timeouts) more than they compute, so
-# two at a time fill a 2-core machine (CI: 11 min instead of 18). TEST_WORKERS=0 runs them in this process.
-python -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal "$@"
+# two at a time fill a 2-core machine (CI: 11 min instead of 18). TEST_WORKERS=0 runs them in this process, the
+# default with a CUDA torch (the GPU tests time warm-ups and share one device).
+workers=${TEST_WORKERS:-$(python -c 'import torch; print(0 if torch.version.cuda else 2)')}
+python -m pytest -q -n "$workers" --dist worksteal "$@"

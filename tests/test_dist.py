@@ -3,6 +3,7 @@ processes equals the batch trained by one, sharded checkpoints resume at other p
 leaves a resumable run, and two torchrun agents meet through a c10d rendezvous as two nodes would."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -248,6 +249,9 @@ def test_two_nodes_meet_through_a_c10d_rendezvous(tiny_dir, tmp_path):  # noqa: 
     assert sum("done: 4 optimizer steps" in out for out, _ in outs) == 1  # the first process talks to the user
     # prompts with an even first operand score all alike: their groups are dropped and refilled
     assert all(r["dynamic/dropped_groups"] >= 1 and r["dynamic/rounds"] >= 2 for r in rows)
+    # the wait for the slower process is part of the gather, timed apart from the transfer
+    assert all(0 <= r["time/gather_wait"] <= r["time/gather"] for r in rows)
+    assert json.loads((run / "timings.json").read_text())["log_s"] > 0  # rank 0 wrote the log
 
 
 def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  # noqa: F811

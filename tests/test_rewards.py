@@ -174,9 +174,10 @@ def test_non_number_in_process(path):
 
 @pytest.fixture(scope="module")
 def pool():
-    """Two workers scoring a hanging, a raising and a process-killing reward, with a 1 s limit per call."""
+    """Two workers scoring a hanging, a raising and a process-killing reward, with a 2 s limit per call (room for a
+    loaded machine: the tests run two at a time)."""
     specs = [RewardSpec("reward_fixtures:hang"), RewardSpec("reward_fixtures:boom"), RewardSpec("reward_fixtures:die")]
-    with RewardRunner(specs, workers=2, timeout_s=1.0) as runner:
+    with RewardRunner(specs, workers=2, timeout_s=2.0) as runner:
         yield runner
 
 

@@ -154,6 +154,8 @@ def _parse_wandb_file(path: Path) -> tuple[dict, list[dict], bool]:
         if pos + 7 > len(data) or data[pos + 6] == 0:
             break
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         parts.append(data[pos + 7:pos + 7 + length])
         pos += 7 + length
         if kind in (1, 4):  # a FULL record, or the LAST part of a split one

@@ -440,8 +440,8 @@ def test_sentinel_rollback_reloads_an_earlier_checkpoint_with_a_lower_lr(tiny_di
 def test_reward_drop_peak_and_rollback_limit_by_hand():
     """Hand-worked: window 2 over batch rewards 0.2 0.8 1.0 0.9 0.5 0.3 (batch 3 has none): the window means end at
     batches 1..6 as 0.5 0.9 0.95 0.7 0.4; the newest, 0.4, is 0.55 below the best earlier one (0.95, ending at batch 4),
-    so a drop of 0.5 trips. A rollback may resume at batch 5 at the latest (weights after batch 4, the peak); without a
-    drop, at the batch before the trigger's (6 - 1)."""
+    so a drop of 0.5 trips. A rollback may resume at batch 4 at the latest (the weights that sampled batch 4, the
+    peak's last batch); without a drop, at the batch before the trigger's (6 - 1)."""
     from types import SimpleNamespace
 
     from gspo.train.sentinel import best_window_end, reward_drop, rollback_limit
@@ -451,20 +451,23 @@ def test_reward_drop_peak_and_rollback_limit_by_hand():
     assert reward_drop(sc, rewards) == ("mean reward of the last 2 batches 0.400 is 0.550 below its best 0.950 "
                                         "(sentinel.reward_drop = 0.5)")
     assert best_window_end(sc, rewards, before_newest=True) == 4 and best_window_end(sc, rewards) == 4
-    assert rollback_limit(6, 4) == 5 and rollback_limit(6, None) == 5 and rollback_limit(6, 1) == 2
+    assert rollback_limit(6, 4) == 4 and rollback_limit(6, None) == 5 and rollback_limit(6, 5) == 5
     assert reward_drop(SimpleNamespace(reward_drop=0.6, window=2), rewards) is None  # 0.55 is not more than 0.6
     assert best_window_end(SimpleNamespace(reward_drop=0.0, window=2), rewards) is None  # detector off
     assert reward_drop(sc, {0: 1.0, 1: 1.0, 2: 0.0}) is None  # 2 x window batches needed
     # equal best windows: the latest is the peak
     assert best_window_end(SimpleNamespace(reward_drop=0.5, window=1), {0: 1.0, 1: 1.0, 2: 0.0}, True) == 1
-    assert reward_drop(sc, {0: 1.0, 1: 1.0, 2: float("nan"), 3: 0.0}) is None  # a NaN window is no finding
+    nan = float("nan")  # a batch whose every reward call failed: skipped like one without a reward
+    assert reward_drop(sc, {0: 1.0, 1: 1.0, 2: nan, 3: 0.0}) is None
+    assert best_window_end(sc, {0: nan, 1: 0.2, 2: 0.8, 3: 0.5}) == 3  # windows 0.5 (ending at 2) and 0.65 (at 3)
 
 
 def test_a_rollback_after_a_gradual_drop_goes_back_to_the_peak(tiny_dir, tmp_path, caplog):
     """The reward peaks in batches 0-1 and declines over three batches before the sentinel trips (batch 4). The
-    rollback goes to the checkpoint written at the peak (step 4), not to the newest one before the trigger (step 6,
-    already inside the decline, from which the window's mean trips the sentinel again at once); pruning kept that
-    checkpoint though log.keep_checkpoints = 1."""
+    rollback goes to the checkpoint holding the policy that sampled the peak's last batch, 1 (step 2), not to the
+    newest one before the trigger (step 6, inside the decline, from which the window's mean trips the sentinel again
+    at once); pruning kept it though log.keep_checkpoints = 1. (This reward counts calls, so the replay scores 0 and
+    the run then stops: no checkpoint is older.)"""
     import trainer_rewards
 
     trainer_rewards._CALLS.clear()
@@ -475,9 +478,9 @@ def test_a_rollback_after_a_gradual_drop_goes_back_to_the_peak(tiny_dir, tmp_pat
     with caplog.at_level("WARNING", logger="gspo"), pytest.raises(UserError, match="no checkpoint older"):
         t.train()
     assert "collapse sentinel at step 10:" in caplog.text
-    assert caplog.text.count("rolling back to step-000004") == 1 and t.state.rollbacks == 1
+    assert caplog.text.count("rolling back to step-000002") == 1 and t.state.rollbacks == 1
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert [n for n in names if n.startswith("step-")] == ["step-000004"], names
+    assert [n for n in names if n.startswith("step-")] == ["step-000002"], names
     assert any(n.startswith("rolled-back-step-000008") for n in names), names
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # the abandoned timeline's lines are gone

@@ -63,6 +63,12 @@ class Run:
         return [sum(out[b]) / len(out[b]) if out.get(b) else None for b in sorted({r["rollout_batch"] for r in self.metrics})]
 
 
+def _legend(ax, fontsize: int) -> None:
+    """The axes' legend, when a line has a label (a figure of runs without one, e.g. all failed, stays quiet)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize)
+
+
 def load_run(path: str | Path) -> Run:
     p = Path(path)
     if not (p / "metrics.jsonl").exists():
@@ -176,7 +182,7 @@ def fig_reward(plt, groups, colors, out: Path) -> str:
     axes[1].set(xlabel="wall-clock (s, training loop)", title="Reward vs wall-clock")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax, 8)
     return _save(fig, out / "reward.png")
 
 
@@ -193,7 +199,7 @@ def fig_clipping(plt, groups, colors, out: Path) -> str:
     ax.set(xlabel="optimizer step", ylabel="clipped fraction (off-policy steps)",
            title="Clipping: GSPO clips whole sequences, orders of magnitude more often")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    _legend(ax, 8)
     return _save(fig, out / "clipping.png")
 
 
@@ -237,7 +243,7 @@ def fig_ratios(plt, groups, colors, out: Path) -> str | None:
         ax.set(xlabel="log ratio  log(pi / pi_old)", ylabel="density (fraction per unit log ratio)",
                title=f"{g}: ratios of the off-policy steps")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, 7)
     return _save(fig, out / "ratios.png")
 
 
@@ -307,7 +313,7 @@ def fig_noise(plt, groups, colors, out: Path) -> str | None:
     for ax in axes:
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        _legend(ax, 8)
     return _save(fig, out / "noise.png")
 
 
@@ -338,7 +344,7 @@ def fig_length_entropy(plt, groups, colors, out: Path) -> str:
     axes[1].set(xlabel="optimizer step", ylabel="nats per token", title="Policy entropy (on-policy step)")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax, 8)
     return _save(fig, out / "length_entropy.png")
 
 
@@ -366,7 +372,7 @@ def fig_moe(plt, groups, colors, out: Path) -> str | None:
         fig.colorbar(image, ax=ax, fraction=0.05)
     axes[0].set(xlabel="optimizer step", ylabel="fraction of (token, layer, slot)", title="MoE routing flips per update")
     axes[0].grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    _legend(axes[0], 8)
     return _save(fig, out / "moe_flips.png")
 
 
@@ -404,7 +410,7 @@ def fig_minibatch_depth(plt, groups, colors, out: Path) -> str | None:
             ax.set_yscale("log")
         ax.set(xlabel="minibatch index in its rollout batch (optimizer steps off-policy)", ylabel=what, title=what)
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=7)
+    _legend(axes[0], 7)
     return _save(fig, out / "minibatch_depth.png")
 
 
@@ -427,7 +433,7 @@ def fig_by_length(plt, groups, colors, out: Path) -> str | None:
         ax.set_yscale("log")
         ax.set(xlabel="response length (tokens), off-policy steps", ylabel=what, title=f"{what}, by length")
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=7)
+    _legend(axes[0], 7)
     return _save(fig, out / "by_length.png")
 
 

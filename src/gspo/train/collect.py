@@ -23,7 +23,7 @@ from gspo.algorithms import group_advantages, overlong_penalty, zero_variance_gr
 from gspo.config import TASK_STEP_CREDIT, Config
 from gspo.checkpoint import to_cpu
 from gspo.data import DataStream
-from gspo.dist import active, gather_objects, rank_world
+from gspo.dist import active, barrier, gather_objects, rank_world
 from gspo.errors import UserError
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner
@@ -175,7 +175,10 @@ class Collector:
         """Every process's groups, rounds and counts, in rank order (a no-op in one process), and the sampling
         counters of the whole batch."""
         t0 = time.perf_counter()
+        wait = 0.0
         if active():
+            barrier()  # the wait for the slowest process's rollout, timed apart from the transfer
+            wait = time.perf_counter() - t0
             parts = gather_objects((to_cpu(groups), [to_cpu(r) for r in rounds], counts, dict(timing),
                                     self._first_error))
             groups = Groups.concat([p[0] for p in parts])
@@ -188,6 +191,7 @@ class Collector:
                 timing[key] = (max if key in ("rollout", "reward") else sum)(p[3][key] for p in parts)
             self._first_error = next((p[4] for p in parts if p[4]), None)
         timing["gather"] = time.perf_counter() - t0
+        timing["gather_wait"] = wait  # after the merge above: this process's own
         counters = {"dynamic/dropped_groups": float(counts["dropped"]), "dynamic/padded_groups": float(counts["padded"]),
                     "dynamic/rounds": float(counts["rounds"]),
                     "zero_variance_frac": float(counts["zero_flags"].float().mean())}
@@ -226,6 +230,7 @@ class Collector:
         m["time/reward"] = timing["reward"]
         # Under torchrun: sending the scored groups to every process, with the wait for the slowest one's rollout
         m["time/gather"] = timing["gather"]
+        m["time/gather_wait"] = timing["gather_wait"]  # of it: waiting for the slowest process (mean over processes)
         m["time/collect"] = time.perf_counter() - t0  # the whole stage: rollout, rewards, refills, gather, advantages
         m["throughput/rollout_tok_s"] = timing["gen_tokens"] / max(timing["rollout"], 1e-9)
         return Batch(rollout, groups.examples, groups.rewards, adv, loss_mask, m)

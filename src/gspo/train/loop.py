@@ -241,11 +241,20 @@ class Trainer:
             self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
             self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
             self.timings["reward_workers_start_s"] = round(self.rewards.start_seconds, 3)
+        t_log = time.perf_counter()
         runlog.samples(batch, state.step, state.rollout_batch)
+        self.count_log_time(t_log)
         with out_of_memory("the update", lambda: state.step, self.newest_checkpoint):
             self.last_rows = self.update(batch, runlog)
+        t_log = time.perf_counter()
         runlog.flush()
+        self.count_log_time(t_log)
         state.rollout_batch += 1
+
+    def count_log_time(self, since: float) -> None:
+        """Add the time since ``since`` to ``log_s`` of timings.json: writing the run log (on process 0 under
+        torchrun, while the others wait at the next collective)."""
+        self.timings["log_s"] = round(self.timings.get("log_s", 0.0) + time.perf_counter() - since, 6)
 
     def update(self, batch: Batch, runlog: RunLog) -> list[dict]:
         """``train.minibatches`` optimizer steps over ``batch``; returns their metrics lines."""
@@ -277,7 +286,9 @@ class Trainer:
                    "time/elapsed": time.time() - self.t_start}
             state.step += 1
             state.nonfinite_steps = self.nonfinite.total
+            t_log = time.perf_counter()
             runlog.step(row, end_of_batch=(k == cfg.train.minibatches - 1))
+            self.count_log_time(t_log)
             rows.append(row)
         return rows
 
@@ -297,11 +308,13 @@ class Trainer:
             log.warning("collapse sentinel at step %d: %s", state.step, self.collapse)
             return False
         # The newest checkpoint rollback_limit allows: from before the batch before the trigger and, after a reward
-        # drop, from before the decline.
+        # drop, from before the decline. When the reward peaked before the first checkpoint, the newest one before
+        # the batch before the trigger, as for the other detectors.
         trigger = state.rollout_batch - 1
         peak = best_window_end(sc, self.rewards_seen, before_newest=True) if reward_drop(sc, self.rewards_seen) else None
-        limit = rollback_limit(trigger, peak)
-        older = [c for c in complete_checkpoints(self.run_dir / "checkpoints") if checkpoint_batch(c) <= limit]
+        written = [(c, checkpoint_batch(c)) for c in complete_checkpoints(self.run_dir / "checkpoints")]
+        older = ([c for c, b in written if b <= rollback_limit(trigger, peak)]
+                 or [c for c, b in written if b <= rollback_limit(trigger, None)])
         action = response(sc, state.rollbacks, bool(older))
         if action == "rollback":
             rollbacks = state.rollbacks + 1
@@ -309,13 +322,13 @@ class Trainer:
                         "of %d)", state.step, self.collapse, older[-1].name, sc.lr_factor, rollbacks, sc.max_rollbacks)
             self.actor.lr_scale *= sc.lr_factor
             state.rollbacks = rollbacks
-            self.restore(before_batch=limit + 1)
+            self.restore(before_batch=checkpoint_batch(older[-1]) + 1)
             if self.runtime.is_main:
                 self._abandon_checkpoints_after(state.step)
             dist.barrier()
             return True
         last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
-        last += stop_reason(sc, state.rollbacks, bool(older), peak if limit < trigger - 1 else None)
+        last += stop_reason(sc, state.rollbacks, bool(older))
         raise UserError(f"Collapse sentinel stopped the run at step {state.step}: {self.collapse}; {last}. Resume from "
                         "it with a lower train.lr, or loosen the sentinel.* thresholds.")
 
@@ -446,15 +459,15 @@ class Trainer:
                            self.cfg.log.keep_checkpoints, self.t_start)
 
     def rollback_target_pin(self) -> int | None:
-        """The step of the checkpoint a reward drop would roll back to (the newest written by the end of the best
-        reward window so far), which pruning must keep however old it gets; None unless the sentinel rolls back on
-        reward drops."""
+        """The step of the checkpoint a reward drop would roll back to (the newest holding a policy no later than the
+        one that sampled the last batch of the best reward window so far: see rollback_limit), which pruning must keep
+        however old it gets; None unless the sentinel rolls back on reward drops."""
         sc = self.cfg.sentinel
         peak = best_window_end(sc, self.rewards_seen) if sc.action == "rollback" else None
         if peak is None:
             return None
         self.writer.wait()  # the write in flight may be the one to pin
-        kept = [c for c in complete_checkpoints(self.run_dir / "checkpoints") if checkpoint_batch(c) <= peak + 1]
+        kept = [c for c in complete_checkpoints(self.run_dir / "checkpoints") if checkpoint_batch(c) <= peak]
         return checkpoint_step(kept[-1]) if kept else None
 
     def restore(self, before_batch: int | None = None) -> None:

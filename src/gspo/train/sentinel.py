@@ -38,8 +38,8 @@ def reward_drop(sc, rewards: dict[int, float | None]) -> str | None:
 
 def _window_means(sc, rewards: dict[int, float | None]) -> list[tuple[float, int]]:
     """(mean reward of ``sc.window`` consecutive batches, the last of them) for every window of ``rewards``, oldest
-    first (batches without a reward are skipped)."""
-    seen = [(b, r) for b, r in sorted(rewards.items()) if r is not None]
+    first (batches without a finite reward are skipped: None, or NaN where every reward call of the batch failed)."""
+    seen = [(b, r) for b, r in sorted(rewards.items()) if r is not None and math.isfinite(r)]
     return [(sum(r for _, r in seen[i - sc.window:i]) / sc.window, seen[i - 1][0])
             for i in range(sc.window, len(seen) + 1)]
 
@@ -58,10 +58,12 @@ def best_window_end(sc, rewards: dict[int, float | None], before_newest: bool = 
 def rollback_limit(trigger: int, peak: int | None) -> int:
     """The latest rollout batch a rollback's checkpoint may resume at, after batch ``trigger`` (0-based) tripped the
     sentinel: one written before the batch before the trigger (the one right before it would replay the same rollouts
-    and trip it again) and, after a reward drop whose best window ended at batch ``peak``, one written by then. A
-    checkpoint from inside the decline resumes with the window's mean still low and trips the sentinel again within
-    a batch or two, before the lower learning rate can act (measured: docs/experiments/collapse/)."""
-    return trigger - 1 if peak is None else min(trigger - 1, peak + 1)
+    and trip it again) and, after a reward drop whose best window ended at batch ``peak``, one holding the policy that
+    sampled batch ``peak`` (a checkpoint resuming at batch b holds the weights that sample batch b): replaying from
+    there repeats batch ``peak``'s rollouts, then redoes its update at the lower learning rate. A checkpoint from inside
+    the decline resumes with the window's mean still low and trips the sentinel again within a batch or two, before
+    the lower learning rate can act (measured: docs/experiments/collapse/)."""
+    return trigger - 1 if peak is None else min(trigger - 1, peak)
 
 
 def response(sc, rollbacks: int, has_older_checkpoint: bool) -> str:
@@ -74,15 +76,11 @@ def response(sc, rollbacks: int, has_older_checkpoint: bool) -> str:
     return "stop"
 
 
-def stop_reason(sc, rollbacks: int, has_older_checkpoint: bool, peak: int | None = None) -> str:
-    """Why a ``rollback`` sentinel stopped instead (empty for ``stop``); ``peak``: the reward drop's best window ended
-    at this batch, earlier than the batch before the trigger."""
+def stop_reason(sc, rollbacks: int, has_older_checkpoint: bool) -> str:
+    """Why a ``rollback`` sentinel stopped instead (empty for ``stop``)."""
     if sc.action != "rollback":
         return ""
     if has_older_checkpoint:
         return f" ({rollbacks} rollbacks done, sentinel.max_rollbacks = {sc.max_rollbacks})"
-    if peak is not None:
-        return (f" (no checkpoint from before the drop to roll back to: the best {sc.window}-batch reward ended at "
-                f"rollout batch {peak + 1}, before the first checkpoint; lower log.checkpoint_every)")
     return (" (no checkpoint older than the batch before the trigger to roll back to; it would replay the same "
             "rollouts: raise log.keep_checkpoints)")
