@@ -264,8 +264,10 @@ class SentinelConfig:
     """Trigger when a step's sequence ratio leaves exp(+-this) (exploding spread of the sequence log-ratios)."""
     action: str = "warn"
     """On a trigger: ``warn`` (log and go on), ``stop`` (end the run without writing a checkpoint, so the last one
-    written before the collapse stays the newest) or ``rollback`` (reload the last checkpoint, multiply the learning
-    rate by ``lr_factor`` and go on; after ``max_rollbacks`` of them, stop)."""
+    written before the collapse stays the newest) or ``rollback`` (reload a checkpoint from before the collapse: after
+    a reward drop the one holding the policy that sampled the best window's last batch, else the newest before the
+    batch before the trigger; multiply the learning rate by ``lr_factor`` and go on; after ``max_rollbacks`` of them,
+    stop)."""
     lr_factor: float = 0.5
     """Learning-rate multiplier applied at each rollback."""
     max_rollbacks: int = 2
@@ -281,7 +283,8 @@ class LogConfig:
     checkpoint_every: int = 10
     """Write a checkpoint every this many rollout batches (and always at the end); 0 = only at the end."""
     keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep."""
+    """How many of the newest checkpoints to keep (and, with ``sentinel.action = "rollback"`` and a reward-drop
+    detector, the one a reward drop would roll back to)."""
     progress: bool = True
     """Show the console progress bar."""
     histograms: bool = True

@@ -30,7 +30,7 @@ def reward_drop(sc, rewards: dict[int, float | None]) -> str | None:
     """What the reward-drop detector saw: the mean reward of the last ``window`` batches more than
     ``sc.reward_drop`` below the best earlier such mean (once ``2 * window`` batches have a reward), else None."""
     means = [mean for mean, _ in _window_means(sc, rewards)] if sc.reward_drop > 0 else []
-    if len(means) <= sc.window or not max(means[:-1]) - means[-1] > sc.reward_drop:  # (NaN: no finding)
+    if len(means) <= sc.window or max(means[:-1]) - means[-1] <= sc.reward_drop:
         return None
     return (f"mean reward of the last {sc.window} batches {means[-1]:.3f} is {max(means[:-1]) - means[-1]:.3f} "
             f"below its best {max(means[:-1]):.3f} (sentinel.reward_drop = {sc.reward_drop})")
