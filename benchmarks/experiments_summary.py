@@ -18,7 +18,8 @@ from gspo.report import key_metrics, length_bins_seen, load_run, minibatch_means
 
 
 def _mean(xs: list) -> float | None:
-    return mean_present(xs)
+    """The mean of the values present; None (a "-" in the tables, null in the JSON) when there is none."""
+    return mean_present(xs, empty=None)
 
 
 def _runs(dirs: list[str]) -> dict[str, list]:
