@@ -37,7 +37,8 @@ from gspo.train.collect import Collector
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, lock_run_dir, out_of_memory
 from gspo.train.sentinel import (best_window_end, collapse_findings, response, reward_drop, rollback_limit,
                                  stop_reason)
-from gspo.train.state import CheckpointWriter, TrainState, checkpoint_batch, load as load_state, newest_checkpoint
+from gspo.train.state import (CheckpointWriter, TrainState, checkpoint_batch, checkpoints_through, load as load_state,
+                              newest_checkpoint)
 from gspo.types import Batch
 
 log = logging.getLogger("gspo")
@@ -312,9 +313,8 @@ class Trainer:
         # the batch before the trigger, as for the other detectors.
         trigger = state.rollout_batch - 1
         peak = best_window_end(sc, self.rewards_seen, before_newest=True) if reward_drop(sc, self.rewards_seen) else None
-        written = [(c, checkpoint_batch(c)) for c in complete_checkpoints(self.run_dir / "checkpoints")]
-        older = ([c for c, b in written if b <= rollback_limit(trigger, peak)]
-                 or [c for c, b in written if b <= rollback_limit(trigger, None)])
+        older = (checkpoints_through(self.run_dir, rollback_limit(trigger, peak))
+                 or checkpoints_through(self.run_dir, rollback_limit(trigger, None)))
         action = response(sc, state.rollbacks, bool(older))
         if action == "rollback":
             rollbacks = state.rollbacks + 1
@@ -467,7 +467,7 @@ class Trainer:
         if peak is None:
             return None
         self.writer.wait()  # the write in flight may be the one to pin
-        kept = [c for c in complete_checkpoints(self.run_dir / "checkpoints") if checkpoint_batch(c) <= peak]
+        kept = checkpoints_through(self.run_dir, peak)
         return checkpoint_step(kept[-1]) if kept else None
 
     def restore(self, before_batch: int | None = None) -> None:

@@ -29,7 +29,7 @@ def collapse_findings(sc, rows: list[dict[str, Any]], rewards: dict[int, float |
 def reward_drop(sc, rewards: dict[int, float | None]) -> str | None:
     """What the reward-drop detector saw: the mean reward of the last ``window`` batches more than
     ``sc.reward_drop`` below the best earlier such mean (once ``2 * window`` batches have a reward), else None."""
-    means = [mean for mean, _ in _window_means(sc, rewards)] if sc.reward_drop > 0 else []
+    means = [mean for mean, _ in _window_means(sc, rewards)]
     if len(means) <= sc.window or max(means[:-1]) - means[-1] <= sc.reward_drop:
         return None
     return (f"mean reward of the last {sc.window} batches {means[-1]:.3f} is {max(means[:-1]) - means[-1]:.3f} "
@@ -38,7 +38,10 @@ def reward_drop(sc, rewards: dict[int, float | None]) -> str | None:
 
 def _window_means(sc, rewards: dict[int, float | None]) -> list[tuple[float, int]]:
     """(mean reward of ``sc.window`` consecutive batches, the last of them) for every window of ``rewards``, oldest
-    first (batches without a finite reward are skipped: None, or NaN where every reward call of the batch failed)."""
+    first (batches without a finite reward are skipped: None, or NaN where every reward call of the batch failed);
+    none while the reward-drop detector is off."""
+    if sc.reward_drop <= 0:
+        return []
     seen = [(b, r) for b, r in sorted(rewards.items()) if r is not None and math.isfinite(r)]
     return [(sum(r for _, r in seen[i - sc.window:i]) / sc.window, seen[i - 1][0])
             for i in range(sc.window, len(seen) + 1)]
@@ -48,7 +51,7 @@ def best_window_end(sc, rewards: dict[int, float | None], before_newest: bool = 
     """The rollout batch ending the best ``window``-batch mean reward (the latest of equal ones), before the newest
     window with ``before_newest``: the peak a reward drop is measured from. None without a reward-drop detector or
     such a window."""
-    means = _window_means(sc, rewards)[:-1 if before_newest else None] if sc.reward_drop > 0 else []
+    means = _window_means(sc, rewards)[:-1 if before_newest else None]
     if not means:
         return None
     best = max(mean for mean, _ in means)

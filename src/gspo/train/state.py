@@ -46,6 +46,11 @@ def checkpoint_batch(ckpt: Path) -> int:
         return 1 << 30
 
 
+def checkpoints_through(run_dir: Path, batch: int) -> list[Path]:
+    """The run's complete checkpoints, oldest first, that resume at rollout batch ``batch`` or earlier."""
+    return [c for c in complete_checkpoints(run_dir / "checkpoints") if checkpoint_batch(c) <= batch]
+
+
 def metrics_cover(rows: list[dict[str, Any]] | None) -> int | None:
     """The largest step ``s`` such that the ``metrics.jsonl`` rows hold a line for every step 1..s (None without the
     file): a checkpoint past it would resume with a hole in the metrics (a line lost to a full disk or a kill)."""
@@ -175,9 +180,7 @@ def load(run_dir: Path, load_weights, before_batch: int | None = None,
     steps ``metrics`` (the rows of ``metrics.jsonl``, None without the file) no longer cover (a line lost), so that
     the replayed steps fill the hole."""
     root = run_dir / "checkpoints"
-    ckpts = complete_checkpoints(root)
-    if before_batch is not None:
-        ckpts = [c for c in ckpts if checkpoint_batch(c) < before_batch]
+    ckpts = complete_checkpoints(root) if before_batch is None else checkpoints_through(run_dir, before_batch - 1)
     covered = metrics_cover(metrics)
     if covered is not None and ckpts and checkpoint_step(ckpts[-1]) > covered:
         usable = [c for c in ckpts if checkpoint_step(c) <= covered]
