@@ -6,6 +6,7 @@
 #   SECS=480 bash benchmarks/gpu_experiments.sh run    # again until every run is done
 #   bash benchmarks/gpu_experiments.sh pack            # the runs (no checkpoints) and logs to $OUT/experiments.tgz
 #   bash benchmarks/gpu_experiments.sh timing          # old-policy pass: recompute vs the engine's log-probs, alone
+#   bash benchmarks/gpu_experiments.sh rollback        # the rollback experiment alone
 #   bash benchmarks/gpu_experiments.sh rest            # what the first lease left, one GPU each (4 GPUs): seeds 2 and
 #       # 3 of length (GPUs 0, 1), the timing, the noise probe and the rollback experiment (GPU 2), the MoE upcycle of
 #       # benchmarks/gpu_moe.sh (GPU 3; UPCYCLE= to skip); SECS-limited and resumable like run
@@ -78,14 +79,18 @@ rest)
       --rows 128 --bins 6 --out $W/probe/probe_noise.json > $W/probe.log 2>&1
     echo "probe: exit $?"; tail -12 $W/probe.log
   fi
-  compare rollback $A 3 gspo+int8+enginelp,grpo+int8+enginelp sentinel.action="'rollback'" sentinel.reward_drop=0.3 \
-    log.checkpoint_every=5 log.keep_checkpoints=3
+  bash $0 rollback
   wait
   progress
   grep -h "failed\|rror" $W/*.log | tail -8
   ;;
+rollback)  # the collapse-and-rollback experiment alone (RJOBS runs at a time over the visible GPUs)
+  compare rollback $A ${RJOBS:-3} gspo+int8+enginelp,grpo+int8+enginelp sentinel.action="'rollback'" \
+    sentinel.reward_drop=0.3 log.checkpoint_every=5 log.keep_checkpoints=3
+  progress | grep rollback/
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu_experiments.sh run|pack|timing|rest" >&2
+  echo "usage: bash benchmarks/gpu_experiments.sh run|pack|timing|rest|rollback" >&2
   exit 2
   ;;
 esac

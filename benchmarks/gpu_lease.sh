@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One nvidia-h100-x4 lease's work, detached so that it runs on between the calls that watch it (a process in a new
+# session outlives its call; the machine stays while calls keep coming). After the model is staged
+# (/root/smollm2/model.gguf and its tokenizer files):
+#   bash benchmarks/gpu_lease.sh start   # copies the tree to /root/frozen (later calls re-sync the working tree, so
+#                                        # runs started later must not import from it), then in the background:
+#       GPUs 0,1: the rollback experiment (benchmarks/gpu_experiments.sh rollback), then weak scaling at 1 and 2 GPUs
+#       GPU 2:    tests/test_gpu.py
+#       GPU 3:    the MoE upcycle; when it is done, all 4 GPUs: the 5 MoE arms at 8 minibatches, 3 seeds each
+#   bash benchmarks/gpu_lease.sh wait SECS   # prints progress until everything is done or SECS have passed
+#   bash benchmarks/gpu_lease.sh pack        # results to $OUT (a few archives: a call brings back at most 8 files)
+#   bash benchmarks/gpu_lease.sh scaling     # weak scaling at 1, 2 and 4 GPUs with the working tree's code, alone
+set -uo pipefail
+R=/root/results
+F=/root/frozen
+mkdir -p $R
+case "$1" in
+start)
+  rm -rf $F && mkdir -p $F && tar --exclude=./.gpu -cf - . | tar -xf - -C $F
+  cd $F
+  export PYTHONPATH=/tmp/site:$F/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+  setsid bash -c "
+    (CUDA_VISIBLE_DEVICES=3 CHECK= STEPS=700 LR=3e-4 OUT=$R bash benchmarks/gpu_moe.sh upcycle > $R/upcycle.log 2>&1
+     echo \"upcycle exit \$?\" >> $R/status
+     OUT=$R CKPT=80 SECS=1700 TRAIN_STEPS=320 JOBS=12 \
+       ARMS=gspo+mb8,grpo+mb8,grpo+r2+mb8,grpo+r3+mb8,gspo+r2+mb8 bash benchmarks/gpu_moe.sh compare > $R/moe.log 2>&1
+     echo \"moe exit \$?\" >> $R/status) &
+    (CUDA_VISIBLE_DEVICES=2 timeout 600 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $R/gpu_tests.txt 2>&1
+     echo \"tests exit \$?\" >> $R/status) &
+    (CUDA_VISIBLE_DEVICES=0,1 W=/root/exp SECS=900 RJOBS=6 bash benchmarks/gpu_experiments.sh rollback > $R/rollback.log 2>&1
+     echo \"rollback exit \$?\" >> $R/status
+     tar czf $R/rollback.tgz -C /root/exp --exclude=checkpoints rollback rollback.log
+     CUDA_VISIBLE_DEVICES=0,1 OMP_NUM_THREADS=1 GPUS=1,2 EQUAL= NAME=scaling_12 OUT=$R \
+       bash benchmarks/gpu_scale.sh scaling > $R/scaling_12.log 2>&1
+     echo \"scaling_12 exit \$?\" >> $R/status) &
+    wait; echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
+  sleep 5; cat $R/driver.log
+  ;;
+wait)
+  end=$((SECONDS + ${2:-500}))
+  while [ $SECONDS -lt $end ] && ! grep -q "all done" $R/status 2>/dev/null; do sleep 20; done
+  cat $R/status 2>/dev/null; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+  tail -3 $R/upcycle.log 2>/dev/null; tail -4 $R/gpu_tests.txt 2>/dev/null; tail -8 $R/rollback.log 2>/dev/null
+  grep -h "speed-up\|GPUs\|rror" $R/scaling_12.log 2>/dev/null | tail -6
+  ls /dev/shm/moe-compare 2>/dev/null | head -20; tail -25 $R/moe.log 2>/dev/null
+  ;;
+pack)
+  cd $R && tar czf $OUT/lease.tgz --exclude='*.tgz' . && cp *.tgz $OUT/ 2>/dev/null; ls -la $OUT
+  ;;
+scaling)
+  export OMP_NUM_THREADS=1
+  GPUS=${GPUS:-1,2,4} EQUAL= NAME=${NAME:-scaling_124} bash benchmarks/gpu_scale.sh scaling
+  ;;
+esac
