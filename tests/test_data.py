@@ -300,3 +300,20 @@ def test_numbered_words_task_is_a_deterministic_stream_of_word_lists():
     assert default_reward("numbered_words") == "gspo.rewards.builtin:last_number"
     with pytest.raises(UserError, match="cannot be formatted"):
         build_dataset({"task": "numbered_words", "template": "{question}"})
+
+
+def test_encode_prompts_in_one_call_equals_one_call_per_prompt(tokenizer):
+    """The batched encoding gives each prompt the ids the template-then-tokenize path gives it alone: string and
+    message-list prompts, with and without a system prompt, one that has its own system turn, and non-ASCII text."""
+    from gspo.prompts import encode_prompts, messages_for
+    from gspo.types import Example
+
+    examples = [Example("What is 12 + 34?"), Example([{"role": "user", "content": "Zähle: eins, zwei, drei — 🙂"}]),
+                Example([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 * 3?"}]),
+                Example("  leading and trailing spaces  \n")]
+    for system in (None, "You are a careful solver."):
+        alone = [tokenizer(tokenizer.apply_chat_template(messages_for(ex, system), add_generation_prompt=True,
+                                                         tokenize=False), add_special_tokens=False)["input_ids"]
+                 for ex in examples]
+        assert encode_prompts(tokenizer, examples, system) == alone
+    assert encode_prompts(tokenizer, []) == []

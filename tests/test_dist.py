@@ -144,10 +144,14 @@ def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path): 
     one = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=6"), "--resume", "--run-dir", str(run))
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resumed on 1 process(es) from a checkpoint written by 2" in one.stderr
-    three = _train(tmp_path, _torchrun(3), _overrides(tiny_dir, "train.steps=6", "dist.strategy='ddp'"), "--resume",
-                   "--run-dir", str(copy))
+    three = _train(tmp_path, _torchrun(3), _overrides(tiny_dir, "train.steps=6", "dist.strategy='ddp'",
+                                                      "log.profile_batch=3"), "--resume", "--run-dir", str(copy))
     assert three.returncode == 0, three.stderr[-3000:]
     assert "resumed on 3 process(es) from a checkpoint written by 2" in three.stderr
+    for rank in range(3):  # the profiled batch: every process's stages, the gradient sum and the gather among them
+        table = (copy / "profile" / f"rank{rank}.txt").read_text()
+        assert all(f"gspo/{s}" in table for s in ("collect", "gather_objects", "sum_gradients", "reduce_metrics"))
+        assert (copy / "profile" / f"rank{rank}.trace.json.gz").stat().st_size > 0
     for d in (run, copy):
         resumed = check_run_dir(d, 6)
         assert resumed[:4] == rows  # the lines before the resume are kept as they were

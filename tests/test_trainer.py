@@ -85,6 +85,23 @@ def test_run_writes_ratio_histograms_and_token_traces(tiny_dir, tmp_path):
         assert t["seq_log_ratio"] == pytest.approx(sum(t["token_log_ratio"]) / len(t["token_log_ratio"]), abs=1e-6)
 
 
+def test_profile_batch_writes_the_stages_and_a_trace_of_that_batch_only(tiny_dir, tmp_path):
+    """log.profile_batch = 2 profiles the second rollout batch: its stage table names the loop's stages with their
+    call counts (2 optimizer steps of 1 minibatch each), and the trace is gzipped Chrome-trace JSON."""
+    import gzip
+
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_dir, "train.steps=3", "train.minibatches=1", "log.profile_batch=2"), run).train()
+    table = (run / "profile" / "rank0.txt").read_text()
+    assert table.startswith("rollout batch 2, process 0 (cpu)")
+    stages = {line.split()[0]: int(line.split()[1]) for line in table.splitlines() if line.startswith("gspo/")}
+    assert stages["gspo/collect"] == stages["gspo/update"] == stages["gspo/step"] == stages["gspo/apply"] == 1
+    assert {"gspo/rollout", "gspo/reward", "gspo/old_logprobs", "gspo/forward_backward", "gspo/reduce_metrics"} <= set(stages)
+    trace = json.loads(gzip.open(run / "profile" / "rank0.trace.json.gz").read())
+    assert any(e.get("name") == "gspo/collect" for e in trace["traceEvents"])
+    assert sorted(p.name for p in (run / "profile").iterdir()) == ["rank0.trace.json.gz", "rank0.txt"]
+
+
 def test_resume_continues_the_step_count(tiny_dir, tmp_path):
     """A run resumed from its checkpoint continues from step 2 to step 4 with the same parameters it saved."""
     run = tmp_path / "run"

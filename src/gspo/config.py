@@ -294,6 +294,10 @@ class LogConfig:
     minibatch to traces.jsonl; 0 = never."""
     trace_samples: int = 2
     """Responses per trace: the one with the most extreme token ratio, then others spread over the minibatch."""
+    profile_batch: int = 0
+    """Profile this rollout batch (1-based; 0 = none) with torch.profiler on every process: ``<run_dir>/profile/``
+    gets ``rank<r>.txt`` (gspo's stages, then operators by host and device time) and ``rank<r>.trace.json.gz`` (for
+    ui.perfetto.dev). That batch's ``time/*`` metrics include the profiler's overhead; pick one after the first."""
     tensorboard: bool = False
     """Also write every metric to TensorBoard event files in ``<run_dir>/tensorboard/`` (``pip install
     'gspo[tensorboard]'``)."""
@@ -603,7 +607,9 @@ def validate(cfg: Config) -> None:
                                 (min(sc.entropy_min, sc.reward_drop, sc.seq_ratio_log_max) >= 0, "sentinel thresholds",
                                  (sc.entropy_min, sc.reward_drop, sc.seq_ratio_log_max), "use 0 (off) or a positive value"),
                                 (lg.trace_every >= 0 and lg.trace_samples >= 0, "log.trace_every / log.trace_samples",
-                                 (lg.trace_every, lg.trace_samples), "use 0 (off) or a positive count")):
+                                 (lg.trace_every, lg.trace_samples), "use 0 (off) or a positive count"),
+                                (lg.profile_batch >= 0, "log.profile_batch", lg.profile_batch,
+                                 "use 0 (off) or the 1-based index of a rollout batch")):
         if not ok:
             raise UserError(f"{key} = {value} is invalid; {fix}.")
     for key, on, package in (("log.tensorboard", lg.tensorboard, "tensorboard"), ("log.wandb", lg.wandb, "wandb")):

@@ -17,12 +17,15 @@ def messages_for(example: Example, system_prompt: str | None = None) -> list[dic
 
 def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None = None) -> list[list[int]]:
     """Token ids of each example's prompt, ending where the assistant's reply starts."""
-    out = []
-    for ex in examples:
-        if getattr(tokenizer, "chat_template", None):
-            # Render to text, then tokenize without adding BOS/EOS again: the template already placed them.
-            text = tokenizer.apply_chat_template(messages_for(ex, system_prompt), add_generation_prompt=True, tokenize=False)
-        else:
-            text = ex.prompt if isinstance(ex.prompt, str) else "\n".join(m["content"] for m in ex.prompt)
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return out
+    if not examples:
+        return []
+    if getattr(tokenizer, "chat_template", None):
+        # Render to text, then tokenize without adding BOS/EOS again: the template already placed them.
+        texts = [tokenizer.apply_chat_template(messages_for(ex, system_prompt), add_generation_prompt=True,
+                                               tokenize=False) for ex in examples]
+    else:
+        texts = [ex.prompt if isinstance(ex.prompt, str) else "\n".join(m["content"] for m in ex.prompt)
+                 for ex in examples]
+    # One call for the batch: the same ids as one call per text, in half the time (every process of a torchrun job
+    # encodes the whole round's prompts, 128 of them at 4 GPUs of the reference run)
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]

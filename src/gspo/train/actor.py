@@ -35,6 +35,7 @@ from gspo.errors import UserError
 from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
 from gspo.models import attention_context, disable_dropout, named_weights
 from gspo.moe import Routing, disable_router_noise, is_moe
+from gspo.profiler import stage
 from gspo.runtime import Runtime, to_device
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout
@@ -363,7 +364,8 @@ class Actor:
         # back up so their average is the single-process gradient (DDP sums them: no scale).
         scale = float(plan.world) if self.sharded else 1.0
         aux_total = torch.zeros((), dtype=torch.float64, device=dev)
-        with self.routing.updating() if self.routing is not None else contextlib.nullcontext():
+        replay = self.routing.updating() if self.routing is not None else contextlib.nullcontext()
+        with replay, stage("forward_backward"):
             for sub in plan.micro[k]:
                 logp, ent = self.logprobs(batch.rollout, sub, with_entropy=True)  # (n, T)
                 sub_dev = to_device(sub, dev)
@@ -383,11 +385,12 @@ class Actor:
                 mb_logp[start:start + len(sub)], mb_ent[start:start + len(sub)] = logp.detach(), ent
                 start += len(sub)
         if plan.world > 1:  # every process's new log-probs: the diagnostics cover the whole minibatch
-            share = slice(plan.rank * own, (plan.rank + 1) * own)
-            mb_logp, mb_ent = dist.gather_rows(mb_logp[share]), dist.gather_rows(mb_ent[share])
-            if on_policy_fill:
-                old[rows_dev] = mb_logp
-            loss_total, aux_total = dist.all_sum(loss_total), dist.all_sum(aux_total)
+            with stage("share_logprobs"):
+                share = slice(plan.rank * own, (plan.rank + 1) * own)
+                mb_logp, mb_ent = dist.gather_rows(mb_logp[share]), dist.gather_rows(mb_ent[share])
+                if on_policy_fill:
+                    old[rows_dev] = mb_logp
+                loss_total, aux_total = dist.all_sum(loss_total), dist.all_sum(aux_total)
         moe_metrics = {}
         if self.routing is not None:
             self.routing.sum_counts(dist.all_sum)
@@ -400,7 +403,8 @@ class Actor:
         if on_policy_fill:  # every row's old log-probs exist from here on
             batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev), old,
                                              self._on_device["completion_mask"]))
-        with torch.no_grad():  # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
+        # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
+        with torch.no_grad(), stage("step_metrics"):
             _, metrics = policy_loss(mb_logp, old[rows_dev], adv[rows_dev], mb_mask,
                                      ref_logp=None if ref is None else ref[rows_dev], **loss_kw)
         completion = self._on_device["completion_mask"][rows_dev]  # (mb, T)
@@ -409,9 +413,11 @@ class Actor:
         metrics["loss"] = loss_total
         if plan.world > 1:  # how long this process took to its gradient: the job's slowest and fastest are logged
             if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+                with stage("compute_sync"):
+                    torch.cuda.synchronize(dev)
             metrics["dist/compute_max_s"] = metrics["dist/compute_min_s"] = time.perf_counter() - t_start
-        metrics["grad_norm"] = self._apply(loss_total, step)
+        with stage("apply"):
+            metrics["grad_norm"] = self._apply(loss_total, step)
         metrics["trained_tokens"] = tokens
         metrics.update(moe_metrics)
         self.set_training(False)
@@ -421,9 +427,11 @@ class Actor:
         """Clip and apply the accumulated gradient at ``lr_at(step)``, unless the loss or the gradient is not finite."""
         t = self.cfg.train
         if self.replicated:
-            dist.sum_gradients(trainable_parameters(self.model))
-        grad_norm = dist.full_value(torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")))
+            with stage("sum_gradients"):
+                dist.sum_gradients(trainable_parameters(self.model))
+        with stage("clip"):
+            grad_norm = dist.full_value(torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")))
         self.set_lr(step)
         bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         if self.fused_optimizer:

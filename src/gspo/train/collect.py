@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +26,22 @@ from gspo.checkpoint import to_cpu
 from gspo.data import DataStream
 from gspo.dist import active, barrier, gather_objects, rank_world
 from gspo.errors import UserError
+from gspo.profiler import stage
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner
 from gspo.rewards.steps import load_step_credit, token_advantages
 from gspo.types import FINISH_LENGTH, Batch, Example, Groups, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
+
+
+@dataclass
+class Scores:
+    """The rewards of one sampling round (what the reward metrics and the failure check read of it): sent to every
+    process without the round's completions, which the kept groups already carry."""
+
+    rewards: torch.Tensor  # (n,) weighted total, NaN where a reward function failed
+    per_function: dict[str, torch.Tensor]  # name -> (n,)
 
 
 class Collector:
@@ -89,12 +100,14 @@ class Collector:
         """``G`` completions of each of these prompts, scored."""
         G = self.cfg.rollout.group_size
         t0 = time.perf_counter()
-        rollout = self.engine.generate(prompt_ids, G, self.sampling, generator=self.generator)
+        with stage("rollout"):
+            rollout = self.engine.generate(prompt_ids, G, self.sampling, generator=self.generator)
         timing["rollout"] += time.perf_counter() - t0
         timing["gen_tokens"] += float(rollout.completion_mask.sum())
         row_examples = [ex for ex in examples for _ in range(G)]
         t0 = time.perf_counter()
-        result = self.rewards.score(rollout.texts, row_examples)
+        with stage("reward"):
+            result = self.rewards.score(rollout.texts, row_examples)
         timing["reward"] += time.perf_counter() - t0
         timing["failures"] += float(sum(result.failures.values()))
         if result.errors and self._first_error is None:
@@ -102,7 +115,7 @@ class Collector:
         self.warn_failures(result)
         return Groups(rollout, row_examples, result.total.float(), result.per_function)
 
-    def check_failures(self, rounds: list[Groups]) -> None:
+    def check_failures(self, rounds: list[Scores]) -> None:
         """A reward function that failed (NaN) on every completion of a rollout batch, all its sampling rounds, is
         broken, not unlucky: one line naming it and its first error."""
         for name in rounds[0].per_function:
@@ -136,10 +149,12 @@ class Collector:
         kept = dropped = rounds = padded = 0
         zero_flags = []
         while True:
-            needs = gather_objects(P - kept)  # [groups each process still lacks]
+            with stage("needs"):
+                needs = gather_objects(P - kept)  # [groups each process still lacks]
             if not any(needs):
                 break
-            examples, prompt_ids = self.prompts(sum(needs))
+            with stage("prompts"):
+                examples, prompt_ids = self.prompts(sum(needs))
             rounds += 1
             if not needs[rank]:
                 continue
@@ -171,18 +186,23 @@ class Collector:
         return Groups.concat(kept_parts), rounds_seen, counts
 
     def gather(self, groups: Groups, rounds: list[Groups], counts: dict[str, Any],
-               timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, float]]:
-        """Every process's groups, rounds and counts, in rank order (a no-op in one process), and the sampling
-        counters of the whole batch."""
+               timing: dict[str, float]) -> tuple[Groups, list[Scores], dict[str, float]]:
+        """Every process's groups, the rewards of every sampling round and counts, in rank order (a no-op in one
+        process), and the sampling counters of the whole batch."""
         t0 = time.perf_counter()
         wait = 0.0
+        scores = [Scores(r.rewards, r.per_function) for r in rounds]
         if active():
-            barrier()  # the wait for the slowest process's rollout, timed apart from the transfer
+            with stage("gather_wait"):
+                barrier()  # the wait for the slowest process's rollout, timed apart from the transfer
             wait = time.perf_counter() - t0
-            parts = gather_objects((to_cpu(groups), [to_cpu(r) for r in rounds], counts, dict(timing),
-                                    self._first_error))
-            groups = Groups.concat([p[0] for p in parts])
-            rounds = [r for p in parts for r in p[1]]
+            with stage("gather_to_cpu"):
+                mine = (to_cpu(groups), to_cpu(scores), counts, dict(timing), self._first_error)
+            with stage("gather_objects"):
+                parts = gather_objects(mine)
+            with stage("gather_merge"):
+                groups = Groups.concat([p[0] for p in parts])
+            scores = [r for p in parts for r in p[1]]
             counts = {"dropped": sum(p[2]["dropped"] for p in parts), "padded": sum(p[2]["padded"] for p in parts),
                       "rounds": max(p[2]["rounds"] for p in parts),
                       "zero_flags": torch.cat([p[2]["zero_flags"] for p in parts])}
@@ -195,7 +215,7 @@ class Collector:
         counters = {"dynamic/dropped_groups": float(counts["dropped"]), "dynamic/padded_groups": float(counts["padded"]),
                     "dynamic/rounds": float(counts["rounds"]),
                     "zero_variance_frac": float(counts["zero_flags"].float().mean())}
-        return groups, rounds, counters
+        return groups, scores, counters
 
     def collect(self) -> Batch:
         """Sample, score and (DAPO) filter one rollout batch, and compute its advantages."""
@@ -241,7 +261,7 @@ class Collector:
         return overlong_penalty(rollout.lengths, self.cfg.rollout.max_new_tokens, self.cfg.dapo.overlong_cache)
 
     @staticmethod
-    def reward_metrics(groups: Groups, rounds: list[Groups], timing: dict[str, float]) -> dict[str, float]:
+    def reward_metrics(groups: Groups, rounds: list[Scores], timing: dict[str, float]) -> dict[str, float]:
         """Reward statistics over every sampled round (what the policy produced), and over the rows trained."""
         raw = torch.cat([r.rewards for r in rounds])
         m = {"reward/mean": _nanmean(raw), "reward/std": _nanstd(raw), "reward/trained_mean": _nanmean(groups.rewards)}

@@ -28,6 +28,7 @@ from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.errors import UserError
 from gspo.metrics import read_jsonl
 from gspo.models import load_model, stop_token_ids
+from gspo.profiler import BatchProfiler, stage
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import RolloutEngine, make_engine, rounded_weights
 from gspo.runlog import RunLog
@@ -142,6 +143,7 @@ class Trainer:
             self.collector, self.rewards = parts.collector, parts.rewards
             self.state = TrainState()
             self.writer = CheckpointWriter(self.run_dir)
+            self.profiler = BatchProfiler(cfg.log.profile_batch, self.run_dir, self.runtime.rank, self.runtime.device)
             self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps)
             self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
             self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
@@ -177,7 +179,8 @@ class Trainer:
                 # got a signal (one that went on alone would wait in a collective for the others).
                 stopping = dist.any_rank(stop.received is not None)
                 while state.step < cfg.train.steps and not stopping:
-                    self.rollout_batch_once(runlog)
+                    with self.profiler.around(state.rollout_batch):
+                        self.rollout_batch_once(runlog)
                     self.writer.poll()  # a background checkpoint that failed ends the run now, in one line
                     stopping = dist.any_rank(stop.received is not None)
                     if self.check_collapse(self.last_rows):  # rolled back to an earlier checkpoint: replay from there
@@ -224,10 +227,11 @@ class Trainer:
         """One rollout batch: weights to the engine, collect, update; its metrics lines are left in ``last_rows``."""
         state = self.state
         t_sync = time.perf_counter()
-        weights = self.actor.weights()
-        if self.cfg.rollout.engine_weight_bits:  # an injected engine-trainer gap (the engine's copy only)
-            weights = rounded_weights(weights, self.cfg.rollout.engine_weight_bits)
-        self.engine.sync_weights(weights)
+        with stage("sync_weights"):
+            weights = self.actor.weights()
+            if self.cfg.rollout.engine_weight_bits:  # an injected engine-trainer gap (the engine's copy only)
+                weights = rounded_weights(weights, self.cfg.rollout.engine_weight_bits)
+            self.engine.sync_weights(weights)
         t_sync = time.perf_counter() - t_sync
         first = "first_rollout_at" not in self.timings
         if first:
@@ -235,7 +239,7 @@ class Trainer:
             log.info("first rollout %.1f s after the command (%s)", self.timings["first_rollout_at"],
                      ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k != "first_rollout_at"))
         t_collect = time.perf_counter()
-        with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint):
+        with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint), stage("collect"):
             batch = self.collector.collect()
         batch.metrics["time/sync_weights"] = t_sync
         if first:
@@ -243,12 +247,14 @@ class Trainer:
             self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
             self.timings["reward_workers_start_s"] = round(self.rewards.start_seconds, 3)
         t_log = time.perf_counter()
-        runlog.samples(batch, state.step, state.rollout_batch)
+        with stage("log"):
+            runlog.samples(batch, state.step, state.rollout_batch)
         self.count_log_time(t_log)
-        with out_of_memory("the update", lambda: state.step, self.newest_checkpoint):
+        with out_of_memory("the update", lambda: state.step, self.newest_checkpoint), stage("update"):
             self.last_rows = self.update(batch, runlog)
         t_log = time.perf_counter()
-        runlog.flush()
+        with stage("log"):
+            runlog.flush()
         self.count_log_time(t_log)
         state.rollout_batch += 1
 
@@ -266,19 +272,23 @@ class Trainer:
         if self.runtime.world_size > 1:
             tokens = torch.tensor([len(p) for p in rollout.prompt_ids]) + rollout.lengths.cpu()
         plan = self.actor.plan(rollout.completion_ids.shape[0], tokens)
-        self.actor.prepare(batch, plan)
+        with stage("old_logprobs"):
+            self.actor.prepare(batch, plan)
         batch.metrics["time/logprobs"] = time.perf_counter() - t0
         rows = []
         for k in range(cfg.train.minibatches):
             t_step = time.perf_counter()
-            out = self.actor.step(batch, plan, k, state.step)
+            with stage("step"):
+                out = self.actor.step(batch, plan, k, state.step)
             metrics = {**batch.metrics, **out.metrics}
             if self.runtime.device.type == "cuda":  # the job's peak: the largest over its processes
                 metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
-            values = self.runtime.reduce(metrics, REDUCE)  # the step's one host sync
+            with stage("reduce_metrics"):
+                values = self.runtime.reduce(metrics, REDUCE)  # the step's one host sync
             self.nonfinite.record(finite(values["loss"]) and finite(values["grad_norm"]), state.step + 1)
-            runlog.diagnostics(self.tokenizer, batch, out.rows, out.logprobs, step=state.step + 1,
-                               rollout_batch=state.rollout_batch, minibatch=k)
+            with stage("diagnostics"):
+                runlog.diagnostics(self.tokenizer, batch, out.rows, out.logprobs, step=state.step + 1,
+                                   rollout_batch=state.rollout_batch, minibatch=k)
             dt = time.perf_counter() - t_step
             tokens = values.pop("trained_tokens")
             row = {"step": state.step + 1, "rollout_batch": state.rollout_batch, "minibatch": k, **values,
@@ -288,7 +298,8 @@ class Trainer:
             state.step += 1
             state.nonfinite_steps = self.nonfinite.total
             t_log = time.perf_counter()
-            runlog.step(row, end_of_batch=(k == cfg.train.minibatches - 1))
+            with stage("log"):
+                runlog.step(row, end_of_batch=(k == cfg.train.minibatches - 1))
             self.count_log_time(t_log)
             rows.append(row)
         return rows
