@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu_scale.sh scaling   # weak scaling at 1, 2, 4 GPUs + one GPU at the 4-GPU batch (MAKE7B=1: the
 #                                          # random Qwen2.5-7B-shaped model is written meanwhile, for the next call)
 #   bash benchmarks/gpu_scale.sh large     # that 7B model on 4 GPUs, then the Qwen2.5-3B shape on one GPU
+#   bash benchmarks/gpu_scale.sh profile   # rollout batch 3 of the weak-scaling run under torch.profiler
+#                                          # (log.profile_batch) at 1 and 4 GPUs: stage tables and traces to $OUT
 # Runs and models go to /dev/shm or /root (a 7B checkpoint is ~120 GB of DCP shards and HF export), never under $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -22,6 +24,16 @@ scaling)
   # one archive: a call brings back only a few files
   (cd $W && tar czf $OUT/${NAME:-scaling}.tgz scaling/*.json scaling/scaling-runs/*/{metrics.jsonl,config.json,timings.json})
   wait; [ -n "${MAKE7B-}" ] && tail -2 $OUT/make_7b.log
+  ;;
+profile)
+  for n in ${GPUS:-1 4}; do
+    python3 -m gspo.cli train configs/quickstart.toml model.name="'$M'" rollout.prompts_per_batch=$((32 * n)) \
+      train.steps=16 log.checkpoint_every=0 log.progress=false log.profile_batch=3 --run-dir $W/profile-$n --nproc $n \
+      2>&1 | grep -v "Warn\|warn(\|USDT" | tail -3
+    grep -A32 "^stage" $W/profile-$n/profile/rank0.txt
+  done
+  (cd $W && tar czf $OUT/profiles.tgz profile-*/profile/*.txt profile-*/profile/rank[01].trace.json.gz profile-*/metrics.jsonl)
+  ls -la $OUT
   ;;
 large)
   for spec in ${SPECS:-qwen2.5-7b:4 qwen2.5-3b:1}; do
