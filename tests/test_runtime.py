@@ -1,6 +1,7 @@
 """The runtime: the one precision rule, the device rule, and the one reduce of metrics (in one process and across
 real torchrun processes on gloo)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def test_reduce_is_one_transfer_of_floats():
 
 
 def test_reduce_across_torchrun_processes(tmp_path):
-    """Two torchrun ranks on gloo: means average, sums add, max and min combine; rank and world come from torchrun."""
+    """Two torchrun ranks on gloo: means average, sums add, max and min combine (a float32 value exactly as .item()
+    gives it); rank and world come from torchrun."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
                                                         os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -47,8 +49,10 @@ def test_reduce_across_torchrun_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [g["is_main"] for g in got] == [True, False] and {g["world"] for g in got} == {2}
-    for g in got:
-        assert g["values"] == {"mean": 0.5, "count": 3.0, "max": 2.0, "min": -5.0}
+    for g in got:  # in the order given, whether numbers or tensors; a NaN on one process stays NaN
+        assert list(g["values"]) == ["mean", "count", "max", "min", "nan_max", "half"]
+        assert math.isnan(g["values"].pop("nan_max"))
+        assert g["values"] == {"mean": 0.5, "count": 3.0, "max": 2.0, "min": -5.0, "half": torch.tensor(0.1).item()}
 
 
 def test_gpu_runs_use_one_cpu_thread_unless_omp_num_threads_says_otherwise(tmp_path):

@@ -21,7 +21,9 @@ How a rollout batch is split (``W`` ranks, ``P`` prompts, ``G`` completions):
 from __future__ import annotations
 
 import datetime
+import io
 import os
+import pickle
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -104,13 +106,31 @@ def _comm_device(device: torch.device | None = None) -> torch.device:
     return device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
 
+def _tensor_from_array(array) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+class _ArrayPickler(pickle.Pickler):
+    """Pickles CPU tensors as numpy arrays: torch's own reduction writes each storage through ``torch.save`` and reads
+    it back through ``torch.load``, ~20x slower to load than an array's bytes (what a gather of a rollout batch's groups
+    spent most of its time on at 4 GPUs). Dtypes numpy lacks (bfloat16) and GPU tensors keep torch's reduction."""
+
+    def reducer_override(self, obj):
+        if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.dtype != torch.bfloat16
+                and not obj.requires_grad and type(obj) is torch.Tensor):
+            return _tensor_from_array, (obj.numpy(),)
+        return NotImplemented
+
+
 def gather_objects(obj: Any) -> list[Any]:
-    """``obj`` of every rank, in rank order (``[obj]`` in one process). For small things: they are pickled."""
+    """``obj`` of every rank, in rank order (``[obj]`` in one process), pickled (CPU tensors as arrays)."""
     if not active():
         return [obj]
+    buf = io.BytesIO()
+    _ArrayPickler(buf, protocol=4).dump(obj)  # protocol 4: unpickled arrays own writable memory
     out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
+    torch.distributed.all_gather_object(out, buf.getvalue())
+    return [pickle.loads(b) for b in out]
 
 
 def gather_rows(local: torch.Tensor) -> torch.Tensor:
@@ -250,8 +270,8 @@ def sum_gradients(params: list[torch.nn.Parameter], bucket_bytes: int = 64 << 20
     for bucket in _take_tensors([p.grad for p in params], bucket_bytes):
         flat = _flatten_dense_tensors(bucket)
         torch.distributed.all_reduce(flat)
-        for grad, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            grad.copy_(summed)
+        # one multi-tensor copy back, not one kernel launch per gradient (~270 for a 135M Llama)
+        torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -23,7 +23,6 @@ import torch
 from gspo.errors import UserError
 
 PRECISIONS = ("auto", "fp32", "bf16-autocast")
-REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -104,22 +103,27 @@ class Runtime:
         return {name: out[name] for name in names}
 
     def _all_reduce(self, metrics, names: list[str], ops: dict[str, str]) -> dict[str, float]:
+        """Every process's values in one all-gather and one host synchronisation, combined on the host (a column per
+        metric: its mean, sum, max or min over the processes; NaN stays NaN)."""
         import torch.distributed as dist
 
         device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        out: dict[str, float] = {}
-        for op in REDUCE_OPS:
-            group = [n for n in names if ops.get(n, "mean") == op]
-            if not group:
-                continue
-            values = torch.stack([torch.as_tensor(metrics[n]).detach().reshape(()).to(device, torch.float64)
-                                  for n in group])
-            reduce_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                         "min": dist.ReduceOp.MIN}[op]
-            dist.all_reduce(values, op=reduce_op)
-            if op == "mean":
-                values /= self.world_size
-            out.update(zip(group, values.tolist()))
+        numbers = [n for n in names if not isinstance(metrics[n], torch.Tensor)]
+        tensors = [n for n in names if isinstance(metrics[n], torch.Tensor)]
+        parts = []
+        if numbers:  # host values: one pinned copy that does not wait for the device's queue
+            host = torch.tensor([float(metrics[n]) for n in numbers], dtype=torch.float64)
+            parts.append(host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host)
+        if tensors:
+            parts.append(torch.stack([metrics[n].detach().reshape(()).to(device, torch.float64) for n in tensors]))
+        local = torch.cat(parts)  # (n,)
+        table = torch.empty(self.world_size * local.numel(), dtype=torch.float64, device=device)
+        dist.all_gather_into_tensor(table, local)
+        table = table.view(self.world_size, -1).cpu()  # (W, n): the one host sync
+        combined = {"sum": table.sum(0), "max": table.amax(0), "min": table.amin(0)}
+        combined["mean"] = combined["sum"] / self.world_size
+        columns = {op: col.tolist() for op, col in combined.items()}
+        out = {name: columns[ops.get(name, "mean")][j] for j, name in enumerate(numbers + tensors)}
         return {name: out[name] for name in names}
 
 

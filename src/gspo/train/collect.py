@@ -137,8 +137,9 @@ class Collector:
     def fill(self, timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, Any]]:
         """This process's groups for the update (all ``P`` in one process, ``P / W`` of a ``torchrun`` job); with DAPO
         dynamic sampling, zero-variance groups are dropped and refilled. Sampling rounds are taken by all processes
-        together (see :mod:`gspo.dist`): each round every one says how many groups it lacks, all draw that many prompts
-        from the one data stream, and each samples its own share.
+        together (see :mod:`gspo.dist`): each round every one says how many groups it lacks (under dynamic sampling; else
+        each lacks P / W, then none), all draw that many prompts from the one data stream, and each samples its own
+        share.
 
         Returns the kept groups, every sampled round (for the reward metrics) and the sampling counts."""
         cfg = self.cfg
@@ -149,8 +150,11 @@ class Collector:
         kept = dropped = rounds = padded = 0
         zero_flags = []
         while True:
-            with stage("needs"):
-                needs = gather_objects(P - kept)  # [groups each process still lacks]
+            if cfg.dapo.dynamic_sampling:
+                with stage("needs"):
+                    needs = gather_objects(P - kept)  # [groups each process still lacks]
+            else:  # every process lacks the same count (all P, then none): nothing to exchange
+                needs = [P - kept] * world
             if not any(needs):
                 break
             with stage("prompts"):

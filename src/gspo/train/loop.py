@@ -285,6 +285,10 @@ class Trainer:
                 metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
             with stage("reduce_metrics"):
                 values = self.runtime.reduce(metrics, REDUCE)  # the step's one host sync
+                if out.compute_events is not None:  # complete now: a tiny second reduce, on an idle device
+                    seconds = out.compute_events[0].elapsed_time(out.compute_events[1]) / 1e3
+                    values.update(self.runtime.reduce({"dist/compute_max_s": seconds, "dist/compute_min_s": seconds},
+                                                      REDUCE))
             self.nonfinite.record(finite(values["loss"]) and finite(values["grad_norm"]), state.step + 1)
             with stage("diagnostics"):
                 runlog.diagnostics(self.tokenizer, batch, out.rows, out.logprobs, step=state.step + 1,
