@@ -30,8 +30,12 @@ def stage(name: str):
 
 
 def _stage_table(events) -> str:
-    """gspo's ranges: calls and wall-clock time on the host, in the order of their total."""
-    rows = sorted((e for e in events if e.key.startswith("gspo/")), key=lambda e: -e.cpu_time_total)
+    """gspo's ranges: calls and wall-clock time on the host, in the order of their total (the device-side copies of
+    the ranges, which a GPU profile also lists, are left out)."""
+    from torch.autograd import DeviceType
+
+    rows = sorted((e for e in events if e.key.startswith("gspo/") and e.device_type == DeviceType.CPU),
+                  key=lambda e: -e.cpu_time_total)
     lines = [f"{'stage':<28}{'calls':>7}{'total ms':>11}{'mean ms':>10}"]
     lines += [f"{e.key:<28}{e.count:>7}{e.cpu_time_total / 1e3:>11.2f}{e.cpu_time_total / 1e3 / e.count:>10.3f}"
               for e in rows]
