@@ -410,10 +410,10 @@ def test_kill_9_during_a_checkpoint_write_then_resume(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("detector", ["sentinel.entropy_min=100.0", "sentinel.seq_ratio_log_max=1e-9",
-                                      "sentinel.reward_drop=0.5"])
+                                      "sentinel.reward_drop=0.5", "sentinel.truncated_max=0.01"])
 def test_collapse_sentinel_detectors_stop_the_run(tiny_dir, tmp_path, detector):
-    """Each detector trips (entropy and ratio thresholds set beyond a healthy run; the reward falls from 1 to 0 after
-    the first batch) and stops the run with one error naming the detector, the threshold and the last checkpoint,
+    """Each detector trips (entropy, ratio and truncation thresholds set beyond a healthy run -- a tiny random model
+    runs every completion to max_new_tokens; the reward falls from 1 to 0 after the first batch) and stops the run with one error naming the detector, the threshold and the last checkpoint,
     without writing a checkpoint of the collapsed state."""
     import trainer_rewards
 
@@ -452,6 +452,22 @@ def test_sentinel_rollback_reloads_an_earlier_checkpoint_with_a_lower_lr(tiny_di
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # batch 1 replayed in place of its first run
     assert [r["lr"] for r in rows] == [1e-3, 1e-3, 5e-4, 5e-4]
+
+
+def test_truncation_detector_by_hand():
+    """Off at 0; trips when the batch's truncated fraction exceeds the threshold, not when it equals it; lines without
+    the key (no completion measured) do not trip it."""
+    from types import SimpleNamespace
+
+    from gspo.train.sentinel import collapse_findings
+
+    sc = SimpleNamespace(entropy_min=0.0, reward_drop=0.0, window=5, seq_ratio_log_max=0.0, truncated_max=0.5)
+    line = {"completion/truncated_frac": 0.625}
+    assert collapse_findings(sc, [line, line], {}) == [
+        "62.5% of the batch's completions were cut at rollout.max_new_tokens > sentinel.truncated_max = 0.5"]
+    assert collapse_findings(sc, [{"completion/truncated_frac": 0.5}], {}) == []
+    assert collapse_findings(sc, [{}], {}) == []
+    assert collapse_findings(SimpleNamespace(**{**vars(sc), "truncated_max": 0.0}), [line], {}) == []
 
 
 def test_reward_drop_peak_and_rollback_limit_by_hand():

@@ -262,6 +262,9 @@ class SentinelConfig:
     """Rollout batches averaged by ``reward_drop``."""
     seq_ratio_log_max: float = 0.0
     """Trigger when a step's sequence ratio leaves exp(+-this) (exploding spread of the sequence log-ratios)."""
+    truncated_max: float = 0.0
+    """Trigger when more than this fraction of a rollout batch's completions are cut at ``rollout.max_new_tokens``
+    (responses growing to the limit: in the int8 engine-log-prob collapses this came ~100 steps before the reward fell)."""
     action: str = "warn"
     """On a trigger: ``warn`` (log and go on), ``stop`` (end the run without writing a checkpoint, so the last one
     written before the collapse stays the newest) or ``rollback`` (reload a checkpoint from before the collapse: after
@@ -606,6 +609,8 @@ def validate(cfg: Config) -> None:
                                 (sc.max_rollbacks >= 0, "sentinel.max_rollbacks", sc.max_rollbacks, "use 0 or more"),
                                 (min(sc.entropy_min, sc.reward_drop, sc.seq_ratio_log_max) >= 0, "sentinel thresholds",
                                  (sc.entropy_min, sc.reward_drop, sc.seq_ratio_log_max), "use 0 (off) or a positive value"),
+                                (0 <= sc.truncated_max < 1, "sentinel.truncated_max", sc.truncated_max,
+                                 "use 0 (off) or a fraction below 1"),
                                 (lg.trace_every >= 0 and lg.trace_samples >= 0, "log.trace_every / log.trace_samples",
                                  (lg.trace_every, lg.trace_samples), "use 0 (off) or a positive count"),
                                 (lg.profile_batch >= 0, "log.profile_batch", lg.profile_batch,
@@ -662,9 +667,11 @@ def validate(cfg: Config) -> None:
                               (cfg.dist.strategy, ("auto", "fsdp", "ddp"), "dist.strategy")):
         if value not in valid:
             raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
-    if sc.action in ("stop", "rollback") and not (sc.entropy_min or sc.reward_drop or sc.seq_ratio_log_max):
-        raise UserError(f"sentinel.action = {sc.action!r} with every detector off (sentinel.reward_drop, entropy_min and "
-                        "seq_ratio_log_max are 0) never acts; turn one on, e.g. sentinel.reward_drop = 0.3.")
+    if sc.action in ("stop", "rollback") and not (sc.entropy_min or sc.reward_drop or sc.seq_ratio_log_max
+                                                 or sc.truncated_max):
+        raise UserError(f"sentinel.action = {sc.action!r} with every detector off (sentinel.reward_drop, entropy_min, "
+                        "seq_ratio_log_max and truncated_max are 0) never acts; turn one on, e.g. "
+                        "sentinel.reward_drop = 0.3.")
     lo = cfg.lora
     if lo.rank < 0 or (lo.rank and not lo.alpha > 0) or not lo.target_modules:
         raise UserError(f"lora.rank = {lo.rank}, lora.alpha = {lo.alpha}, lora.target_modules = {lo.target_modules}: the "

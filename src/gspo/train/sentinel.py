@@ -16,6 +16,10 @@ def collapse_findings(sc, rows: list[dict[str, Any]], rewards: dict[int, float |
     drop = reward_drop(sc, rewards)
     if drop:
         found.append(drop)
+    truncated = rows[0].get("completion/truncated_frac")  # the rollout batch's, on each of its lines
+    if sc.truncated_max > 0 and truncated is not None and truncated > sc.truncated_max:
+        found.append(f"{truncated:.1%} of the batch's completions were cut at rollout.max_new_tokens > "
+                     f"sentinel.truncated_max = {sc.truncated_max}")
     if sc.seq_ratio_log_max > 0:
         # None (null in metrics.jsonl) or NaN: not measurable that step (no loss token in the minibatch), not a spread.
         values = [r.get(k) for r in rows for k in ("ratio/seq_min", "ratio/seq_max")
