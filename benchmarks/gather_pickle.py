@@ -8,7 +8,6 @@ tokens). The gather pickles one share and unpickles every process's. Prints a ta
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import pickle
 import platform
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gspo.checkpoint import to_cpu  # noqa: E402
-from gspo.dist import _ArrayPickler  # noqa: E402  (the pickler gather_objects uses)
+from gspo.dist import dumps as array_pickle  # noqa: E402  (what gather_objects sends)
 from gspo.train.collect import Groups, Scores  # noqa: E402
 from gspo.types import Example, Rollout  # noqa: E402
 
@@ -68,11 +67,6 @@ def main() -> None:
 
     def torch_pickle(o):
         return pickle.dumps(o, protocol=4)
-
-    def array_pickle(o):
-        buf = io.BytesIO()
-        _ArrayPickler(buf, protocol=4).dump(o)
-        return buf.getvalue()
 
     results = {}
     print(f"{'pickling':<10}{'bytes':>10}{'dump ms':>10}{'load x' + str(a.world) + ' ms':>14}")

@@ -113,7 +113,7 @@ def _tensor_from_array(array) -> torch.Tensor:
 class _ArrayPickler(pickle.Pickler):
     """Pickles CPU tensors as numpy arrays: torch's own reduction writes each storage through ``torch.save`` and reads
     it back through ``torch.load``, ~20x slower to load than an array's bytes; a process's share of a rollout batch's
-    gather (its Python lists included) unpickles 2.4x faster this way (``benchmarks/gather_pickle.py``). Dtypes numpy
+    gather (its Python lists included) unpickles ~2.5x faster this way (``benchmarks/gather_pickle.py``). Dtypes numpy
     lacks (bfloat16) and GPU tensors keep torch's reduction."""
 
     def reducer_override(self, obj):
@@ -123,14 +123,19 @@ class _ArrayPickler(pickle.Pickler):
         return NotImplemented
 
 
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled as :func:`gather_objects` sends it (CPU tensors as numpy arrays); ``pickle.loads`` reads it."""
+    buf = io.BytesIO()
+    _ArrayPickler(buf, protocol=4).dump(obj)  # protocol 4: unpickled arrays own writable memory
+    return buf.getvalue()
+
+
 def gather_objects(obj: Any) -> list[Any]:
     """``obj`` of every rank, in rank order (``[obj]`` in one process), pickled (CPU tensors as arrays)."""
     if not active():
         return [obj]
-    buf = io.BytesIO()
-    _ArrayPickler(buf, protocol=4).dump(obj)  # protocol 4: unpickled arrays own writable memory
     out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, buf.getvalue())
+    torch.distributed.all_gather_object(out, dumps(obj))
     return [pickle.loads(b) for b in out]
 
 
