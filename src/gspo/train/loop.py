@@ -13,9 +13,11 @@ Differences from the GSPO paper's setup: none in the objective; rewards that fai
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,22 +248,22 @@ class Trainer:
             self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
             self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
             self.timings["reward_workers_start_s"] = round(self.rewards.start_seconds, 3)
-        t_log = time.perf_counter()
-        with stage("log"):
+        with self.writing_log():
             runlog.samples(batch, state.step, state.rollout_batch)
-        self.count_log_time(t_log)
         with out_of_memory("the update", lambda: state.step, self.newest_checkpoint), stage("update"):
             self.last_rows = self.update(batch, runlog)
-        t_log = time.perf_counter()
-        with stage("log"):
+        with self.writing_log():
             runlog.flush()
-        self.count_log_time(t_log)
         state.rollout_batch += 1
 
-    def count_log_time(self, since: float) -> None:
-        """Add the time since ``since`` to ``log_s`` of timings.json: writing the run log (on process 0 under
-        torchrun, while the others wait at the next collective)."""
-        self.timings["log_s"] = round(self.timings.get("log_s", 0.0) + time.perf_counter() - since, 6)
+    @contextlib.contextmanager
+    def writing_log(self) -> Iterator[None]:
+        """Writing the run log (on process 0 under torchrun, while the others wait at the next collective): its time
+        adds to ``log_s`` of timings.json, and it is the ``gspo/log`` stage of a profile."""
+        t0 = time.perf_counter()
+        with stage("log"):
+            yield
+        self.timings["log_s"] = round(self.timings.get("log_s", 0.0) + time.perf_counter() - t0, 6)
 
     def update(self, batch: Batch, runlog: RunLog) -> list[dict]:
         """``train.minibatches`` optimizer steps over ``batch``; returns their metrics lines."""
@@ -301,10 +303,8 @@ class Trainer:
                    "time/elapsed": time.time() - self.t_start}
             state.step += 1
             state.nonfinite_steps = self.nonfinite.total
-            t_log = time.perf_counter()
-            with stage("log"):
+            with self.writing_log():
                 runlog.step(row, end_of_batch=(k == cfg.train.minibatches - 1))
-            self.count_log_time(t_log)
             rows.append(row)
         return rows
 
