@@ -10,6 +10,10 @@
 #   bash benchmarks/gpu_lease.sh wait SECS   # prints progress until everything is done or SECS have passed
 #   bash benchmarks/gpu_lease.sh pack        # results to $OUT (a few archives: a call brings back at most 8 files)
 #   bash benchmarks/gpu_lease.sh scaling     # weak scaling at 1, 2 and 4 GPUs with the working tree's code, alone
+#   bash benchmarks/gpu_lease.sh measure     # detached, from a frozen copy, one after another on the whole machine:
+#                                            # weak scaling at 1, 2, 4 GPUs; the profile at 1 and 4; tests/test_gpu.py
+#                                            # on GPUs 0-1 (its two-GPU tests included). Watch it with `wait`. On a
+#                                            # 2-GPU machine: GPUS=1,2 PGPUS="1 2".
 set -uo pipefail
 R=/root/results
 F=/root/frozen
@@ -36,12 +40,27 @@ start)
     wait; echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
   sleep 5; cat $R/driver.log
   ;;
+measure)
+  rm -rf $F $R/status && mkdir -p $F && tar --exclude=./.gpu -cf - . | tar -xf - -C $F
+  cd $F
+  export PYTHONPATH=/tmp/site:$F/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 OUT=$R
+  setsid bash -c "
+    GPUS=\${GPUS:-1,2,4} EQUAL= NAME=\${NAME:-scaling_124} bash benchmarks/gpu_scale.sh scaling > $R/scaling.log 2>&1
+    echo \"scaling exit \$?\" >> $R/status
+    GPUS=\"\${PGPUS:-1 4}\" bash benchmarks/gpu_scale.sh profile > $R/profile.log 2>&1
+    echo \"profile exit \$?\" >> $R/status
+    CUDA_VISIBLE_DEVICES=0,1 timeout 600 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $R/gpu_tests.txt 2>&1
+    echo \"tests exit \$?\" >> $R/status
+    echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
+  sleep 5; cat $R/driver.log
+  ;;
 wait)
   end=$((SECONDS + ${2:-500}))
   while [ $SECONDS -lt $end ] && ! grep -q "all done" $R/status 2>/dev/null; do sleep 20; done
   cat $R/status 2>/dev/null; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   tail -3 $R/upcycle.log 2>/dev/null; tail -4 $R/gpu_tests.txt 2>/dev/null; tail -8 $R/rollback.log 2>/dev/null
   grep -h "speed-up\|GPUs\|rror" $R/scaling_12.log 2>/dev/null | tail -6
+  tail -12 $R/scaling.log 2>/dev/null; grep -h "^gspo/\|^stage" $R/profile.log 2>/dev/null | head -60
   ls /dev/shm/moe-compare 2>/dev/null | head -20; tail -25 $R/moe.log 2>/dev/null
   ;;
 pack)

@@ -107,9 +107,10 @@ def test_auto_strategy_replicates_what_fits_half_a_device_and_shards_the_rest(mo
 
 
 def test_gather_pickling_round_trips_every_tensor_kind():
-    """What gather_objects sends (dist.dumps, CPU tensors as numpy arrays) loads back equal, with dtype and shape: bool,
-    int64, float32 and 0-dim tensors, a strided view (only the view travels), bfloat16 (torch's own pickling), nested
-    in dataclasses, lists and dicts; the loaded tensors are writable and share nothing with the sender's."""
+    """What gather_objects sends (dist.dumps, tensors as numpy arrays) loads back equal, with dtype and shape: bool,
+    int64, float32 and 0-dim tensors, a strided view (only the view travels), bfloat16 (as its int16 bits), nested
+    in dataclasses, lists and dicts; the loaded tensors are writable and share nothing with the sender's. A tensor
+    that requires grad keeps torch's pickling."""
     import pickle
 
     from gspo.dist import dumps
@@ -117,11 +118,13 @@ def test_gather_pickling_round_trips_every_tensor_kind():
 
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     sent = {"ids": torch.randint(0, 50_000, (3, 5)), "mask": torch.rand(3, 5) > 0.5, "view": base[:, ::2],
-            "scalar": torch.tensor(2.5), "bf16": torch.randn(4, dtype=torch.bfloat16), "empty": torch.zeros(0, 7),
+            "scalar": torch.tensor(2.5), "bf16": torch.randn(4, dtype=torch.bfloat16)[::2], "empty": torch.zeros(0, 7),
+            "bf16_scalar": torch.tensor(-3.25, dtype=torch.bfloat16), "grad": torch.ones(2, requires_grad=True),
             "nested": [Scores(torch.rand(3), {"f": torch.rand(3)}), (1, "text", None)]}
     got = pickle.loads(dumps(sent))
-    for key in ("ids", "mask", "view", "scalar", "bf16", "empty"):
+    for key in ("ids", "mask", "view", "scalar", "bf16", "empty", "bf16_scalar", "grad"):
         assert got[key].dtype == sent[key].dtype and torch.equal(got[key], sent[key]), key
+    assert got["grad"].requires_grad
     assert len(dumps(base[:, ::2])) < len(pickle.dumps(base[:, ::2]))  # torch's pickling sends the whole storage
     assert torch.equal(got["nested"][0].per_function["f"], sent["nested"][0].per_function["f"])
     assert got["nested"][1] == (1, "text", None)

@@ -284,6 +284,21 @@ def test_checkpoint_snapshot_of_gpu_tensors_is_exact_and_keeps_ties(tokenizer):
     assert all(torch.equal(before[k], snap["model"][k]) for k in before)
 
 
+def test_gather_pickling_sends_gpu_tensors_as_their_cpu_values():
+    """dist.dumps (what the rollout gather sends) pickles a CUDA tensor -- float32, bfloat16, a strided view -- as its
+    values, loaded on the CPU of whichever process reads it."""
+    import pickle
+
+    from gspo.dist import dumps
+
+    sent = {"f": torch.randn(3, 5, device="cuda"), "bf16": torch.randn(6, device="cuda", dtype=torch.bfloat16)[::2],
+            "ids": torch.arange(12, device="cuda").reshape(3, 4)[:, 1:]}
+    got = pickle.loads(dumps(sent))
+    for key, value in sent.items():
+        assert got[key].device.type == "cpu" and got[key].dtype == value.dtype, key
+        assert torch.equal(got[key], value.cpu()), key
+
+
 def test_r3_records_inside_the_captured_decode_graph(tmp_path, tokenizer):
     """R3 in the graph engine on CUDA: the route records are written by kernels captured in the decode step's CUDA
     graph (hooks do not run at replay). They agree with the hf engine's (no graphs) on the same greedy completions, and

@@ -40,7 +40,8 @@ def test_reduce_is_one_transfer_of_floats():
 
 def test_reduce_across_torchrun_processes(tmp_path):
     """Two torchrun ranks on gloo: means average, sums add, max and min combine (a float32 value exactly as .item()
-    gives it); rank and world come from torchrun."""
+    gives it); rank and world come from torchrun. Objects of different sizes gather in rank order, and a list's work
+    split over the ranks comes back whole and in order, every other item computed by each."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
                                                         os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -53,6 +54,9 @@ def test_reduce_across_torchrun_processes(tmp_path):
         assert list(g["values"]) == ["mean", "count", "max", "min", "nan_max", "half"]
         assert math.isnan(g["values"].pop("nan_max"))
         assert g["values"] == {"mean": 0.5, "count": 3.0, "max": 2.0, "min": -5.0, "half": torch.tensor(0.1).item()}
+        assert g["gathered"] == [[r, 1000 * (r + 1), list(range(3 + r)), [r + 0.5] * 2, [0.0, 3.0, 6.0, 9.0]]
+                                 for r in (0, 1)]
+        assert g["split"] == [[x, x % 2] for x in range(7)]
 
 
 def test_gpu_runs_use_one_cpu_thread_unless_omp_num_threads_says_otherwise(tmp_path):

@@ -5,7 +5,8 @@ step (``"ddp"``), and this module holds the few collectives the loop adds. One p
 
 How a rollout batch is split (``W`` ranks, ``P`` prompts, ``G`` completions):
 
-* every rank reads the same data stream and draws the same prompts; rank ``r`` generates and scores its ``P / W``
+* every rank reads the same data stream and draws the same prompts (each encodes 1/W of them and they exchange the
+  ids, so that all agree on which fit ``data.max_prompt_tokens``); rank ``r`` generates and scores its ``P / W``
   prompts, each group on one rank, with its own engine and reward workers (DAPO refill rounds are taken together:
   each round every rank says how many groups it still needs, all draw that many prompts from the stream and each
   takes its share, so the stream stays one and the same on every rank);
@@ -110,33 +111,72 @@ def _tensor_from_array(array) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+def _bfloat16_from_array(array) -> torch.Tensor:
+    return torch.from_numpy(array).view(torch.bfloat16)
+
+
 class _ArrayPickler(pickle.Pickler):
-    """Pickles CPU tensors as numpy arrays: torch's own reduction writes each storage through ``torch.save`` and reads
-    it back through ``torch.load``, ~20x slower to load than an array's bytes; a process's share of a rollout batch's
-    gather (its Python lists included) unpickles ~2.5x faster this way (``benchmarks/gather_pickle.py``). Dtypes numpy
-    lacks (bfloat16) and GPU tensors keep torch's reduction."""
+    """Pickles tensors as numpy arrays of their CPU values: torch's own reduction writes each storage through
+    ``torch.save`` and reads it back through ``torch.load``, ~20x slower to load than an array's bytes; a process's
+    share of a rollout batch's gather (its Python lists included) unpickles ~2.5x faster this way
+    (``benchmarks/gather_pickle.py``). A GPU tensor travels as its CPU copy (what a receiver on another device can
+    load), bfloat16 (which numpy lacks) as its int16 bits; a tensor that requires grad or a subclass keeps torch's
+    reduction."""
 
     def reducer_override(self, obj):
-        if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.dtype != torch.bfloat16
-                and not obj.requires_grad and type(obj) is torch.Tensor):
-            return _tensor_from_array, (obj.numpy(),)
+        if isinstance(obj, torch.Tensor) and not obj.requires_grad and type(obj) is torch.Tensor:
+            cpu = obj.detach().cpu()
+            if cpu.dtype == torch.bfloat16:
+                return _bfloat16_from_array, (cpu.view(torch.int16).numpy(),)
+            return _tensor_from_array, (cpu.numpy(),)
         return NotImplemented
 
 
 def dumps(obj: Any) -> bytes:
-    """``obj`` pickled as :func:`gather_objects` sends it (CPU tensors as numpy arrays); ``pickle.loads`` reads it."""
+    """``obj`` pickled as :func:`gather_objects` sends it (tensors as numpy arrays on the CPU); ``pickle.loads`` reads
+    it."""
     buf = io.BytesIO()
     _ArrayPickler(buf, protocol=4).dump(obj)  # protocol 4: unpickled arrays own writable memory
     return buf.getvalue()
 
 
 def gather_objects(obj: Any) -> list[Any]:
-    """``obj`` of every rank, in rank order (``[obj]`` in one process), pickled (CPU tensors as arrays)."""
+    """``obj`` of every rank, in rank order (``[obj]`` in one process), pickled by :func:`dumps`.
+
+    Written here rather than with ``all_gather_object``, which pickles the pickle again and brings each rank's bytes to
+    the host with a copy and a synchronisation of its own: here one exchange of sizes, one all-gather of the padded
+    bytes and one copy to the host."""
     if not active():
         return [obj]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, dumps(obj))
-    return [pickle.loads(b) for b in out]
+    data = dumps(obj)
+    dev = _comm_device()
+    world = torch.distributed.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = torch.empty(world, dtype=torch.int64, device=dev)
+    torch.distributed.all_gather_into_tensor(sizes, size)
+    sizes = sizes.tolist()
+    width = max(sizes)
+    send = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = torch.empty(world * width, dtype=torch.uint8, device=dev)
+    torch.distributed.all_gather_into_tensor(every, send.to(dev))
+    host = memoryview(every.cpu().numpy())
+    return [pickle.loads(host[r * width:r * width + n]) for r, n in enumerate(sizes)]
+
+
+def split_work(items: list, fn) -> list:
+    """``fn(items)`` (a list with one result per item) computed by the processes together: each applies ``fn`` to its
+    1/W of ``items`` (every W-th one) and every process receives all results in order. Every process must call it with
+    the same items. For host work that every process needs whole, such as encoding a sampling round's prompts."""
+    if not active() or len(items) < 2:
+        return fn(items)
+    rank, world = rank_world()
+    parts = gather_objects(fn(items[rank::world]))
+    out = [None] * len(items)
+    for r, part in enumerate(parts):
+        out[r::world] = part
+    return out
 
 
 def gather_rows(local: torch.Tensor) -> torch.Tensor:

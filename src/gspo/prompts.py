@@ -26,6 +26,5 @@ def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None
     else:
         texts = [ex.prompt if isinstance(ex.prompt, str) else "\n".join(m["content"] for m in ex.prompt)
                  for ex in examples]
-    # One call for the batch: the same ids as one call per text, in half the time (every process of a torchrun job
-    # encodes the whole round's prompts, 128 of them at 4 GPUs of the reference run)
+    # One call for the batch: the same ids as one call per text, in half the time
     return tokenizer(texts, add_special_tokens=False)["input_ids"]

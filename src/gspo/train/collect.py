@@ -22,9 +22,8 @@ import torch
 
 from gspo.algorithms import group_advantages, overlong_penalty, zero_variance_groups
 from gspo.config import TASK_STEP_CREDIT, Config
-from gspo.checkpoint import to_cpu
 from gspo.data import DataStream
-from gspo.dist import active, barrier, gather_objects, rank_world
+from gspo.dist import active, barrier, gather_objects, rank_world, split_work
 from gspo.errors import UserError
 from gspo.profiler import stage
 from gspo.prompts import encode_prompts
@@ -74,7 +73,10 @@ class Collector:
         examples, ids = [], []
         while len(examples) < k:
             batch = self.stream.next_batch(k - len(examples))
-            for ex, p in zip(batch, encode_prompts(self.tokenizer, batch, data.system_prompt)):
+            # Under torchrun every process needs every prompt's ids (which ones fit decides each one's share) and each
+            # encodes 1/W of them
+            encoded = split_work(batch, lambda part: encode_prompts(self.tokenizer, part, data.system_prompt))
+            for ex, p in zip(batch, encoded):
                 if len(p) <= data.max_prompt_tokens:
                     examples.append(ex)
                     ids.append(p)
@@ -200,10 +202,8 @@ class Collector:
             with stage("gather_wait"):
                 barrier()  # the wait for the slowest process's rollout, timed apart from the transfer
             wait = time.perf_counter() - t0
-            with stage("gather_to_cpu"):
-                mine = (to_cpu(groups), to_cpu(scores), counts, dict(timing), self._first_error)
-            with stage("gather_objects"):
-                parts = gather_objects(mine)
+            with stage("gather_objects"):  # tensors travel as their CPU values (dist.dumps): no copy made here first
+                parts = gather_objects((groups, scores, counts, dict(timing), self._first_error))
             with stage("gather_merge"):
                 groups = Groups.concat([p[0] for p in parts])
             scores = [r for p in parts for r in p[1]]
