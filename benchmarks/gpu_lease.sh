@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_lease.sh wait SECS   # prints progress until everything is done or SECS have passed
 #   bash benchmarks/gpu_lease.sh pack        # results to $OUT (a few archives: a call brings back at most 8 files)
 #   bash benchmarks/gpu_lease.sh scaling     # weak scaling at 1, 2 and 4 GPUs with the working tree's code, alone
+#   bash benchmarks/gpu_lease.sh ab          # detached: weak scaling (GPUS, default 1,2) of the working tree, then of
+#                                            # the older tree in .gpu/base (git archive REV src benchmarks configs |
+#                                            # tar -x -C .gpu/base), on the same machine; ROUNDS=2 repeats the pair
 #   bash benchmarks/gpu_lease.sh measure     # detached, from a frozen copy, one after another on the whole machine:
 #                                            # weak scaling at 1, 2, 4 GPUs; the profile at 1 and 4; tests/test_gpu.py
 #                                            # on GPUs 0-1 (its two-GPU tests included). Watch it with `wait`. On a
@@ -54,13 +57,27 @@ measure)
     echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
   sleep 5; cat $R/driver.log
   ;;
+ab)
+  rm -rf $F /root/base $R/status && mkdir -p $F && tar --exclude=./.gpu -cf - . | tar -xf - -C $F && cp -r .gpu/base /root/base
+  export OMP_NUM_THREADS=1 OUT=$R HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+  setsid bash -c "
+    for i in \$(seq \${ROUNDS:-1}); do
+      for tree in $F /root/base; do
+        cd \$tree && GPUS=\${GPUS:-1,2} EQUAL= NAME=\$(basename \$tree)_\$i bash benchmarks/gpu_scale.sh scaling \
+          > $R/\$(basename \$tree)_\$i.log 2>&1
+        echo \"\$tree \$i done\" >> $R/status
+      done
+    done
+    echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
+  sleep 5; cat $R/driver.log
+  ;;
 wait)
   end=$((SECONDS + ${2:-500}))
   while [ $SECONDS -lt $end ] && ! grep -q "all done" $R/status 2>/dev/null; do sleep 20; done
   cat $R/status 2>/dev/null; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   tail -3 $R/upcycle.log 2>/dev/null; tail -4 $R/gpu_tests.txt 2>/dev/null; tail -8 $R/rollback.log 2>/dev/null
   grep -h "speed-up\|GPUs\|rror" $R/scaling_12.log 2>/dev/null | tail -6
-  tail -12 $R/scaling.log 2>/dev/null; grep -h "^gspo/\|^stage" $R/profile.log 2>/dev/null | head -60
+  tail -12 $R/scaling.log 2>/dev/null; grep -h -A3 "compl/s" $R/frozen_*.log $R/base_*.log 2>/dev/null; grep -h "^gspo/\|^stage" $R/profile.log 2>/dev/null | head -60
   ls /dev/shm/moe-compare 2>/dev/null | head -20; tail -25 $R/moe.log 2>/dev/null
   ;;
 pack)

@@ -132,6 +132,31 @@ def test_gather_pickling_round_trips_every_tensor_kind():
     assert torch.equal(base[:, ::2], torch.arange(24, dtype=torch.float32).reshape(4, 6)[:, ::2])
 
 
+def test_flat_gradients_stay_views_that_backward_accumulates_into():
+    """DDP's gradients as views of one flat buffer (what the all-reduce sums in place): every trainable parameter's
+    .grad is its slice of the buffer, two backwards accumulate into it in place (the buffer holds their sum), zeroing
+    the buffer zeroes every .grad, and a frozen parameter gets none."""
+    from gspo import dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    (flat,) = dist.flat_gradients(params)
+    assert flat.numel() == sum(p.numel() for p in params) and model[1].bias.grad is None
+    x = torch.randn(5, 3)
+    expected = [torch.autograd.grad(model(x).square().sum(), p)[0] * 2 for p in params]  # two equal backwards
+    for _ in range(2):
+        model(x).square().sum().backward()
+    offset = 0
+    for p, e in zip(params, expected):
+        assert p.grad.data_ptr() == flat[offset:].data_ptr()  # still the buffer's slice
+        torch.testing.assert_close(p.grad, e)
+        offset += p.numel()
+    torch._foreach_zero_([flat])
+    assert all(not p.grad.any() for p in params)
+
+
 def test_balanced_slices_hold_near_equal_tokens_by_hand():
     """Rows 0..7 with 100, 90, 1, 1, 1, 1, 80, 70 tokens on 2 processes: contiguous halves would hold 192 and 152
     tokens. Longest first to the lighter slice with room: 0 -> a (100), 1 -> b (90), 6 -> b (170), 7 -> a (170),

@@ -302,23 +302,33 @@ def replicate(params: Iterable[torch.nn.Parameter]) -> None:
             torch.distributed.broadcast(p.data, src=0)
 
 
-def sum_gradients(params: list[torch.nn.Parameter], bucket_bytes: int = 64 << 20) -> None:
-    """Sum every parameter's ``.grad`` over the processes in place, one all-reduce per bucket of flattened gradients
-    (a parameter no process reached has zeros). Written here rather than with torch's DistributedDataParallel: DDP's
-    reducer is armed by the wrapped module's forward, which gspo's log-prob pass does not call (it runs the decoder and
-    a chunked LM head directly, also inside captured CUDA graphs), and one bucketed all-reduce after the whole
-    backward is all a full-batch optimizer step needs."""
-    from torch._utils import _flatten_dense_tensors, _take_tensors, _unflatten_dense_tensors
-
+def flat_gradients(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Give every parameter a zero ``.grad`` that is a view into one flat buffer per dtype and device, and return the
+    buffers: :func:`sum_gradients` all-reduces them in place, with no copy into a bucket and back (torch's DDP does the
+    same with ``gradient_as_bucket_view``). The views must stay the parameters' gradients: backward passes accumulate
+    into them in place, and the optimizer's ``zero_grad`` must not set them to None (zero the buffers instead)."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
     for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    # torch's own bucketing (one dtype per bucket, up to bucket_bytes), as its DDP did before the reducer moved to C++
-    for bucket in _take_tensors([p.grad for p in params], bucket_bytes):
-        flat = _flatten_dense_tensors(bucket)
+        by_kind.setdefault((p.dtype, p.device), []).append(p)
+    buffers = []
+    for (dtype, device), group in by_kind.items():
+        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+        offset = 0
+        for p in group:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        buffers.append(flat)
+    return buffers
+
+
+def sum_gradients(buffers: list[torch.Tensor]) -> None:
+    """Sum the gradients over the processes in place: one all-reduce per flat buffer of :func:`flat_gradients` (a
+    parameter no process reached has zeros). Written here rather than with torch's DistributedDataParallel: DDP's
+    reducer is armed by the wrapped module's forward, which gspo's log-prob pass does not call (it runs the decoder and
+    a chunked LM head directly, also inside captured CUDA graphs), and one all-reduce after the whole backward is all a
+    full-batch optimizer step needs."""
+    for flat in buffers:
         torch.distributed.all_reduce(flat)
-        # one multi-tensor copy back, not one kernel launch per gradient (~270 for a 135M Llama)
-        torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -130,9 +130,10 @@ class Actor:
             if self.ref_model is not None:
                 dist.replicate(self.ref_model.parameters())
             self.replicated = True
-            log.info("DDP: every one of the %d processes holds the whole policy; gradients are summed with one "
-                     "all-reduce per 64 MB bucket before each optimizer step", self.runtime.world_size)
-            self._finish_setup()
+            log.info("DDP: every one of the %d processes holds the whole policy; gradients, views of one flat buffer, "
+                     "are summed with one all-reduce before each optimizer step", self.runtime.world_size)
+            if not self.cfg.lora.rank:  # with LoRA, adapt() sets up once the adapters (the trainable part) exist
+                self._finish_setup()
             return
         dist.shard(self.model, self.runtime.autocast)
         if self.ref_model is not None:
@@ -146,6 +147,8 @@ class Actor:
         self._setup_passes()
         self._setup_optimizer()
         self._modules = list(self.model.modules())
+        # DDP: the gradients live in flat buffers that the all-reduce sums in place (None in one process and under FSDP)
+        self._grad_buffers = dist.flat_gradients(trainable_parameters(self.model)) if self.replicated else None
 
     def set_training(self, training: bool) -> None:
         """Train or eval mode for every module of the policy. ``Module.train()`` walks the module tree and goes through
@@ -364,7 +367,10 @@ class Actor:
         mb_ent = torch.zeros_like(mb_logp)
         loss_total = torch.zeros((), dtype=torch.float64, device=dev)
         self.set_training(True)
-        self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphed backwards keep .grad allocated
+        if self._grad_buffers is not None:  # the gradients must stay views of the buffers
+            torch._foreach_zero_(self._grad_buffers)
+        else:
+            self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphed backwards keep .grad allocated
         own = len(rows) // plan.world  # this process's slice of the minibatch, at rank x own
         start = plan.rank * own
         # FSDP averages gradients over the processes; each one's share of the (global-denominator) loss is scaled
@@ -436,7 +442,7 @@ class Actor:
         t = self.cfg.train
         if self.replicated:
             with stage("sum_gradients"):
-                dist.sum_gradients(trainable_parameters(self.model))
+                dist.sum_gradients(self._grad_buffers)
         with stage("clip"):
             grad_norm = dist.full_value(torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")))
