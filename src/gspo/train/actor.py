@@ -400,10 +400,11 @@ class Actor:
         if plan.world > 1:  # every process's new log-probs: the diagnostics cover the whole minibatch
             with stage("share_logprobs"):
                 share = slice(plan.rank * own, (plan.rank + 1) * own)
-                mb_logp, mb_ent = dist.gather_rows(mb_logp[share]), dist.gather_rows(mb_ent[share])
+                # two collectives, not four: log-probs and entropies in one gather, loss and aux loss in one sum
+                mb_logp, mb_ent = dist.gather_rows(torch.stack([mb_logp[share], mb_ent[share]], 1)).unbind(1)
                 if on_policy_fill:
                     old[rows_dev] = mb_logp
-                loss_total, aux_total = dist.all_sum(loss_total), dist.all_sum(aux_total)
+                loss_total, aux_total = dist.all_sum(torch.stack([loss_total, aux_total])).unbind()
         moe_metrics = {}
         if self.routing is not None:
             self.routing.sum_counts(dist.all_sum)
