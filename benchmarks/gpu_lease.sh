@@ -12,7 +12,9 @@
 #   bash benchmarks/gpu_lease.sh scaling     # weak scaling at 1, 2 and 4 GPUs with the working tree's code, alone
 #   bash benchmarks/gpu_lease.sh ab          # detached: weak scaling (GPUS, default 1,2) of the working tree, then of
 #                                            # the older tree in .gpu/base (git archive REV src benchmarks configs |
-#                                            # tar -x -C .gpu/base), on the same machine; ROUNDS=2 repeats the pair
+#                                            # tar -x -C .gpu/base), on the same machine; ROUNDS=2 repeats the pair;
+#                                            # then PGPUS="1 2": the profile of the working tree; TESTK=expr: the GPU
+#                                            # tests that match it
 #   bash benchmarks/gpu_lease.sh measure     # detached, from a frozen copy, one after another on the whole machine:
 #                                            # weak scaling at 1, 2, 4 GPUs; the profile at 1 and 4; tests/test_gpu.py
 #                                            # on GPUs 0-1 (its two-GPU tests included). Watch it with `wait`. On a
@@ -68,6 +70,10 @@ ab)
         echo \"\$tree \$i done\" >> $R/status
       done
     done
+    cd $F
+    if [ -n \"\${PGPUS-}\" ]; then GPUS=\"\$PGPUS\" bash benchmarks/gpu_scale.sh profile > $R/profile.log 2>&1; echo profile done >> $R/status; fi
+    if [ -n \"\${TESTK-}\" ]; then PYTHONPATH=/tmp/site:$F/src timeout 400 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_gpu.py -k \"\$TESTK\" > $R/gpu_tests.txt 2>&1; echo \"tests exit \$?\" >> $R/status; fi
     echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
   sleep 5; cat $R/driver.log
   ;;
