@@ -1,19 +1,23 @@
-"""Weak scaling of `gspo train` under torchrun + FSDP2: the reference run with a fixed number of prompts per GPU, at
-1, 2, 4 ... GPUs of one host, side by side on one machine. Prints a table and writes JSON.
+"""Weak scaling of `gspo train` under torchrun (DDP or FSDP2, as `dist.strategy` picks): the reference run with a fixed
+number of prompts per GPU, at 1, 2, 4 ... GPUs of one host, side by side on one machine. Prints a table and writes JSON.
 
     python benchmarks/scaling.py --gpus 1,2,4 --batches 6 [--equal-batch] --out results/scaling.json [key=value ...]
+    python benchmarks/scaling.py --summarize RUN_DIR ... --device "NVIDIA H200" --out table.json   # finished runs
 
 ``--equal-batch`` adds a one-GPU run with the largest run's total batch: the GPUs sample with their own random
 streams, so the curves are two samples of the same training, not the same numbers.
 
 Completions per second are counted over the rollout batches after the first (engine warm-up, CUDA-graph capture and
 the first checkpoint-free batch's allocations are left out): (batches - 1) x P x G / the wall-clock time between the
-end of the first batch and the end of the last (``time/elapsed`` of their last metrics lines).
+end of the first batch and the end of the last (``time/elapsed`` of their last metrics lines). The median-batch rate,
+P x G / the median of those batches' wall-clock times, leaves out the few batches that capture CUDA graphs of the update
+for a new packed size, which a short run does not amortise (the reference run has 40 rollout batches).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -38,13 +42,23 @@ def run(n_gpus: int, args, out_dir: Path, prompts: int | None = None) -> dict:
     wall = time.time() - t0
     if done.returncode != 0:
         return {"gpus": n_gpus, "error": done.stderr[-2000:]}
+    return {**summarize(run_dir, n_gpus), "wall_s": wall}
+
+
+def summarize(run_dir: Path, n_gpus: int) -> dict:
+    """A finished run's throughput, stages and reward curve, from its ``metrics.jsonl`` and ``config.json``."""
+    cfg = json.loads((run_dir / "config.json").read_text())
+    prompts, group_size = cfg["rollout"]["prompts_per_batch"], cfg["rollout"]["group_size"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     ends = {}
     for r in rows:  # the last line of each rollout batch
         ends[r["rollout_batch"]] = r
     batches = sorted(ends)
     span = ends[batches[-1]]["time/elapsed"] - ends[batches[0]]["time/elapsed"]
-    completions = (len(batches) - 1) * prompts * args.group_size
+    # each timed batch's wall-clock time: the median leaves out the few batches that capture a CUDA graph for a new
+    # packed size (0.3-0.6 s each, in any run; a 12-batch run has one or two, a long run amortises them)
+    batch_s = [ends[b]["time/elapsed"] - ends[a]["time/elapsed"] for a, b in zip(batches, batches[1:])]
+    completions = (len(batches) - 1) * prompts * group_size
     first = [r for r in rows if r["minibatch"] == 0]
     timed = [r for r in rows if r["rollout_batch"] > 0]
 
@@ -58,14 +72,32 @@ def run(n_gpus: int, args, out_dir: Path, prompts: int | None = None) -> dict:
               "updates": per_batch("time/update", timed)}
     stages["batch"] = span / max(1, len(batches) - 1)
     stages["other"] = stages["batch"] - sum(stages[k] for k in ("sync_weights", "collect", "logprobs", "updates"))
-    return {"gpus": n_gpus, "prompts_per_batch": prompts, "group_size": args.group_size,
-            "completions_per_s": completions / span, "wall_s": wall,
+    return {"gpus": n_gpus, "prompts_per_batch": prompts, "group_size": group_size, "run": run_dir.name,
+            "completions_per_s": completions / span,
+            "completions_per_s_median_batch": prompts * group_size / statistics.median(batch_s),
+            "batch_s": batch_s,
             "reward_first": first[0]["reward/mean"], "reward_last": first[-1]["reward/mean"],
             "reward_curve": [r["reward/mean"] for r in first],
             "stages_s": stages,
             "rollout_s_mean": sum(r["time/rollout"] for r in first[1:]) / max(1, len(first) - 1),
             "update_s_mean": sum(r["time/update"] for r in rows if r["rollout_batch"] > 0) / max(
                 1, sum(1 for r in rows if r["rollout_batch"] > 0))}
+
+
+def speedups(results: list[dict]) -> None:
+    """Each run's speed-up over the fastest one-GPU run at the per-GPU batch, by both rates (in place)."""
+    for key in ("completions_per_s", "completions_per_s_median_batch"):
+        ones = [r[key] for r in results if r.get("gpus") == 1 and "error" not in r
+                and not r.get("equal_batch_reference")]
+        for r in results:
+            if "error" not in r:
+                r["speedup" if key == "completions_per_s" else "speedup_median_batch"] = (
+                    r[key] / max(ones) if ones else None)
+
+
+def gpus_of(run_dir: Path) -> int:
+    """The GPU count in a run directory's name (``gpus4-prompts128``, ``gpus4-prompts128-1``)."""
+    return int(run_dir.name.split("-")[0].removeprefix("gpus"))
 
 
 def main() -> None:
@@ -78,31 +110,38 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=6, help="rollout batches per run (the first is not timed)")
     p.add_argument("--equal-batch", action="store_true",
                    help="also run 1 GPU with the largest run's total batch, to compare reward curves at equal batch")
+    p.add_argument("--summarize", nargs="+", metavar="RUN_DIR",
+                   help="train nothing: the table and JSON of these finished runs (named gpusN-promptsP[-k])")
+    p.add_argument("--device", help="with --summarize: the card the runs ran on, for the JSON")
     p.add_argument("--out", default="scaling.json")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = p.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    counts = [int(n) for n in args.gpus.split(",")]
-    results = [run(n, args, out.parent / "scaling-runs") for n in counts]
-    if args.equal_batch and max(counts) > 1:
-        same = run(1, args, out.parent / "scaling-runs", prompts=args.prompts_per_gpu * max(counts))
-        same["equal_batch_reference"] = True
-        results.append(same)
-    # The baseline: the fastest one-GPU run of this lease at the per-GPU batch (list --gpus 1 twice, e.g. 1,2,4,1, to see
-    # how much one GPU varies within the lease)
-    ones = [r["completions_per_s"] for r in results if r.get("gpus") == 1 and "error" not in r
-            and not r.get("equal_batch_reference")]
-    base = max(ones) if ones else None
-    print(f"{'GPUs':>4} {'prompts':>7} {'compl/s':>9} {'speed-up':>8} {'rollout s':>9} {'update s':>8} {'reward':>13}")
+    if args.summarize:
+        dirs = [Path(d) for d in args.summarize]
+        results = [summarize(d, gpus_of(d)) for d in dirs]
+        counts = [r["gpus"] for r in results]
+    else:
+        counts = [int(n) for n in args.gpus.split(",")]
+        results = [run(n, args, out.parent / "scaling-runs") for n in counts]
+        if args.equal_batch and max(counts) > 1:
+            same = run(1, args, out.parent / "scaling-runs", prompts=args.prompts_per_gpu * max(counts))
+            same["equal_batch_reference"] = True
+            results.append(same)
+    # The baseline: the fastest one-GPU run at the per-GPU batch (list --gpus 1 twice, e.g. 1,2,4,1, to see how much
+    # one GPU varies within the lease)
+    speedups(results)
+    print(f"{'GPUs':>4} {'prompts':>7} {'compl/s':>9} {'speed-up':>8} {'median-batch compl/s':>21} {'speed-up':>8} "
+          f"{'rollout s':>9} {'update s':>8} {'reward':>13}")
     for r in results:
         if "error" in r:
             print(f"{r['gpus']:>4} failed: {r['error'].strip().splitlines()[-1][:100]}")
             continue
-        r["speedup"] = r["completions_per_s"] / base if base else None
-        sp = f"{r['speedup']:.2f}x" if base else "-"
+        sp, spm = (f"{r[k]:.2f}x" if r[k] else "-" for k in ("speedup", "speedup_median_batch"))
         print(f"{r['gpus']:>4} {r['prompts_per_batch']:>7} {r['completions_per_s']:>9.1f} {sp:>8} "
-              f"{r['rollout_s_mean']:>9.2f} {r['update_s_mean']:>8.3f} {r['reward_first']:.3f}->{r['reward_last']:.3f}")
+              f"{r['completions_per_s_median_batch']:>21.1f} {spm:>8} {r['rollout_s_mean']:>9.2f} "
+              f"{r['update_s_mean']:>8.3f} {r['reward_first']:.3f}->{r['reward_last']:.3f}")
     print("seconds per rollout batch: " + " ".join(f"{k:>12}" for k in next(
         (r["stages_s"] for r in results if "error" not in r), {})))
     for r in results:
@@ -114,12 +153,14 @@ def main() -> None:
             peer = next(x for x in results if x["gpus"] == max(counts) and "error" not in x)
             print(f"reward per rollout batch at {r['prompts_per_batch']} prompts: {max(counts)} GPUs "
                   f"{[round(v, 3) for v in peer['reward_curve']]}; 1 GPU {[round(v, 3) for v in r['reward_curve']]}")
-    try:
-        import torch
+    device = args.device
+    if device is None:
+        try:
+            import torch
 
-        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except Exception:  # noqa: BLE001 -- the name is a label
-        device = "unknown"
+            device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        except Exception:  # noqa: BLE001 -- the name is a label
+            device = "unknown"
     out.write_text(json.dumps({"device": device, "args": vars(args), "results": results}, indent=1))
 
 

@@ -269,3 +269,28 @@ def test_by_length_figure_and_experiment_summary_from_length_bins(tmp_path, caps
     assert [(b["bin"], b["responses"]) for b in bins] == [("0-63", 12), ("64-127", 20)]  # 4 off-policy steps
     assert bins[1]["ratio_token_std"] == pytest.approx(0.04)
     assert [r["minibatch"] for r in mod.depth_rows("grpo", arms["grpo"])] == [0, 1]
+
+
+def test_committed_scaling_tables_are_what_the_script_computes_from_the_committed_runs(tmp_path):
+    """benchmarks/scaling.py --summarize on the 4 x H200 lease's runs (benchmarks/results/scale_out/ab_h200x4) gives the
+    committed table: the whole-run and median-batch rates, and speed-ups over the faster one-GPU run. By hand for the
+    median batch: 128 prompts x 8 completions over a 0.532 s median batch is ~1925 completions/s."""
+    import json
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    lease = root / "benchmarks" / "results" / "scale_out" / "ab_h200x4"
+    committed = json.loads((lease / "new.json").read_text())
+    dirs = [lease / "new" / r["run"] for r in committed["results"]]
+    out = tmp_path / "new.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "scaling.py"), "--summarize", *map(str, dirs),
+                           "--device", committed["device"], "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(out.read_text())["results"]
+    for mine, theirs in zip(got, committed["results"], strict=True):
+        for key in ("completions_per_s", "completions_per_s_median_batch", "speedup", "speedup_median_batch"):
+            assert mine[key] == pytest.approx(theirs[key]), key
+    four = next(r for r in got if r["run"] == "gpus4-prompts128")
+    assert 128 * 8 / sorted(four["batch_s"])[len(four["batch_s"]) // 2] == pytest.approx(
+        four["completions_per_s_median_batch"]) and 1900 < four["completions_per_s_median_batch"] < 1950
+    assert "3.62x" in done.stdout

@@ -72,9 +72,9 @@ def fsync_tree(path: Path) -> None:
 
 def to_cpu(obj: Any) -> Any:
     """A copy of ``obj`` (nested dicts, lists, tuples and dataclasses of tensors) whose tensors are on the CPU and
-    detached: a snapshot that later optimizer steps cannot change, for a checkpoint written in the background (or
-    rows to send to other processes). Views of the same memory (tied embeddings) stay one tensor, so the writer sees
-    them tied as the model does. GPU tensors are copied into pinned host memory without blocking, then waited for once
+    detached: a snapshot that later optimizer steps cannot change, for a checkpoint written in the background. Views
+    of the same memory (tied embeddings) stay one tensor, so the writer sees them tied as the model does. GPU tensors
+    are copied into pinned host memory without blocking, then waited for once
     (on an H100 machine the 1.6 GB of a 135M-parameter model and its AdamW state took 1.5 s pageable, 1.2 s pinned with
     the allocation; later snapshots reuse the pinned blocks through torch's caching host allocator)."""
     seen: dict = {}
