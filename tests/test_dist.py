@@ -132,6 +132,19 @@ def test_gather_pickling_round_trips_every_tensor_kind():
     assert torch.equal(base[:, ::2], torch.arange(24, dtype=torch.float32).reshape(4, 6)[:, ::2])
 
 
+def test_largest_micro_batches_by_hand():
+    """Rows 0..7 with 100, 90, 1, 1, 1, 1, 80, 70 tokens, 2 processes, micro-batches of 2: process 0 holds rows 0-3
+    (micro-batches of 190 and 2 tokens), process 1 rows 4-7 (2 and 150); each pads its j-th micro-batch to the larger:
+    190, then 150. A second minibatch in reverse order gives 150 then 190. One process's plan has no such lengths."""
+    from gspo import dist
+
+    tokens = torch.tensor([100, 90, 1, 1, 1, 1, 80, 70])
+    rows = torch.arange(8)
+    assert dist.largest_micro_batches([rows, rows.flip(0)], tokens, 2, 2) == [[190, 150], [150, 190]]
+    assert dist.largest_micro_batches([rows], tokens, 2, 4) == [[192]]
+    assert [c.tolist() for c in dist.micro_batches(rows, 1, 2, 2)] == [[4, 5], [6, 7]]
+
+
 def test_flat_gradients_stay_views_that_backward_accumulates_into():
     """DDP's gradients as views of one flat buffer (what the all-reduce sums in place): every trainable parameter's
     .grad is its slice of the buffer, two backwards accumulate into it in place (the buffer holds their sum), zeroing

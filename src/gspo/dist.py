@@ -244,6 +244,26 @@ def balance(rows: torch.Tensor, tokens: torch.Tensor, world: int) -> torch.Tenso
     return torch.tensor([r for s in slices for r in s], dtype=rows.dtype)
 
 
+def micro_batches(rows: torch.Tensor, rank: int, world: int, micro: int) -> list[torch.Tensor]:
+    """Process ``rank``'s slice of a minibatch's ``rows``, in chunks of ``micro`` rows."""
+    own = slice_of(rows, rank, world)
+    return [own[j:j + micro] for j in range(0, len(own), micro)]
+
+
+def largest_micro_batches(minibatches: list[torch.Tensor], tokens: torch.Tensor, world: int,
+                          micro: int) -> list[list[int]]:
+    """``[k][j]``: the most tokens (``tokens[row]`` summed) that any process's ``j``-th micro-batch of minibatch ``k``
+    holds. The CUDA-graphed passes pad each micro-batch to this length's bucket, so that every process captures a
+    graph shape in the same step as the others, which wait for it at their next collective anyway."""
+    count = tokens.tolist()
+    out = []
+    for rows in minibatches:
+        per_rank = [[sum(count[i] for i in chunk.tolist()) for chunk in micro_batches(rows, r, world, micro)]
+                    for r in range(world)]
+        out.append([max(column) for column in zip(*per_rank)])
+    return out
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

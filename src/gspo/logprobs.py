@@ -76,13 +76,16 @@ def _sequence_logprobs(
     graphs: "PackedGraphs | None" = None,
     routing: Routing | None = None,
     row_ids: torch.Tensor | None = None,
+    pack_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities ``(N, T)`` float32 of ``completion_ids`` given ``prompt_ids`` under
     ``softmax(logits / temperature)``, differentiable w.r.t. the model, 0 where ``completion_mask`` is False;
     and the per-token entropies ``(N, T)`` float32 (no grad) when ``with_entropy``, else ``None``.
 
     With ``routing`` (an MoE model's :class:`gspo.moe.Routing`), the forward's token layout is handed to it first:
-    row ``i`` here is row ``row_ids[i]`` of the rollout batch, so routing records follow rows whatever the layout."""
+    row ``i`` here is row ``row_ids[i]`` of the rollout batch, so routing records follow rows whatever the layout.
+    ``pack_tokens``: with CUDA graphs, the packed row is padded to the bucket of at least this many tokens (see
+    :meth:`PackedGraphs.hidden`)."""
     if len(prompt_ids) != completion_ids.shape[0] or any(len(p) == 0 for p in prompt_ids):
         raise UserError(f"sequence_logprobs got {len(prompt_ids)} prompts for {completion_ids.shape[0]} completions "
                         f"or an empty prompt: pass one non-empty prompt per completion row.")
@@ -97,7 +100,8 @@ def _sequence_logprobs(
     if routing is not None and row_ids is None:
         row_ids = torch.arange(n_rows)
     if packed:
-        hidden = _packed_hidden(model, prompt_ids, ids_cpu, mask_cpu, autocast_dtype, graphs, routing, row_ids)  # (M, H)
+        hidden = _packed_hidden(model, prompt_ids, ids_cpu, mask_cpu, autocast_dtype, graphs, routing, row_ids,
+                                pack_tokens)  # (M, H)
     else:
         input_ids, attention_mask, prompt_len = pad_sequences(prompt_ids, ids_cpu, mask_cpu, pad_id)  # (N, P+T)
         input_ids, attention_mask = to_device(input_ids, device), to_device(attention_mask, device)
@@ -139,7 +143,7 @@ def _sequence_logprobs(
 
 
 def _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_dtype, graphs=None, routing=None,
-                   row_ids=None) -> torch.Tensor:
+                   row_ids=None, pack_tokens: int = 0) -> torch.Tensor:
     """Final hidden states ``(M, H)`` at the positions that predict each completion token (row-major, as ``flat``),
     from one packed row of every ``prompt_i + completion_i``. ``completion_ids`` and ``completion_mask`` are CPU
     tensors: the layout is worked out here and sent to the device without a synchronisation.
@@ -163,7 +167,7 @@ def _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_
     at = to_device((first[:, None] + torch.arange(completion_mask.shape[1])[None, :])[completion_mask], device)  # (M,)
     if routing is not None:
         routing.set_layout(packed_layout(seq_lens, pos, at, row_ids))
-    hidden = graphs.hidden(ids, pos, cu) if graphs is not None else None  # (1, S, H) or None: not graphable
+    hidden = graphs.hidden(ids, pos, cu, pack_tokens) if graphs is not None else None  # (1, S, H) or None
     if hidden is None:
         with autocast_context(device, autocast_dtype):
             hidden = _packed_decoder_forward(model.get_decoder(), ids, pos, cu, max(seq_lens))  # (1, S, H)
@@ -265,12 +269,15 @@ class PackedGraphs:
             size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4
         return size
 
-    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor) -> torch.Tensor | None:
-        """``(1, S, H)`` hidden states of the packed row ``ids`` ``(1, S)``, or None when graphs are off."""
+    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, at_least: int = 0) -> torch.Tensor | None:
+        """``(1, S, H)`` hidden states of the packed row ``ids`` ``(1, S)``, or None when graphs are off. The row is
+        padded to the bucket of ``max(S, at_least) + 1`` tokens: under torchrun every process passes the largest
+        packed length any process has at this micro-batch, so that all of them capture (and replay) the same shapes
+        in the same step, instead of each stopping the others at its own captures."""
         if not self.enabled:
             return None
         S = ids.shape[1]
-        size = self.bucket(S + 1)  # at least one dummy token, so the dummy sequence is never empty
+        size = self.bucket(max(S, at_least) + 1)  # at least one dummy token, so the dummy sequence is never empty
         pad = size - S
         ids_b = torch.cat([ids, ids.new_zeros(1, pad)], 1)  # (1, size)
         pos_b = torch.cat([pos, torch.arange(pad, device=pos.device)[None]], 1)  # (1, size)

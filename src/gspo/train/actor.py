@@ -52,6 +52,13 @@ class Plan:
     micro: list[list[torch.Tensor]]  # k -> chunks of this process's rows of minibatches[k]
     world: int = 1  # processes of the job; rank r trains the r-th contiguous slice of every minibatch
     rank: int = 0
+    # Under torchrun: k -> for each micro-batch, the largest packed length (prompt + completion tokens) that any
+    # process has at it; the CUDA-graphed passes pad to its bucket, so that the processes share graph shapes
+    pack_tokens: list[list[int]] | None = None
+
+    def pack_hint(self, k: int, j: int) -> int:
+        """The packed length micro-batch ``j`` of minibatch ``k`` pads to at least (0: its own)."""
+        return self.pack_tokens[k][j] if self.pack_tokens is not None else 0
 
     def rows_of(self, rank: int, ks) -> torch.Tensor:
         """The rows rank ``rank`` trains in minibatches ``ks``."""
@@ -249,9 +256,11 @@ class Actor:
     # ------------------------------------------------------------------------------------------ passes
 
     def logprobs(self, rollout: Rollout, rows: torch.Tensor | None = None, *, model: torch.nn.Module | None = None,
-                 with_entropy: bool = False, graphs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 with_entropy: bool = False, graphs: bool = True,
+                 pack_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``(n, T)`` (and entropies) of ``rows`` of ``rollout`` under ``model`` (default: the policy),
-        differentiable when grad is enabled; CUDA graphs are used for the policy only, and not with ``graphs=False``."""
+        differentiable when grad is enabled; CUDA graphs are used for the policy only, and not with ``graphs=False``
+        (``pack_tokens``: the packed length their graph pads to at least, :meth:`Plan.pack_hint`)."""
         model = self.model if model is None else model
         r = rollout if rows is None else rollout.select(rows.tolist())
         routing = self.routing if model is self.model else None
@@ -260,14 +269,16 @@ class Actor:
                                  chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
                                  autocast_dtype=self.runtime.autocast, packed=self.packed,
                                  graphs=self.graphs if graphs and model is self.model else None,
-                                 routing=routing, row_ids=None if routing is None or rows is None else rows)
+                                 routing=routing, row_ids=None if routing is None or rows is None else rows,
+                                 pack_tokens=pack_tokens)
 
     @torch.no_grad()
     def frozen_logprobs(self, rollout: Rollout, micro_batches: list[torch.Tensor],
-                        model: torch.nn.Module | None = None, *, adapters_off: bool = False) -> torch.Tensor:
+                        model: torch.nn.Module | None = None, *, adapters_off: bool = False,
+                        pack_tokens: list[int] | None = None) -> torch.Tensor:
         """Log-probs ``(N, T)`` of a frozen policy (default: the current one; ``adapters_off``: the policy with its LoRA
         adapters disabled, the reference) over ``micro_batches`` (rows not in them stay 0), in eval mode, with the same
-        rows and shapes as the update's passes."""
+        rows and shapes as the update's passes (``pack_tokens``: each micro-batch's :meth:`Plan.pack_hint`)."""
         model = self.model if model is None else model
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=self.runtime.device)  # (N, T)
         was_training = self.model.training
@@ -275,9 +286,11 @@ class Actor:
         try:
             # The captured graphs hold the adapters' kernels: the adapters-off pass runs eager.
             with self.peft.disable_adapter() if adapters_off else contextlib.nullcontext():
-                for rows in micro_batches:
+                for i, rows in enumerate(micro_batches):
+                    hint = pack_tokens[i] if pack_tokens else 0
                     out[to_device(rows, self.runtime.device)] = self.logprobs(rollout, rows, model=model,
-                                                                              graphs=not adapters_off)[0]
+                                                                              graphs=not adapters_off,
+                                                                              pack_tokens=hint)[0]
         finally:
             self.set_training(was_training)
         return out
@@ -295,9 +308,10 @@ class Actor:
         minibatches = [order[k * mb:(k + 1) * mb] for k in range(t.minibatches)]
         if world > 1 and tokens is not None:
             minibatches = [dist.balance(rows, tokens, world) for rows in minibatches]
-        mine = [slice_of(rows, rank, world) for rows in minibatches]
         micro = t.micro_batch_size or mb // world
-        return Plan(minibatches, [[rows[j:j + micro] for j in range(0, len(rows), micro)] for rows in mine], world, rank)
+        pack = dist.largest_micro_batches(minibatches, tokens, world, micro) if world > 1 and tokens is not None else None
+        return Plan(minibatches, [dist.micro_batches(rows, rank, world, micro) for rows in minibatches], world, rank,
+                    pack)
 
     def _share(self, values: torch.Tensor, plan: Plan, ks) -> None:
         """Fill ``values`` (N, T) at every process's rows of minibatches ``ks`` with what that process computed (a
@@ -328,8 +342,9 @@ class Actor:
         if self.cfg.train.old_logprobs == "recompute":
             # Minibatch 0 fills its own rows from its update forward (see step); the others need the frozen pass now.
             later = [chunk for chunks in plan.micro[1:] for chunk in chunks]
+            hints = [plan.pack_hint(k, j) for k in range(1, len(plan.micro)) for j in range(len(plan.micro[k]))]
             with routing_pass:
-                batch.old_logprobs = self.frozen_logprobs(rollout, later)  # (N, T)
+                batch.old_logprobs = self.frozen_logprobs(rollout, later, pack_tokens=hints)  # (N, T)
             self._share(batch.old_logprobs, plan, range(1, len(plan.minibatches)))
             if replay == "rollout" and later:  # the trainer re-routing what the engine routed, same weights
                 self.routing.sum_counts(dist.all_sum)
@@ -379,8 +394,8 @@ class Actor:
         aux_total = torch.zeros((), dtype=torch.float64, device=dev)
         replay = self.routing.updating() if self.routing is not None else contextlib.nullcontext()
         with replay, stage("forward_backward"):
-            for sub in plan.micro[k]:
-                logp, ent = self.logprobs(batch.rollout, sub, with_entropy=True)  # (n, T)
+            for j, sub in enumerate(plan.micro[k]):
+                logp, ent = self.logprobs(batch.rollout, sub, with_entropy=True, pack_tokens=plan.pack_hint(k, j))
                 sub_dev = to_device(sub, dev)
                 if on_policy_fill:
                     old[sub_dev] = logp.detach()
