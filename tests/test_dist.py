@@ -298,6 +298,23 @@ def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_pa
     check_run_dir(run, 8)
 
 
+def test_processes_agree_on_which_prompts_fit_as_one_process_does(tiny_dir, tmp_path):  # noqa: F811
+    """The arithmetic prompts encode to 47-49 tokens; with data.max_prompt_tokens = 48 about a quarter are skipped. Two
+    processes, each encoding half of every draw (dist.split_work), skip the same prompts and read the data stream to
+    the same position as one process, batch after batch."""
+    overrides = _overrides(tiny_dir, "train.steps=6", "data.max_prompt_tokens=48", "data.long_prompts='skip'",
+                           "log.checkpoint_every=0")
+    one = _train(tmp_path, [sys.executable], overrides, "--run-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _train(tmp_path, _torchrun(2), overrides, "--run-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    data = [[(r["data/position"], r["data/skipped_prompts"]) for r in read_jsonl(tmp_path / run / "metrics.jsonl")]
+            for run in ("one", "two")]
+    assert data[0] == data[1] and len(data[0]) == 6
+    assert data[0][-1][1] >= 1  # some were skipped: 3 batches of 6 prompts fitting from position data[0][-1][0]
+    assert data[0][-1][0] == 18 + data[0][-1][1]
+
+
 def test_two_nodes_meet_through_a_c10d_rendezvous(tiny_dir, tmp_path):  # noqa: F811
     """Two torchrun agents, one process each, on one host, with a c10d rendezvous on localhost: how a multi-node job
     starts (each node runs the same command). They train one DAPO run together (dynamic sampling: the processes
