@@ -60,6 +60,11 @@ class Plan:
         """The packed length micro-batch ``j`` of minibatch ``k`` pads to at least (0: its own)."""
         return self.pack_tokens[k][j] if self.pack_tokens is not None else 0
 
+    def micro_of(self, ks) -> tuple[list[torch.Tensor], list[int]]:
+        """This process's micro-batches of minibatches ``ks``, in order, and the packed length each pads to at least."""
+        pairs = [(rows, self.pack_hint(k, j)) for k in ks for j, rows in enumerate(self.micro[k])]
+        return [rows for rows, _ in pairs], [hint for _, hint in pairs]
+
     def rows_of(self, rank: int, ks) -> torch.Tensor:
         """The rows rank ``rank`` trains in minibatches ``ks``."""
         return torch.cat([slice_of(self.minibatches[k], rank, self.world) for k in ks])
@@ -341,8 +346,7 @@ class Actor:
                 routing_pass = self.routing.recording()
         if self.cfg.train.old_logprobs == "recompute":
             # Minibatch 0 fills its own rows from its update forward (see step); the others need the frozen pass now.
-            later = [chunk for chunks in plan.micro[1:] for chunk in chunks]
-            hints = [plan.pack_hint(k, j) for k in range(1, len(plan.micro)) for j in range(len(plan.micro[k]))]
+            later, hints = plan.micro_of(range(1, len(plan.micro)))
             with routing_pass:
                 batch.old_logprobs = self.frozen_logprobs(rollout, later, pack_tokens=hints)  # (N, T)
             self._share(batch.old_logprobs, plan, range(1, len(plan.minibatches)))
@@ -352,9 +356,9 @@ class Actor:
         else:
             batch.old_logprobs = to_device(rollout.logprobs, dev)
         if self.ref_model is not None or (self.peft is not None and self.cfg.loss.beta > 0):
-            every = [chunk for chunks in plan.micro for chunk in chunks]
+            every, hints = plan.micro_of(range(len(plan.micro)))
             batch.ref_logprobs = self.frozen_logprobs(rollout, every, model=self.ref_model,
-                                                      adapters_off=self.ref_model is None)
+                                                      adapters_off=self.ref_model is None, pack_tokens=hints)
             self._share(batch.ref_logprobs, plan, range(len(plan.minibatches)))
 
     def step(self, batch: Batch, plan: Plan, k: int, step: int) -> StepOutput:
