@@ -23,9 +23,11 @@ set -uo pipefail
 R=/root/results
 F=/root/frozen
 mkdir -p $R
+# the working tree copied to $F, which later calls' re-synced trees cannot change under the detached runs
+freeze() { rm -rf $F $R/status && mkdir -p $F && tar --exclude=./.gpu -cf - . | tar -xf - -C $F; }
 case "$1" in
 start)
-  rm -rf $F && mkdir -p $F && tar --exclude=./.gpu -cf - . | tar -xf - -C $F
+  freeze
   cd $F
   export PYTHONPATH=/tmp/site:$F/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
   setsid bash -c "
@@ -46,7 +48,7 @@ start)
   sleep 5; cat $R/driver.log
   ;;
 measure)
-  rm -rf $F $R/status && mkdir -p $F && tar --exclude=./.gpu -cf - . | tar -xf - -C $F
+  freeze
   cd $F
   export PYTHONPATH=/tmp/site:$F/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 OUT=$R
   setsid bash -c "
@@ -60,7 +62,7 @@ measure)
   sleep 5; cat $R/driver.log
   ;;
 ab)
-  rm -rf $F /root/base $R/status && mkdir -p $F && tar --exclude=./.gpu -cf - . | tar -xf - -C $F && cp -r .gpu/base /root/base
+  freeze && rm -rf /root/base && cp -r .gpu/base /root/base
   export OMP_NUM_THREADS=1 OUT=$R HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
   setsid bash -c "
     for i in \$(seq \${ROUNDS:-1}); do
