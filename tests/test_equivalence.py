@@ -1,9 +1,13 @@
 """The refactor guard: fixed-seed CPU runs of a tiny model give the metrics recorded from an earlier version of the code.
 
 Each run below was recorded into ``tests/fixtures/equivalence/<name>.jsonl`` (its metrics.jsonl, then its samples.jsonl
-lines) by ``python tests/test_equivalence.py --record``. A refactor must reproduce every key of every line to 1e-6
-relative (``time/*`` and ``throughput/*`` excepted: they measure the machine). Re-record only for a change that is meant
-to move the numbers, and say which in the commit message.
+lines) by ``python tests/test_equivalence.py --record``. A refactor must reproduce every key of every line: integers,
+strings (sampled texts) and token counts exactly, floats to 1e-5 (relative or absolute; ``time/*`` and ``throughput/*``
+excepted: they measure the machine). Not tighter: another CPU (AMD's AVX2 kernels instead of Intel's AVX-512, another
+transformers release) sums float32 in another order, which moved log-ratio sums by up to 7e-6 and near-zero on-policy
+spreads (1e-7) by more than their size, with every sampled token the same. A refactor that deals rows, denominators or
+old log-probs differently moves these keys by far more. Re-record only for a change that is meant to move the
+numbers, and say which in the commit message.
 
 The runs cover the update's branches: recomputed and engine old log-probs, a reference model (beta > 0), micro-batches,
 packed sequences, both engines, dynamic sampling with refill and padding, overlong filtering and punishment, and
@@ -62,7 +66,7 @@ def _same(a, b) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         if a is None or b is None:
             return a is b
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+        return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5)
     return a == b
 
 
@@ -86,7 +90,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_fixed_seed_run_reproduces_the_recorded_metrics(name, model_dir, tmp_path):
-    """The run writes the recorded metrics and samples: every key of every line to 1e-6 relative."""
+    """The run writes the recorded metrics and samples: every key of every line (floats to 1e-5)."""
     expected = [json.loads(ln) for ln in (FIXTURES / f"{name}.jsonl").read_text().splitlines()]
     moved = differences(expected, run_lines(name, model_dir, tmp_path / "run"))
     assert not moved, "\n".join(moved[:40])
