@@ -186,6 +186,30 @@ def test_balanced_slices_hold_near_equal_tokens_by_hand():
     assert max(loads) - min(loads) <= int(lengths.max())
 
 
+def test_balance_matches_the_plain_greedy_on_random_batches():
+    """``dist.balance`` keeps its open slices in a heap; on random batches (many ties among short rows) it deals
+    exactly what the plain rule deals: longest row first, to the open slice with the fewest tokens, lowest index on a
+    tie."""
+    from gspo import dist
+
+    def plain(rows, tokens, world):
+        cap, count = len(rows) // world, tokens.tolist()
+        slices, load = [[] for _ in range(world)], [0] * world
+        for r in sorted(rows.tolist(), key=lambda r: (-count[r], r)):
+            s = min((i for i in range(world) if len(slices[i]) < cap), key=lambda i: (load[i], i))
+            slices[s].append(r)
+            load[s] += count[r]
+        return [r for s in slices for r in s]
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        world = int(torch.randint(1, 6, (1,), generator=g))
+        n = world * int(torch.randint(1, 20, (1,), generator=g))
+        tokens = torch.randint(1, 1 + int(torch.randint(1, 400, (1,), generator=g)), (n + 5,), generator=g)
+        rows = torch.randperm(n + 5, generator=g)[:n]
+        assert dist.balance(rows, tokens, world).tolist() == plain(rows, tokens, world), trial
+
+
 def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path):  # noqa: F811
     """A one-process run (HF weights, AdamW state in trainer_state.pt) resumes under `gspo train --nproc 2`, which
     writes sharded checkpoints (FSDP2: DCP, each process's RNG, an HF export); that run resumes under one process and,

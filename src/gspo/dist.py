@@ -22,6 +22,7 @@ How a rollout batch is split (``W`` ranks, ``P`` prompts, ``G`` completions):
 from __future__ import annotations
 
 import datetime
+import heapq
 import io
 import os
 import pickle
@@ -234,12 +235,13 @@ def balance(rows: torch.Tensor, tokens: torch.Tensor, world: int) -> torch.Tenso
     hold several times another's tokens. Every process computes the same order from the same gathered batch."""
     cap = len(rows) // world
     slices: list[list[int]] = [[] for _ in range(world)]
-    load = [0] * world
     count = tokens.tolist()  # Python ints: indexing a tensor element by element costs microseconds each
+    open_slices = [(0, i) for i in range(world)]  # a heap of (load, slice) over the slices with room left
     for r in sorted(rows.tolist(), key=lambda r: (-count[r], r)):
-        s = min((i for i in range(world) if len(slices[i]) < cap), key=lambda i: (load[i], i))
+        load, s = heapq.heappop(open_slices)  # the fewest tokens, then the lowest index
         slices[s].append(r)
-        load[s] += count[r]
+        if len(slices[s]) < cap:
+            heapq.heappush(open_slices, (load + count[r], s))
     return torch.tensor([r for s in slices for r in s], dtype=rows.dtype)
 
 
@@ -340,14 +342,16 @@ def flat_gradients(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return buffers
 
 
-def sum_gradients(buffers: list[torch.Tensor]) -> None:
-    """Sum the gradients over the processes in place: one all-reduce per flat buffer of :func:`flat_gradients` (a
-    parameter no process reached has zeros). Written here rather than with torch's DistributedDataParallel: DDP's
-    reducer is armed by the wrapped module's forward, which gspo's log-prob pass does not call (it runs the decoder and
-    a chunked LM head directly, also inside captured CUDA graphs), and one all-reduce after the whole backward is all a
-    full-batch optimizer step needs."""
-    for flat in buffers:
-        torch.distributed.all_reduce(flat)
+def sum_gradients(buffers: list[torch.Tensor]) -> list:
+    """Start summing the gradients over the processes in place: one asynchronous all-reduce per flat buffer of
+    :func:`flat_gradients` (a parameter no process reached has zeros). Returns the pending works: ``wait()`` each
+    before the gradients are read (on a GPU that orders the reading stream after the all-reduce; the host does not
+    block). Started as soon as the step's backward is queued, the sum runs while the step's diagnostics are computed.
+
+    Written here rather than with torch's DistributedDataParallel: DDP's reducer is armed by the wrapped module's
+    forward, which gspo's log-prob pass does not call (it runs the decoder and a chunked LM head directly, also inside
+    captured CUDA graphs), and one all-reduce after the whole backward is all a full-batch optimizer step needs."""
+    return [torch.distributed.all_reduce(flat, async_op=True) for flat in buffers]
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -574,6 +574,6 @@ class GraphEngine:
             fed = torch.tensor([len(prompts[i // n]) for i in range(rows)]) + lengths - 1  # (N,)
             routes_mask = torch.arange(routes.shape[1])[None, :] < fed[:, None]  # (N, L)
             self._route_layout = self._route_buffer = None
-        return Rollout(prompt_ids=[list(prompts[i // n]) for i in range(rows)], completion_ids=tok, completion_mask=mask,
+        return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tok, completion_mask=mask,
                        logprobs=logp, finish_reasons=finish, texts=texts, pad_id=self.pad_id, routes=routes,
                        routes_mask=routes_mask)

@@ -164,7 +164,7 @@ class HFEngine:
         return Rollout(
             routes=routes,
             routes_mask=routes_mask,
-            prompt_ids=[list(p) for p in prompts for _ in range(n)],
+            prompt_ids=Rollout.repeat_prompts(prompts, n),
             completion_ids=tokens,
             completion_mask=mask,
             logprobs=logprobs,

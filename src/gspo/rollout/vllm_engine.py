@@ -128,7 +128,7 @@ class VLLMEngine:
             logprobs[i, :len(ids)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, ids)])
             mask[i, :len(ids)] = True
             finish.append(FINISH_STOP if ids and ids[-1] in self.stop_ids else FINISH_LENGTH)
-        return Rollout(prompt_ids=[list(p) for p in prompts for _ in range(n)], completion_ids=tokens,
+        return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tokens,
                        completion_mask=mask, logprobs=logprobs, finish_reasons=finish,
                        texts=self.tokenizer.batch_decode([c.token_ids for c in samples], skip_special_tokens=True),
                        pad_id=self.pad_id)

@@ -424,6 +424,10 @@ class Actor:
                 if on_policy_fill:
                     old[rows_dev] = mb_logp
                 loss_total, aux_total = dist.all_sum(torch.stack([loss_total, aux_total])).unbind()
+        pending = []  # DDP: the gradient sum, started now so that it runs under the diagnostics below (see _apply)
+        if self.replicated:
+            with stage("sum_gradients"):
+                pending = dist.sum_gradients(self._grad_buffers)
         moe_metrics = {}
         if self.routing is not None:
             self.routing.sum_counts(dist.all_sum)
@@ -451,18 +455,18 @@ class Actor:
         elif plan.world > 1:
             metrics["dist/compute_max_s"] = metrics["dist/compute_min_s"] = time.perf_counter() - t_start
         with stage("apply"):
-            metrics["grad_norm"] = self._apply(loss_total, step)
+            metrics["grad_norm"] = self._apply(loss_total, step, pending)
         metrics["trained_tokens"] = tokens
         metrics.update(moe_metrics)
         self.set_training(False)
         return StepOutput(metrics, rows, mb_logp, events)
 
-    def _apply(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """Clip and apply the accumulated gradient at ``lr_at(step)``, unless the loss or the gradient is not finite."""
+    def _apply(self, loss: torch.Tensor, step: int, pending: list) -> torch.Tensor:
+        """Clip and apply the accumulated gradient at ``lr_at(step)``, unless the loss or the gradient is not finite
+        (``pending``: the gradient sum's works under DDP, waited for here)."""
         t = self.cfg.train
-        if self.replicated:
-            with stage("sum_gradients"):
-                dist.sum_gradients(self._grad_buffers)
+        for work in pending:
+            work.wait()
         with stage("clip"):
             grad_norm = dist.full_value(torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf")))

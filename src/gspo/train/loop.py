@@ -286,11 +286,11 @@ class Trainer:
             if self.runtime.device.type == "cuda":  # the job's peak: the largest over its processes
                 metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2**30
             with stage("reduce_metrics"):
-                values = self.runtime.reduce(metrics, REDUCE)  # the step's one host sync
-                if out.compute_events is not None:  # complete now: a tiny second reduce, on an idle device
+                if out.compute_events is not None:  # waiting on this process's own device only, then one reduce
+                    out.compute_events[1].synchronize()
                     seconds = out.compute_events[0].elapsed_time(out.compute_events[1]) / 1e3
-                    values.update(self.runtime.reduce({"dist/compute_max_s": seconds, "dist/compute_min_s": seconds},
-                                                      REDUCE))
+                    metrics["dist/compute_max_s"] = metrics["dist/compute_min_s"] = seconds
+                values = self.runtime.reduce(metrics, REDUCE)  # the step's one collective and host sync
             self.nonfinite.record(finite(values["loss"]) and finite(values["grad_norm"]), state.step + 1)
             with stage("diagnostics"):
                 runlog.diagnostics(self.tokenizer, batch, out.rows, out.logprobs, step=state.step + 1,
