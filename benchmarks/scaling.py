@@ -12,6 +12,13 @@ the first checkpoint-free batch's allocations are left out): (batches - 1) x P x
 end of the first batch and the end of the last (``time/elapsed`` of their last metrics lines). The median-batch rate,
 P x G / the median of those batches' wall-clock times, leaves out the few batches that capture CUDA graphs of the update
 for a new packed size, which a short run does not amortise (the reference run has 40 rollout batches).
+
+A rollout ends with its longest response, and a job of W processes waits for the longest of W times as many: once
+training shortens responses, the longest of 1,024 is usually longer than the longest of 256. The speed-up "at equal
+longest response" separates that wait from the rest: each run's batch time is fitted as a line in the batch's longest
+response (``completion/len_max``), least squares over its timed batches, and every run is compared with the one-GPU
+baseline at the baseline's mean longest response. What the fit leaves to the longest response it cannot tell from what
+goes with it (a batch with a long response tends to have more tokens): it is a decomposition, not a measurement.
 """
 from __future__ import annotations
 
@@ -72,7 +79,9 @@ def summarize(run_dir: Path, n_gpus: int) -> dict:
               "updates": per_batch("time/update", timed)}
     stages["batch"] = span / max(1, len(batches) - 1)
     stages["other"] = stages["batch"] - sum(stages[k] for k in ("sync_weights", "collect", "logprobs", "updates"))
+    longest = [ends[b]["completion/len_max"] for b in batches[1:]]  # the longest response of each timed batch
     return {"gpus": n_gpus, "prompts_per_batch": prompts, "group_size": group_size, "run": run_dir.name,
+            "len_max_mean": statistics.fmean(longest), "batch_s_fit": fit_line(longest, batch_s),
             "completions_per_s": completions / span,
             "completions_per_s_median_batch": prompts * group_size / statistics.median(batch_s),
             "batch_s": batch_s,
@@ -84,8 +93,17 @@ def summarize(run_dir: Path, n_gpus: int) -> dict:
                 1, sum(1 for r in rows if r["rollout_batch"] > 0))}
 
 
+def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
+    """``(a, b)`` of the least-squares line y = a + b x (b = 0 where every x is the same)."""
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    sxx = sum((v - mx) ** 2 for v in x)
+    b = sum((u - mx) * (v - my) for u, v in zip(x, y)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
 def speedups(results: list[dict]) -> None:
-    """Each run's speed-up over the fastest one-GPU run at the per-GPU batch, by both rates (in place)."""
+    """Each run's speed-up over the fastest one-GPU run at the per-GPU batch, by both rates, and at that run's mean
+    longest response (in place)."""
     for key in ("completions_per_s", "completions_per_s_median_batch"):
         ones = [r[key] for r in results if r.get("gpus") == 1 and "error" not in r
                 and not r.get("equal_batch_reference")]
@@ -93,6 +111,19 @@ def speedups(results: list[dict]) -> None:
             if "error" not in r:
                 r["speedup" if key == "completions_per_s" else "speedup_median_batch"] = (
                     r[key] / max(ones) if ones else None)
+    ones = [r for r in results if r.get("gpus") == 1 and "error" not in r and not r.get("equal_batch_reference")]
+    if not ones:
+        return
+    base = max(ones, key=lambda r: r["completions_per_s"])
+    length = base["len_max_mean"]
+
+    def rate(r: dict) -> float:  # completions per second of a batch whose longest response is `length`, by r's fit
+        a, b = r["batch_s_fit"]
+        return r["prompts_per_batch"] * r["group_size"] / (a + b * length)
+
+    for r in results:
+        if "error" not in r:
+            r["speedup_equal_longest"] = rate(r) / rate(base)
 
 
 def gpus_of(run_dir: Path) -> int:
@@ -133,15 +164,19 @@ def main() -> None:
     # one GPU varies within the lease)
     speedups(results)
     print(f"{'GPUs':>4} {'prompts':>7} {'compl/s':>9} {'speed-up':>8} {'median-batch compl/s':>21} {'speed-up':>8} "
-          f"{'rollout s':>9} {'update s':>8} {'reward':>13}")
+          f"{'rollout s':>9} {'update s':>8} {'reward':>13} {'longest':>7} {'s/batch = a + b x longest':>25} "
+          f"{'speed-up at equal longest':>25}")
     for r in results:
         if "error" in r:
             print(f"{r['gpus']:>4} failed: {r['error'].strip().splitlines()[-1][:100]}")
             continue
-        sp, spm = (f"{r[k]:.2f}x" if r[k] else "-" for k in ("speedup", "speedup_median_batch"))
+        sp, spm, spl = (f"{r[k]:.2f}x" if r.get(k) else "-"
+                        for k in ("speedup", "speedup_median_batch", "speedup_equal_longest"))
         print(f"{r['gpus']:>4} {r['prompts_per_batch']:>7} {r['completions_per_s']:>9.1f} {sp:>8} "
               f"{r['completions_per_s_median_batch']:>21.1f} {spm:>8} {r['rollout_s_mean']:>9.2f} "
-              f"{r['update_s_mean']:>8.3f} {r['reward_first']:.3f}->{r['reward_last']:.3f}")
+              f"{r['update_s_mean']:>8.3f} {r['reward_first']:.3f}->{r['reward_last']:.3f} {r['len_max_mean']:>7.1f} "
+              f"{r['batch_s_fit'][0]:>14.3f} + {r['batch_s_fit'][1] * 1e3:.2f}e-3 x "
+              f"{spl:>25}")
     print("seconds per rollout batch: " + " ".join(f"{k:>12}" for k in next(
         (r["stages_s"] for r in results if "error" not in r), {})))
     for r in results:

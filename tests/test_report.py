@@ -294,3 +294,30 @@ def test_committed_scaling_tables_are_what_the_script_computes_from_the_committe
     assert 128 * 8 / sorted(four["batch_s"])[len(four["batch_s"]) // 2] == pytest.approx(
         four["completions_per_s_median_batch"]) and 1900 < four["completions_per_s_median_batch"] < 1950
     assert "3.62x" in done.stdout
+
+
+def test_speedup_at_equal_longest_response_by_hand():
+    """The longest-response decomposition of benchmarks/scaling.py. The line through (1, 2), (2, 4), (3, 7): slope
+    Σ(x - 2)(y - 13/3) / Σ(x - 2)² = (7/3 + 8/3) / 2 = 2.5, intercept 13/3 - 5 = -2/3. On the committed 4 x H100 runs:
+    a least-squares line passes through the means, so the baseline at its own mean longest response runs at its
+    whole-run rate, and the 4-GPU run at that length takes its mean batch time less slope x (its mean - the baseline's)."""
+    import importlib.util
+    import statistics
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("scaling", root / "benchmarks" / "scaling.py")
+    scaling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling)
+    a, b = scaling.fit_line([1, 2, 3], [2, 4, 7])
+    assert (a, b) == (pytest.approx(-2 / 3), pytest.approx(2.5))
+    assert scaling.fit_line([5, 5], [1, 3]) == (2, 0.0)  # one length: no slope, the mean
+    runs = root / "benchmarks" / "results" / "scale_out" / "h100x4_40"
+    one, four = (scaling.summarize(runs / d, n) for d, n in (("gpus1-prompts32", 1), ("gpus4-prompts128", 4)))
+    scaling.speedups([one, four])
+    assert one["speedup_equal_longest"] == 1.0
+    a1, b1 = one["batch_s_fit"]
+    assert 32 * 8 / (a1 + b1 * one["len_max_mean"]) == pytest.approx(one["completions_per_s"])
+    _, b4 = four["batch_s_fit"]
+    at_base_length = statistics.fmean(four["batch_s"]) - b4 * (four["len_max_mean"] - one["len_max_mean"])
+    assert four["speedup_equal_longest"] == pytest.approx(128 * 8 / at_base_length / one["completions_per_s"])
+    assert four["len_max_mean"] > one["len_max_mean"] and 3.7 < four["speedup_equal_longest"] < 3.9  # 3.82x
