@@ -18,7 +18,8 @@ training shortens responses, the longest of 1,024 is usually longer than the lon
 longest response" separates that wait from the rest: each run's batch time is fitted as a line in the batch's longest
 response (``completion/len_max``), least squares over its timed batches, and every run is compared with the one-GPU
 baseline at the baseline's mean longest response. What the fit leaves to the longest response it cannot tell from what
-goes with it (a batch with a long response tends to have more tokens): it is a decomposition, not a measurement.
+goes with it (a batch with a long response tends to have more tokens): it is a decomposition, not a measurement. It
+needs longest responses that vary: in short runs every batch is cut at max_new_tokens, and the column stays empty.
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def summarize(run_dir: Path, n_gpus: int) -> dict:
     stages["other"] = stages["batch"] - sum(stages[k] for k in ("sync_weights", "collect", "logprobs", "updates"))
     longest = [ends[b]["completion/len_max"] for b in batches[1:]]  # the longest response of each timed batch
     return {"gpus": n_gpus, "prompts_per_batch": prompts, "group_size": group_size, "run": run_dir.name,
-            "len_max_mean": statistics.fmean(longest), "batch_s_fit": fit_line(longest, batch_s),
+            "len_max_mean": statistics.fmean(longest), "len_max_spread": statistics.pstdev(longest),
+            "batch_s_fit": fit_line(longest, batch_s),
             "completions_per_s": completions / span,
             "completions_per_s_median_batch": prompts * group_size / statistics.median(batch_s),
             "batch_s": batch_s,
@@ -123,7 +125,10 @@ def speedups(results: list[dict]) -> None:
 
     for r in results:
         if "error" not in r:
-            r["speedup_equal_longest"] = rate(r) / rate(base)
+            # a run whose batches all had one longest response (every one cut at max_new_tokens, as in short runs)
+            # has no line to read another length off
+            known = r["len_max_spread"] > 0 or r["len_max_mean"] == length
+            r["speedup_equal_longest"] = rate(r) / rate(base) if known and base["len_max_spread"] > 0 else None
 
 
 def gpus_of(run_dir: Path) -> int:
