@@ -321,3 +321,29 @@ def test_speedup_at_equal_longest_response_by_hand():
     at_base_length = statistics.fmean(four["batch_s"]) - b4 * (four["len_max_mean"] - one["len_max_mean"])
     assert four["speedup_equal_longest"] == pytest.approx(128 * 8 / at_base_length / one["completions_per_s"])
     assert four["len_max_mean"] > one["len_max_mean"] and 3.7 < four["speedup_equal_longest"] < 3.9  # 3.82x
+
+
+def test_trace_steps_overlap_and_busy_time_by_hand():
+    """benchmarks/trace_steps.py on a hand-made trace: gradient sums on stream 17 at 100-1100 us and 5000-5600 us;
+    compute on stream 7 at 0-200, 500-700 and 650-900 us. The first sum runs under compute for 100 (100-200) + 400
+    (the union of 500-700 and 650-900) = 500 us; the step from 100 to 5000 us holds the sum, the two later kernels and
+    a 20 us fp32 sum at 3000 (the metrics': not a gradient sum), busy 1000 + 20 us (the kernel starting at 0 belongs to
+    the step before)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("trace_steps", root / "benchmarks" / "trace_steps.py")
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+
+    def ev(name, start, dur, stream, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": dur, "args": {"stream": stream}}
+
+    nccl = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+    trace = {"traceEvents": [ev(nccl, 100, 1000, 17), ev("gemm", 0, 200, 7), ev("add", 500, 200, 7),
+                             ev("copy", 650, 250, 7, "gpu_memcpy"), ev(nccl, 3000, 20, 17), ev(nccl, 5000, 600, 17),
+                             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 150, "dur": 5000}]}
+    out = ts.analyse(trace)
+    assert [r["overlapped_us"] for r in out["all_reduces"]] == [500, 0]
+    assert [r["us"] for r in out["all_reduces"]] == [1000, 600]
+    assert out["steps"][0]["window_ms"] == 4.9 and out["steps"][0]["busy_ms"] == 1.02
