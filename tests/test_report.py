@@ -347,3 +347,30 @@ def test_trace_steps_overlap_and_busy_time_by_hand():
     assert [r["overlapped_us"] for r in out["all_reduces"]] == [500, 0]
     assert [r["us"] for r in out["all_reduces"]] == [1000, 600]
     assert out["steps"][0]["window_ms"] == 4.9 and out["steps"][0]["busy_ms"] == 1.02
+
+
+@pytest.mark.parametrize("table", ["new_round1", "new_round2", "base_round1", "base_round2", "all"])
+def test_committed_h100x4_tables_are_what_the_script_computes(tmp_path, table):
+    """The 4 x H100 40-batch A/B lease (benchmarks/results/scale_out/ab_h100x4_40): each committed table is
+    benchmarks/scaling.py --summarize of the committed runs it names."""
+    import json
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    lease = root / "benchmarks" / "results" / "scale_out" / "ab_h100x4_40"
+    committed = json.loads((lease / f"{table}.json").read_text())
+    dirs = committed["args"]["summarize"]
+    out = tmp_path / "t.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "scaling.py"), "--summarize",
+                           *[str(root / d) for d in dirs], "--device", committed["device"], "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == (lease / f"{table}.txt").read_text()
+    got = json.loads(out.read_text())["results"]
+    for mine, theirs in zip(got, committed["results"], strict=True):
+        for key in ("completions_per_s", "speedup", "speedup_median_batch", "speedup_equal_longest"):
+            assert mine[key] == pytest.approx(theirs[key]), key
+    if table == "all":  # by hand, as the results page quotes it: the new 4-GPU runs over the mean one-GPU rate
+        ones = [r["completions_per_s"] for r in got if r["gpus"] == 1]
+        fours = [r["completions_per_s"] for r in got if r["gpus"] == 4][:2]  # the new code's, listed first
+        assert len(ones) == 4 and [round(f / (sum(ones) / 4), 2) for f in fours] == [3.64, 3.62]
