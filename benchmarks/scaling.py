@@ -119,16 +119,19 @@ def speedups(results: list[dict]) -> None:
     base = max(ones, key=lambda r: r["completions_per_s"])
     length = base["len_max_mean"]
 
-    def rate(r: dict) -> float:  # completions per second of a batch whose longest response is `length`, by r's fit
+    def rate(r: dict) -> float | None:  # completions per second of a batch whose longest response is `length`
         a, b = r["batch_s_fit"]
-        return r["prompts_per_batch"] * r["group_size"] / (a + b * length)
+        seconds = a + b * length
+        return r["prompts_per_batch"] * r["group_size"] / seconds if seconds > 0 else None
 
     for r in results:
         if "error" not in r:
             # a run whose batches all had one longest response (every one cut at max_new_tokens, as in short runs)
             # has no line to read another length off
             known = r["len_max_spread"] > 0 or r["len_max_mean"] == length
-            r["speedup_equal_longest"] = rate(r) / rate(base) if known and base["len_max_spread"] > 0 else None
+            mine, theirs = rate(r), rate(base)
+            r["speedup_equal_longest"] = (mine / theirs if known and base["len_max_spread"] > 0 and mine and theirs
+                                          else None)
 
 
 def gpus_of(run_dir: Path) -> int:
@@ -175,7 +178,7 @@ def main() -> None:
         if "error" in r:
             print(f"{r['gpus']:>4} failed: {r['error'].strip().splitlines()[-1][:100]}")
             continue
-        sp, spm, spl = (f"{r[k]:.2f}x" if r.get(k) else "-"
+        sp, spm, spl = (f"{r[k]:.2f}x" if r.get(k) is not None else "-"
                         for k in ("speedup", "speedup_median_batch", "speedup_equal_longest"))
         print(f"{r['gpus']:>4} {r['prompts_per_batch']:>7} {r['completions_per_s']:>9.1f} {sp:>8} "
               f"{r['completions_per_s_median_batch']:>21.1f} {spm:>8} {r['rollout_s_mean']:>9.2f} "

@@ -7,7 +7,14 @@ Prints a table and writes JSON.
 
 Device kernels, copies and memsets are the trace's ``kernel`` / ``gpu_memcpy`` / ``gpu_memset`` events. The
 all-reduces are NCCL's fp32 sum kernels of more than ``--min-us`` (the gradient sum; the metrics' reduce and the
-log-prob share are smaller and other kernels).
+log-prob share are smaller and other kernels). What it does not tell:
+
+- an NCCL kernel's time includes its wait for the other processes, so the share of it under compute is not the time
+  the overlap saved;
+- a step's window runs from one gradient sum to the next: with more than one flat gradient buffer (mixed dtypes), or
+  bf16 / fp16 buffers, the windows are not steps;
+- "busy" counts every device event that starts in the window (the all-reduce itself and copies included), in full;
+- it reads one process's trace (the others' are in the same directory).
 """
 from __future__ import annotations
 
@@ -68,10 +75,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="rank<r>.trace.json.gz of a run's profile/ directory")
     p.add_argument("--min-us", type=float, default=500.0, help="smallest fp32 all-reduce counted as the gradient sum")
+    p.add_argument("--top", type=int, default=40, help="kernels kept per step in the JSON (the table prints 12)")
     p.add_argument("--out", default="trace_steps.json")
     a = p.parse_args()
     with gzip.open(a.trace) as f:
-        result = analyse(json.load(f), a.min_us)
+        result = analyse(json.load(f), a.min_us, a.top)
     print(f"{'gradient all-reduce us':>24} {'of it under compute':>20}")
     for r in result["all_reduces"]:
         print(f"{r['us']:>24.0f} {r['overlapped_us']:>14.0f} ({r['overlapped_us'] / r['us']:.0%})")
@@ -80,8 +88,11 @@ def main() -> None:
         print(f"{s['window_ms']:>24.1f} {s['busy_ms']:>20.1f}")
     if result["steps"]:
         print("the first step's kernels (ms):")
-        for name, ms in result["steps"][0]["top_kernels_ms"].items():
+        for name, ms in list(result["steps"][0]["top_kernels_ms"].items())[:12]:
             print(f"  {ms:7.2f}  {name}")
+        gemm = sum(ms for name, ms in result["steps"][0]["top_kernels_ms"].items() if "gemm" in name.lower()
+                   or name.startswith(("nvjet", "sm90_xmma", "cutlass")))
+        print(f"  GEMMs among the first step's top {a.top} kernels: {gemm:.2f} ms")
     Path(a.out).write_text(json.dumps({"trace": a.trace, **result}, indent=1))
 
 

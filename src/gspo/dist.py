@@ -234,6 +234,7 @@ def balance(rows: torch.Tensor, tokens: torch.Tensor, world: int) -> torch.Tenso
     with a cap). A step waits for its slowest process, and a random slice of a batch with a few long responses can
     hold several times another's tokens. Every process computes the same order from the same gathered batch."""
     cap = len(rows) // world
+    assert cap and len(rows) % world == 0, "check_layout admits only minibatches that split evenly"
     slices: list[list[int]] = [[] for _ in range(world)]
     count = tokens.tolist()  # Python ints: indexing a tensor element by element costs microseconds each
     open_slices = [(0, i) for i in range(world)]  # a heap of (load, slice) over the slices with room left

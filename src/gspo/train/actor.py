@@ -424,19 +424,19 @@ class Actor:
                 if on_policy_fill:
                     old[rows_dev] = mb_logp
                 loss_total, aux_total = dist.all_sum(torch.stack([loss_total, aux_total])).unbind()
-        pending = []  # DDP: the gradient sum, started now so that it runs under the diagnostics below (see _apply)
-        if self.replicated:
-            with stage("sum_gradients"):
-                pending = dist.sum_gradients(self._grad_buffers)
         moe_metrics = {}
         if self.routing is not None:
-            self.routing.sum_counts(dist.all_sum)
+            self.routing.sum_counts(dist.all_sum)  # before the gradient sum starts: it would queue behind it
             # Minibatch 0 under recompute is trained by the old policy itself: no flip to count there (R3 compares
             # with the engine's routing, so it has one).
             moe_metrics = {} if on_policy_fill and self.cfg.moe.routing_replay != "rollout" else self.routing.flip_metrics()
             moe_metrics["moe/record_mb"] = self.routing.record_bytes() / 2**20
             if self.cfg.moe.router_aux_loss_coef:
                 moe_metrics["moe/aux_loss"] = aux_total
+        pending = []  # DDP: the gradient sum, started now so that it runs under the diagnostics below (see _apply)
+        if self.replicated:
+            with stage("sum_gradients"):
+                pending = dist.sum_gradients(self._grad_buffers)
         if on_policy_fill:  # every row's old log-probs exist from here on
             batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev), old,
                                              self._on_device["completion_mask"]))
@@ -449,7 +449,8 @@ class Actor:
         metrics["entropy"] = torch.where(completion, mb_ent, 0.0).sum() / tokens.clamp(min=1)
         metrics["loss"] = loss_total
         # How long this process took to its gradient (the job's slowest and fastest are logged): on a GPU the events'
-        # interval, read by the caller after its reduce; on the CPU, where nothing is queued, the clock now
+        # interval, which the caller reads once the device reaches the second and sends in its one reduce; on the CPU,
+        # where nothing is queued, the clock now
         if events is not None:
             events[1].record()
         elif plan.world > 1:
