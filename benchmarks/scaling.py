@@ -104,8 +104,8 @@ def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
 
 
 def speedups(results: list[dict]) -> None:
-    """Each run's speed-up over the fastest one-GPU run at the per-GPU batch, by both rates, and at that run's mean
-    longest response (in place)."""
+    """Each run's speed-up over the fastest one-GPU run at the per-GPU batch, by both rates, and by the runs' fits at
+    that one-GPU run's mean longest response (in place)."""
     for key in ("completions_per_s", "completions_per_s_median_batch"):
         ones = [r[key] for r in results if r.get("gpus") == 1 and "error" not in r
                 and not r.get("equal_batch_reference")]
