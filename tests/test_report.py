@@ -14,6 +14,29 @@ from test_trainer import tiny_config  # noqa: F401  (the tiny model fixture live
 from test_trainer import tiny_dir  # noqa: F401
 from gspo.train import Trainer
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _benchmark(name: str):
+    """The module ``benchmarks/<name>.py`` (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _summarize(dirs: list[Path], device: str, out: Path) -> tuple[str, list[dict]]:
+    """``benchmarks/scaling.py --summarize`` of ``dirs`` as a user runs it: its printed table and its JSON results."""
+    import json
+    import sys
+
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--summarize", *map(str, dirs),
+                           "--device", device, "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout, json.loads(out.read_text())["results"]
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FIGURES = ["reward.png", "clipping.png", "ratios.png", "token_strip.png", "length_entropy.png", "minibatch_depth.png"]
 
@@ -238,7 +261,6 @@ def test_by_length_figure_and_experiment_summary_from_length_bins(tmp_path, caps
     """Runs whose responses fall in two length bins get the by-length figure; benchmarks/experiments_summary.py gives
     each arm's row, its per-minibatch rows and its per-bin rows (responses counted, values averaged over the
     off-policy steps)."""
-    import importlib.util
     import json
 
     for arm, clip in (("grpo", 0.01), ("gspo", 0.3)):
@@ -257,10 +279,7 @@ def test_by_length_figure_and_experiment_summary_from_length_bins(tmp_path, caps
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     page = write_report(sorted((tmp_path / "cmp").glob("*-seed1")), tmp_path / "report")
     assert (tmp_path / "report" / "by_length.png").stat().st_size > 5000 and "by_length.png" in page.read_text()
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments_summary.py"
-    spec = importlib.util.spec_from_file_location("experiments_summary", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("experiments_summary")
     arms = mod._runs([str(tmp_path / "cmp")])
     assert set(arms) == {"gspo", "grpo"}
     row = mod.arm_row("gspo", arms["gspo"])
@@ -276,24 +295,18 @@ def test_committed_scaling_tables_are_what_the_script_computes_from_the_committe
     committed table: the whole-run and median-batch rates, and speed-ups over the faster one-GPU run. By hand for the
     median batch: 128 prompts x 8 completions over a 0.532 s median batch is ~1925 completions/s."""
     import json
-    import sys
 
-    root = Path(__file__).resolve().parents[1]
-    lease = root / "benchmarks" / "results" / "scale_out" / "ab_h200x4"
+    lease = BENCHMARKS / "results" / "scale_out" / "ab_h200x4"
     committed = json.loads((lease / "new.json").read_text())
-    dirs = [lease / "new" / r["run"] for r in committed["results"]]
-    out = tmp_path / "new.json"
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "scaling.py"), "--summarize", *map(str, dirs),
-                           "--device", committed["device"], "--out", str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(out.read_text())["results"]
+    stdout, got = _summarize([lease / "new" / r["run"] for r in committed["results"]], committed["device"],
+                             tmp_path / "new.json")
     for mine, theirs in zip(got, committed["results"], strict=True):
         for key in ("completions_per_s", "completions_per_s_median_batch", "speedup", "speedup_median_batch"):
             assert mine[key] == pytest.approx(theirs[key]), key
     four = next(r for r in got if r["run"] == "gpus4-prompts128")
     assert 128 * 8 / sorted(four["batch_s"])[len(four["batch_s"]) // 2] == pytest.approx(
         four["completions_per_s_median_batch"]) and 1900 < four["completions_per_s_median_batch"] < 1950
-    assert "3.62x" in done.stdout
+    assert "3.62x" in stdout
 
 
 def test_speedup_at_equal_longest_response_by_hand():
@@ -301,17 +314,13 @@ def test_speedup_at_equal_longest_response_by_hand():
     Σ(x - 2)(y - 13/3) / Σ(x - 2)² = (7/3 + 8/3) / 2 = 2.5, intercept 13/3 - 5 = -2/3. On the committed 4 x H100 runs:
     a least-squares line passes through the means, so the baseline at its own mean longest response runs at its
     whole-run rate, and the 4-GPU run at that length takes its mean batch time less slope x (its mean - the baseline's)."""
-    import importlib.util
     import statistics
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("scaling", root / "benchmarks" / "scaling.py")
-    scaling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scaling)
+    scaling = _benchmark("scaling")
     a, b = scaling.fit_line([1, 2, 3], [2, 4, 7])
     assert (a, b) == (pytest.approx(-2 / 3), pytest.approx(2.5))
     assert scaling.fit_line([5, 5], [1, 3]) == (2, 0.0)  # one length: no slope, the mean
-    runs = root / "benchmarks" / "results" / "scale_out" / "h100x4_40"
+    runs = BENCHMARKS / "results" / "scale_out" / "h100x4_40"
     one, four = (scaling.summarize(runs / d, n) for d, n in (("gpus1-prompts32", 1), ("gpus4-prompts128", 4)))
     scaling.speedups([one, four])
     assert one["speedup_equal_longest"] == 1.0
@@ -329,12 +338,7 @@ def test_trace_steps_overlap_and_busy_time_by_hand():
     (the union of 500-700 and 650-900) = 500 us; the step from 100 to 5000 us holds the sum, the two later kernels and
     a 20 us fp32 sum at 3000 (the metrics': not a gradient sum), busy 1000 + 20 us (the kernel starting at 0 belongs to
     the step before)."""
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("trace_steps", root / "benchmarks" / "trace_steps.py")
-    ts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ts)
+    ts = _benchmark("trace_steps")
 
     def ev(name, start, dur, stream, cat="kernel"):
         return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": dur, "args": {"stream": stream}}
@@ -354,19 +358,12 @@ def test_committed_h100x4_tables_are_what_the_script_computes(tmp_path, table):
     """The 4 x H100 40-batch A/B lease (benchmarks/results/scale_out/ab_h100x4_40): each committed table is
     benchmarks/scaling.py --summarize of the committed runs it names."""
     import json
-    import sys
 
-    root = Path(__file__).resolve().parents[1]
-    lease = root / "benchmarks" / "results" / "scale_out" / "ab_h100x4_40"
+    lease = BENCHMARKS / "results" / "scale_out" / "ab_h100x4_40"
     committed = json.loads((lease / f"{table}.json").read_text())
-    dirs = committed["args"]["summarize"]
-    out = tmp_path / "t.json"
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "scaling.py"), "--summarize",
-                           *[str(root / d) for d in dirs], "--device", committed["device"], "--out", str(out)],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout == (lease / f"{table}.txt").read_text()
-    got = json.loads(out.read_text())["results"]
+    stdout, got = _summarize([BENCHMARKS.parent / d for d in committed["args"]["summarize"]], committed["device"],
+                             tmp_path / "t.json")
+    assert stdout == (lease / f"{table}.txt").read_text()
     for mine, theirs in zip(got, committed["results"], strict=True):
         for key in ("completions_per_s", "speedup", "speedup_median_batch", "speedup_equal_longest"):
             assert mine[key] == pytest.approx(theirs[key]), key
