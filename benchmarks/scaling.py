@@ -106,14 +106,12 @@ def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
 def speedups(results: list[dict]) -> None:
     """Each run's speed-up over the fastest one-GPU run at the per-GPU batch, by both rates, and by the runs' fits at
     that one-GPU run's mean longest response (in place)."""
-    for key in ("completions_per_s", "completions_per_s_median_batch"):
-        ones = [r[key] for r in results if r.get("gpus") == 1 and "error" not in r
-                and not r.get("equal_batch_reference")]
-        for r in results:
-            if "error" not in r:
-                r["speedup" if key == "completions_per_s" else "speedup_median_batch"] = (
-                    r[key] / max(ones) if ones else None)
-    ones = [r for r in results if r.get("gpus") == 1 and "error" not in r and not r.get("equal_batch_reference")]
+    done = [r for r in results if "error" not in r]
+    ones = [r for r in done if r.get("gpus") == 1 and not r.get("equal_batch_reference")]
+    for key, name in (("completions_per_s", "speedup"), ("completions_per_s_median_batch", "speedup_median_batch")):
+        best = max((r[key] for r in ones), default=None)
+        for r in done:
+            r[name] = r[key] / best if best else None
     if not ones:
         return
     base = max(ones, key=lambda r: r["completions_per_s"])
@@ -124,14 +122,13 @@ def speedups(results: list[dict]) -> None:
         seconds = a + b * length
         return r["prompts_per_batch"] * r["group_size"] / seconds if seconds > 0 else None
 
-    for r in results:
-        if "error" not in r:
-            # a run whose batches all had one longest response (every one cut at max_new_tokens, as in short runs)
-            # has no line to read another length off
-            known = r["len_max_spread"] > 0 or r["len_max_mean"] == length
-            mine, theirs = rate(r), rate(base)
-            r["speedup_equal_longest"] = (mine / theirs if known and base["len_max_spread"] > 0 and mine and theirs
-                                          else None)
+    theirs = rate(base) if base["len_max_spread"] > 0 else None
+    for r in done:
+        # a run whose batches all had one longest response (every one cut at max_new_tokens, as in short runs)
+        # has no line to read another length off
+        known = r["len_max_spread"] > 0 or r["len_max_mean"] == length
+        mine = rate(r)
+        r["speedup_equal_longest"] = mine / theirs if known and mine and theirs else None
 
 
 def gpus_of(run_dir: Path) -> int:
