@@ -195,6 +195,34 @@ def test_fused_step_records_the_module_steps_routes(kernels, tokenizer):
     routing.close()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe (shared expert, a dense layer)"])
+def test_fused_step_compacts_rows_like_the_whole_bucket(kernels, tokenizer, monkeypatch, arch):
+    """The fused step on compacted rows (8 -> 4 -> 2 -> 1 here): the attention kernels find each moved row's live
+    slots, and greedy tokens, log-probs (1e-5) and, under MoE, R3's route records equal the uncompacted step's."""
+    from gspo.moe import Routing
+    from gspo.rollout import graph
+
+    monkeypatch.setattr(graph, "_COMPACT_MIN", 1)
+    model = _models(len(tokenizer))[arch].to(DEV)
+    routing = Routing(model, "rollout") if "moe" in arch else None
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat.", "Name a colour."]]
+    params = SamplingParams(max_new_tokens=8, greedy=True)
+
+    def run(stop_ids, compact):
+        engine = GraphEngine(model, tokenizer, stop_ids=stop_ids, fused=True, device=DEV, compact=compact)
+        engine.routing = routing
+        return engine.generate(prompts, 1, params)
+
+    free = run([2], False).completion_ids
+    stop_ids = sorted({int(free[0, 1]), int(free[1, 3]), int(free[2, 5])})  # rows end at unlike steps
+    a, b = run(stop_ids, True), run(stop_ids, False)
+    assert len(set(b.lengths.tolist())) > 2
+    assert torch.equal(a.completion_ids, b.completion_ids) and (a.logprobs - b.logprobs).abs().max() < 1e-5
+    if routing is not None:
+        assert torch.equal(a.routes_mask, b.routes_mask) and torch.equal(a.routes[a.routes_mask], b.routes[b.routes_mask])
+        routing.close()
+
+
 def test_sliding_window_keeps_the_module_step_only_past_the_window(tokenizer):
     """The fused attention has no sliding window: a bucket whose cache is longer than an active window uses the module
     step, a shorter one the fused step."""
@@ -206,13 +234,16 @@ def test_sliding_window_keeps_the_module_step_only_past_the_window(tokenizer):
     assert "sliding_window 128" in fused_unsupported(model, 192)
 
 
-def test_config_can_turn_the_fused_step_off(tokenizer):
-    """rollout.fused_step = "off" reaches the graph engine; a misspelt value is refused naming the field."""
+def test_config_can_turn_the_fused_step_and_compaction_off(tokenizer):
+    """rollout.fused_step and rollout.compact_rows = "off" reach the graph engine (compaction is on by default where
+    the engine captures graphs); a misspelt value is refused naming the field."""
     from gspo.config import build_config
     from gspo.rollout import make_engine
 
     model = tiny_llama(vocab_size=len(tokenizer))
-    engine = make_engine("graph", model, tokenizer, stop_ids=[2], device=torch.device("cpu"), fused_step="off")
-    assert engine.fused is None
-    with pytest.raises(UserError, match="rollout.fused_step = 'no' is not one of auto, off"):
-        build_config(None, ["rollout.fused_step=no"])
+    engine = make_engine("graph", model, tokenizer, stop_ids=[2], device=DEV, fused_step="off")
+    assert engine.fused is None and engine.compact == engine.use_graphs == (DEV.type == "cuda")
+    assert not make_engine("graph", model, tokenizer, stop_ids=[2], device=DEV, compact_rows="off").compact
+    for key in ("fused_step", "compact_rows"):
+        with pytest.raises(UserError, match=f"rollout.{key} = 'no' is not one of auto, off"):
+            build_config(None, [f"rollout.{key}=no"])

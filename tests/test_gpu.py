@@ -222,6 +222,37 @@ def test_fused_decode_agrees_with_the_trainer_and_warms_up_fast(tokenizer):
     assert fused_gap.mean() < 2 * module_gap.mean() + 1e-3 and fused_gap.max() < 0.1
 
 
+def test_compacted_graph_steps_agree_with_the_trainer(tokenizer):
+    """bf16 fused step in CUDA graphs, rows of geometric lengths (a likely stop token): the live rows move to steps of
+    16, then 8 rows, each captured mid-decode, and the engine's log-probs stay as close to the trainer's as the
+    uncompacted engine's; every row keeps its prompt (a moved row scored under another prompt would miss by far)."""
+    from gspo.logprobs import sequence_logprobs
+    from gspo.rollout.graph import GraphEngine
+    from gspo.types import SamplingParams
+    from test_rollout import force_token
+
+    cuda = torch.device("cuda")
+    model = tiny_llama(vocab_size=len(tokenizer), seed=7, init_std=0.3)
+    force_token(model, 2, 11.0)
+    model.cuda()
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story.", "Name a colour."]]
+    params = SamplingParams(max_new_tokens=40, temperature=0.9)
+    gaps, sizes = {}, []
+    for compact in (True, False):
+        engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, compact=compact)
+        assert engine.fused is not None and engine.use_graphs
+        move = engine._compact
+        engine._compact = lambda b, v, rows: (sizes.append(rows), move(b, v, rows))[1]
+        r = engine.generate(prompts, 8, params, generator=torch.Generator(device=cuda).manual_seed(0))  # 32 rows
+        with torch.no_grad():
+            logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.9,
+                                        pad_id=r.pad_id, autocast_dtype=torch.bfloat16)
+        gaps[compact] = (logp.cpu() - r.logprobs)[r.completion_mask].abs()
+        assert r.lengths.max() > 2 * r.lengths.float().median()
+    assert sizes[:2] == [16, 8]
+    assert gaps[True].mean() < 2 * gaps[False].mean() + 1e-3 and gaps[True].max() < 0.1
+
+
 def test_fused_moe_step_agrees_with_the_trainer_as_the_module_step_does(tokenizer):
     """On CUDA the fused step is the default for a bf16 Mixtral too (the fused attention kernels around the family's
     grouped-GEMM sparse block), and its log-probs are as close to the trainer's as the HF-module step's.

@@ -157,3 +157,55 @@ def test_moe_families_decode_like_generate(family, tokenizer, prompts):
                                   do_sample=False, max_new_tokens=8, eos_token_id=[STOP], pad_token_id=STOP)[0, len(prompt):]
         assert rollout.completion_ids[row][rollout.completion_mask[row]].tolist() == expected.tolist()
     routing.close()
+
+
+def _count_compactions(engine, monkeypatch) -> list[int]:
+    """The row counts ``engine`` compacts to, appended as it goes."""
+    sizes, compact = [], engine._compact
+
+    def spy(b, v, rows):
+        sizes.append(rows)
+        return compact(b, v, rows)
+
+    monkeypatch.setattr(engine, "_compact", spy)
+    return sizes
+
+
+def test_compacted_steps_decode_like_the_whole_bucket(make_tiny_model, tokenizer, monkeypatch):
+    """Greedy rows ending at many steps: once half the rows have ended the live ones move to a step of 8 rows, and
+    every row comes back in its place with the tokens, log-probs and finish reasons of the uncompacted engine."""
+    model = make_tiny_model(seed=6, init_std=0.3)
+    prompts = [tokenizer.encode(f"Question {i}: what is {i} + {2 * i}?") for i in range(12)]  # 12 rows: bucket 16
+    params = SamplingParams(max_new_tokens=16, greedy=True)
+    free = GraphEngine(model, tokenizer, stop_ids=[STOP], compact=False).generate(prompts, 1, params).completion_ids
+    stop_ids = sorted({int(free[i, 1 + i % 6]) for i in range(10)})  # ten rows end by their seventh token
+    whole = GraphEngine(model, tokenizer, stop_ids=stop_ids, compact=False).generate(prompts, 1, params)
+    engine = GraphEngine(model, tokenizer, stop_ids=stop_ids, compact=True)
+    sizes = _count_compactions(engine, monkeypatch)
+    moved = engine.generate(prompts, 1, params)
+    assert sizes == [8] and len(set(whole.lengths.tolist())) > 3
+    assert torch.equal(moved.completion_ids, whole.completion_ids)
+    assert torch.equal(moved.completion_mask, whole.completion_mask)
+    assert (moved.logprobs - whole.logprobs).abs().max() < 1e-5
+    assert moved.finish_reasons == whole.finish_reasons and moved.texts == whole.texts
+    again = engine.generate(prompts[::-1], 1, params)  # the bucket is reused: its row order starts afresh
+    assert torch.equal(again.completion_ids, whole.completion_ids.flip(0)[:, :again.completion_ids.shape[1]])
+
+
+def test_compacted_samples_keep_their_prompts(make_tiny_model, tokenizer, monkeypatch):
+    """Sampled rows with geometric lengths (a likely stop token) through two compactions (32 -> 16 -> 8 rows): each
+    row's engine log-probs equal the trainer's recomputation under its own prompt, so no row changed places."""
+    from test_rollout import force_token
+
+    model = make_tiny_model(seed=7, init_std=0.3)
+    force_token(model, STOP, 11.0)
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story.", "Name a colour.", "7 * 8?",
+                                             "Spell cat."]]
+    params = SamplingParams(max_new_tokens=24, temperature=0.9)
+    engine = GraphEngine(model, tokenizer, stop_ids=[STOP], compact=True)
+    sizes = _count_compactions(engine, monkeypatch)
+    r = engine.generate(prompts, 5, params, generator=torch.Generator().manual_seed(3))  # 30 rows: bucket 32
+    assert sizes[:2] == [16, 8] and r.lengths.min() < 4 and r.lengths.max() > 12
+    logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.9, pad_id=r.pad_id)
+    assert (logp - r.logprobs)[r.completion_mask].abs().max() < 1e-4
+    assert [r.finish_reasons[i] == "stop" for i in range(30)] == (r.completion_ids == STOP).any(-1).tolist()

@@ -2,22 +2,29 @@
 sampling and seeding."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from gspo.errors import UserError
 from gspo.models import named_weights, pad_prompts
 from gspo.rollout import HFEngine, sample_next
+from gspo.rollout import graph
 from gspo.rollout.graph import GraphEngine
 from gspo.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 STOP = 2  # <|im_end|> in the SmolLM2 tokenizer
 
 
-@pytest.fixture(params=[HFEngine, GraphEngine], ids=["hf", "graph"])
-def Engine(request):
-    """Each engine class in turn."""
-    return request.param
+@pytest.fixture(params=["hf", "graph", "graph-compact"])
+def Engine(request, monkeypatch):
+    """Each engine class in turn; ``graph-compact``: the graph engine moving live rows to ever smaller steps, down to
+    one row (the default stops at 8, more rows than these tests have)."""
+    if request.param == "graph-compact":
+        monkeypatch.setattr(graph, "_COMPACT_MIN", 1)
+        return functools.partial(GraphEngine, compact=True)
+    return {"hf": HFEngine, "graph": GraphEngine}[request.param]
 
 
 @pytest.fixture

@@ -105,6 +105,10 @@ class RolloutConfig:
     """The graph engine's decode step: ``auto`` (fused Triton kernels on CUDA for Llama / Mistral / Qwen2 / Qwen3 with a
     16-bit cache, and for their MoE relatives Mixtral / Qwen2-MoE / Qwen3-MoE the same kernels around the family's
     sparse block; else the HF modules) or ``off`` (always the HF modules)."""
+    compact_rows: str = "auto"
+    """The graph engine's decode under CUDA graphs: ``auto`` moves the rows still sampling to a step captured for fewer
+    rows once half of the step's rows have ended (a small model's step costs nearly as much for a few rows as for all;
+    the same distribution, another random stream than ``off``), ``off`` runs every step on the whole batch."""
     engine_weight_bits: int = 0
     """For experiments on the engine-trainer gap: the rollout engine samples from its copy of the weights with every
     weight matrix rounded to signed integers of this many bits (symmetric, one scale per output row, as weight-only
@@ -663,6 +667,7 @@ def validate(cfg: Config) -> None:
                               (cfg.model.precision, ("auto", "fp32", "bf16-autocast"), "model.precision"),
                               (r.engine, ("auto", "graph", "hf", "vllm"), "rollout.engine"),
                               (r.fused_step, ("auto", "off"), "rollout.fused_step"),
+                              (r.compact_rows, ("auto", "off"), "rollout.compact_rows"),
                               (cfg.moe.routing_replay, ("off", "old", "rollout"), "moe.routing_replay"),
                               (cfg.dist.strategy, ("auto", "fsdp", "ddp"), "dist.strategy")):
         if value not in valid:
@@ -755,7 +760,7 @@ RESUMABLE = (
     "train.micro_batch_size", "train.logprob_chunk", "train.packing", "train.cuda_graphs",  # memory / speed only
     "train.max_nonfinite_steps",
     "model.device", "model.gradient_checkpointing",  # where and how memory is spent, not what is computed
-    "rollout.engine", "rollout.fused_step", "rollout.vllm_gpu_memory",
+    "rollout.engine", "rollout.fused_step", "rollout.compact_rows", "rollout.vllm_gpu_memory",
     "rewards.workers", "rewards.timeout_s",
     "log.", "sentinel.",  # what is written and watched
     "dist.",  # how long to wait for other processes, and how they share the model (both write the same checkpoints)

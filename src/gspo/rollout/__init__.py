@@ -57,13 +57,13 @@ def rounded_weights(weights: Iterable[tuple[str, torch.Tensor]], bits: int) -> I
 
 
 def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: torch.device,
-                autocast_dtype: torch.dtype | None = None, fused_step: str = "auto", replica: bool = False,
-                vllm_gpu_memory: float = 0.3) -> RolloutEngine:
+                autocast_dtype: torch.dtype | None = None, fused_step: str = "auto", compact_rows: str = "auto",
+                replica: bool = False, vllm_gpu_memory: float = 0.3) -> RolloutEngine:
     """The engine ``rollout.engine`` names: ``graph``, ``hf``, ``vllm`` (:mod:`gspo.rollout.vllm_engine`, imported only
     then), or ``auto`` (graph on CUDA when the model is supported); ``fused_step = "off"`` keeps the graph engine on the
-    HF modules' decode step. ``model`` gives the architecture and the first weights; ``replica``: the hf engine keeps
-    its own copy of them instead of sampling from ``model`` (the graph and vLLM engines always do), for a policy that
-    will be sharded across processes."""
+    HF modules' decode step, ``compact_rows = "off"`` runs its steps on the whole batch. ``model`` gives the
+    architecture and the first weights; ``replica``: the hf engine keeps its own copy of them instead of sampling from
+    ``model`` (the graph and vLLM engines always do), for a policy that will be sharded across processes."""
     from gspo.rollout import graph
 
     if kind == "vllm":
@@ -79,7 +79,8 @@ def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: tor
             log.info("rollout engine: hf (the simple engine); the graph engine cannot run this model: %s", why_not)
     if kind == "graph":
         return graph.GraphEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
-                                 fused=False if fused_step == "off" else None)
+                                 fused=False if fused_step == "off" else None,
+                                 compact=False if compact_rows == "off" else None)
     return HFEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype, replica=replica)
 
 

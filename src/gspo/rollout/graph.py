@@ -12,16 +12,18 @@ How one ``generate`` runs:
    HF model's own modules (attention, MLP, norms, rotary embedding) against the static cache with a boolean mask of
    the valid slots -- applies the LM head, samples (temperature, top-k, top-p via Gumbel-max) and records the token's
    log-probability under softmax(logits / temperature), then advances every position counter on the device;
-4. the host checks for "every row ended" only every ``sync_every`` steps, so there is no host synchronisation per
-   token.
+4. the host counts the rows still sampling only every ``sync_every`` steps, so there is no host synchronisation per
+   token; it stops when none is left, and (``compact``, on with CUDA graphs) once at most half the rows of the step
+   are live, moves them to the front and continues on a step captured for that many rows (a power of two, >= 8).
 
 The graph reads the engine's own copy of the weights in place; ``sync_weights`` refreshes it from the trainer's
 parameters before each rollout batch, so an optimizer step is seen by the next rollout and the graphs stay valid. Caches and graphs are kept per shape bucket and reused across calls.
 On a CPU the same step runs eagerly: the CPU tests check this engine token for token against ``model.generate``.
 
 Differences from the simple engine (``hf.py``): sampling uses Gumbel-max instead of ``torch.multinomial`` (the same
-distribution, a different random stream); rows that have ended still run through the graph until every row ends
-or the next host check (their output is masked); attention reads all ``L`` slots with a mask.
+distribution, a different random stream); rows that have ended still run through the step until every row ends
+or the next host check shrinks it (their output is masked); attention reads each row's live slots (the fused step,
+flash) or all ``L`` slots with a mask.
 """
 from __future__ import annotations
 
@@ -129,11 +131,29 @@ class StaticKV:
     """
 
     def __init__(self, layers: int, batch: int, groups: int, length: int, width: int, dtype, device):
-        shape = (batch, length, groups, width)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]  # (B, L, Hkv, D) each
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # One tensor for each of K and V across layers, so that moving rows (``take_rows``) is a few kernels, not a
+        # few per layer; the layers' (B, L, Hkv, D) buffers are views of it.
+        self.kv = torch.zeros(2, layers, batch, length, groups, width, dtype=dtype, device=device)
+        self.k, self.v = list(self.kv[0]), list(self.kv[1])
         self.slots = torch.zeros(1, dtype=torch.long, device=device)  # (S,) slots written by the current forward
         self.rows = batch  # forwards may use the first `rows` rows only (prefill of the unique prompts)
+
+    def view(self, rows: int) -> "StaticKV":
+        """The first ``rows`` rows of every layer's buffers (views: contiguous, the same storage)."""
+        out = copy.copy(self)
+        out.kv = self.kv[:, :, :rows]
+        out.k, out.v = [k[:rows] for k in self.k], [v[:rows] for v in self.v]
+        out.rows = rows
+        return out
+
+    def take_rows(self, src: torch.Tensor) -> None:
+        """Row ``i`` of every layer's K and V becomes what row ``src[i]`` held, for ``i < len(src)``. Copied through
+        temporaries of at most ``_MOVE_BYTES`` a few layers at a time: the cache fills most of the free memory."""
+        n, per_layer = len(src), 2 * self.kv[0, 0, :1].nbytes * len(src)
+        step = max(1, _MOVE_BYTES // max(per_layer, 1))
+        for i in range(0, self.kv.shape[1], step):
+            part = self.kv[:, i:i + step]
+            part[:, :, :n] = part.index_select(2, src)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k = self.k[layer_idx][: self.rows].transpose(1, 2)  # (b, Hkv, L, D) view
@@ -226,6 +246,8 @@ class EngineWeights:
 
 
 _FLUSH_BYTES = 256 << 20
+_MOVE_BYTES = 64 << 20
+_COMPACT_MIN = 8  # the fewest rows a step is compacted to (the smallest bucket): fewer saves nothing measurable
 
 
 class _Bucket:
@@ -236,10 +258,29 @@ class _Bucket:
         shape = (len(routing.routers), self.batch + 1, self.length, routing.top_k)
         if self._routes is None or self._routes.shape != shape:
             self._routes = routing.empty_records(self.batch, self.length, self.route_rows.device).records
-            self.graphs.clear()  # captured graphs point at the old buffer
+            self.clear_graphs()  # captured graphs point at the old buffer
         else:
             self._routes.zero_()
         return self._routes
+
+    def clear_graphs(self) -> None:
+        """Drop the captured graphs of the bucket and of its views (they point at buffers about to change)."""
+        self.graphs.clear()
+        self.views.clear()
+
+    def view(self, rows: int) -> "_Bucket":
+        """The bucket's first ``rows`` rows as a bucket of their own: every per-row buffer and the cache are views of
+        this bucket's (the step counters are shared), with graphs of its own; kept, so its graphs are captured once."""
+        if rows == self.batch:
+            return self
+        if rows not in self.views:
+            v = copy.copy(self)
+            v.batch, v.cache, v.graphs, v.views = rows, self.cache.view(rows), {}, {}
+            for name in ("tok", "pos", "valid", "used", "done", "out_tok", "out_logp", "route_rows", "order"):
+                setattr(v, name, getattr(self, name)[:rows])
+            v.starts, v.cu_q = self.starts[:rows + 1], self.cu_q[:rows + 1]
+            self.views[rows] = v
+        return self.views[rows]
 
     def __init__(self, engine: "GraphEngine", batch: int, length: int):
         cfg, dev = engine.model.config, engine.device
@@ -257,7 +298,10 @@ class _Bucket:
         self.done = torch.zeros(batch, dtype=torch.bool, device=dev)  # (B,)
         self.out_tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, T) grown per call
         self.out_logp = torch.zeros(batch, 1, dtype=torch.float32, device=dev)
+        # (B,) the request row each bucket row holds: rows are reordered when live ones move to the front
+        self.order = torch.arange(batch, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.views: dict[int, _Bucket] = {}  # rows -> the first rows as a bucket (see ``view``)
         self.route_rows = torch.arange(batch, device=dev)  # (B,) static: the rows a decode step records
         self._routes: torch.Tensor | None = None
         # The fused step, unless a sliding window is shorter than this bucket's cache.
@@ -276,13 +320,15 @@ class GraphEngine:
     copy's Linear weights in the autocast dtype instead of casting fp32 copies at every step; ``flash_decode``
     (default: on when flash attention runs on this GPU) makes decode attention read live cache slots only; ``fused``
     (default: on for CUDA, 16-bit caches and the models :func:`gspo.rollout.fused.fused_unsupported` accepts) runs each
-    decode layer as 4 GEMMs and 5 Triton kernels (:mod:`gspo.rollout.fused`) instead of the HF modules.
+    decode layer as 4 GEMMs and 5 Triton kernels (:mod:`gspo.rollout.fused`) instead of the HF modules;
+    ``compact`` (default: on with CUDA graphs) moves the rows still sampling to a smaller step once half of them have
+    ended (see ``_compact``).
     """
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, device=None,
                  autocast_dtype: torch.dtype | None = None, sync_every: int = 4, use_graphs: bool | None = None,
                  max_batch: int | None = None, low_precision_weights: bool | None = None,
-                 flash_decode: bool | None = None, fused: bool | None = None):
+                 flash_decode: bool | None = None, fused: bool | None = None, compact: bool | None = None):
         if not supports(model):
             raise UserError(f"The graph rollout engine does not support model_type {model.config.model_type!r} "
                             f"(supported: {', '.join(SUPPORTED)}); set rollout.engine = 'hf'.")
@@ -299,6 +345,7 @@ class GraphEngine:
             raise UserError(f"The graph rollout engine cannot capture this model: {why_not}; set model.precision = "
                             "'bf16-autocast' or rollout.engine = 'hf'.")
         self.max_batch = max_batch
+        self.compact = self.use_graphs if compact is None else compact
         self._stop = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._gen: torch.Generator | None = None  # the generator captured graphs draw from
@@ -347,7 +394,7 @@ class GraphEngine:
         self._route_hooks = [r.register_forward_hook(self._record_route) for r in self._routers]
         self._router_index = {id(r): i for i, r in enumerate(self._routers)}
         for b in self._buckets.values():
-            b.graphs.clear()  # captured without the recording kernels
+            b.clear_graphs()  # captured without the recording kernels
 
     def _record_route(self, router, args, output) -> None:
         if self._route_layout is None or self._route_buffer is None:
@@ -485,7 +532,7 @@ class GraphEngine:
         self._gen = generator
         with torch.no_grad(), autocast_context(self.device, self.autocast_dtype, cache=False), attention_context():
             self._prefill(b, prompts, n, P, params)
-            self._decode(b, rows, params)
+            self._decode(b, params)
         return self._collect(b, prompts, n, rows, params)
 
     def _prefill(self, b: _Bucket, prompts: list[list[int]], n: int, P: int, params: SamplingParams) -> None:
@@ -527,9 +574,10 @@ class GraphEngine:
         T = params.max_new_tokens
         if b.out_tok.shape[1] != T:
             b.out_tok, b.out_logp = b.out_tok.new_zeros(b.batch, T), b.out_logp.new_zeros(b.batch, T)
-            b.graphs.clear()  # captured graphs point at the old output buffers
+            b.clear_graphs()  # captured graphs point at the old output buffers
         b.out_tok.fill_(self.pad_id)
         b.out_logp.zero_()
+        torch.arange(b.batch, device=dev, out=b.order)
         b.out_tok[:, 0], b.out_logp[:, 0] = tok, logp
         b.done |= torch.isin(tok, self._stop)
         b.tok.copy_(tok)
@@ -542,22 +590,53 @@ class GraphEngine:
         b.cur.fill_(P)
         b.step.fill_(1)
 
-    def _decode(self, b: _Bucket, rows: int, params: SamplingParams) -> None:
+    def _decode(self, b: _Bucket, params: SamplingParams) -> None:
+        T = params.max_new_tokens
+        # Capture runs 3 steps ahead in the buffers (2 warm-up, 1 captured): the last steps of a request decode eagerly.
+        graph_for = lambda v, j: self._graph(v, params) if self.use_graphs and T - j >= 3 else None  # noqa: E731
         with attention_implementation(self.model.config, "gspo_decode"):
-            # Capture runs 3 steps ahead in the buffers (2 warm-up, 1 captured): shorter requests decode eagerly.
-            graph = self._graph(b, params) if self.use_graphs and params.max_new_tokens >= 4 else None
-            for j in range(1, params.max_new_tokens):
+            v = b  # the rows a step runs: the whole bucket, then its first rows, where the live ones were moved
+            graph = graph_for(v, 1)
+            for j in range(1, T):
                 if j % self.sync_every == 1 or graph is None:
-                    if bool(b.done[:rows].all()):  # the only host sync: once every sync_every steps
+                    live = int(v.done.logical_not().sum())  # the only host sync: once every sync_every steps
+                    if not live:
                         break
+                    rows = max(_COMPACT_MIN, 1 << (live - 1).bit_length())
+                    if self.compact and rows < v.batch:
+                        v = self._compact(b, v, rows)
+                        graph = graph_for(v, j)
                 if graph is not None:
                     graph.replay()
                 else:
-                    self._step(b, params)
+                    self._step(v, params)
+
+    def _compact(self, b: _Bucket, v: _Bucket, rows: int) -> _Bucket:
+        """Move the live rows of view ``v`` to its front and return the bucket's first ``rows`` rows, which hold them.
+
+        A decode step costs about as much for the few rows still sampling as for the whole bucket (a small model's
+        step is bound by its kernels' latency, not by rows), and with a long tail of response lengths most steps
+        have few: on one H100, 256 rows of SmolLM2-135M take ~2.1 ms a step and 64 ~1.4 ms. Their K/V rows and
+        per-row state move (``order`` remembers the request row of each); ended rows left behind keep their outputs.
+        The step then samples its Gumbel noise for fewer rows: the same distribution, another random stream."""
+        n = v.batch
+        move = torch.argsort(v.done.to(torch.uint8), stable=True)  # (n,) live rows first, in their order
+        for t in (v.tok, v.pos, v.valid, v.used, v.done, v.out_tok, v.out_logp, v.order):
+            t.copy_(t[move])
+        first = v.starts[:n] - torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length  # row's first slot
+        v.starts[:n] = torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length + first[move]
+        v.cache.take_rows(move[:rows])  # the rows past `rows` have ended: their K/V is never read again
+        if self._route_buffer is not None:  # a row's recorded experts move with it
+            self._route_buffer[:, :n] = self._route_buffer[:, move]
+        out = b.view(rows)
+        if self._routing is not None:
+            self._route_layout = (out.route_rows, out.pos[:, 0])
+        return out
 
     def _collect(self, b: _Bucket, prompts: list[list[int]], n: int, rows: int, params: SamplingParams) -> Rollout:
-        tok = b.out_tok[:rows].cpu()  # (N, T)
-        logp = b.out_logp[:rows].float().cpu()  # (N, T)
+        at = torch.argsort(b.order)[:rows]  # (N,) the bucket row that holds each request row
+        tok = b.out_tok[at].cpu()  # (N, T)
+        logp = b.out_logp[at].float().cpu()  # (N, T)
         is_stop = torch.isin(tok, self._stop.cpu())  # (N, T)
         T = tok.shape[1]
         first_stop = torch.where(is_stop.any(-1), is_stop.float().argmax(-1), torch.full((rows,), T))  # (N,)
@@ -570,7 +649,7 @@ class GraphEngine:
         texts = self.tokenizer.batch_decode([t[m].tolist() for t, m in zip(tok, mask)], skip_special_tokens=True)
         routes = routes_mask = None
         if self._routing is not None:  # every fed token: the prompt and the completion but its last token
-            routes = self._route_buffer[:, :rows].permute(1, 2, 0, 3).cpu()  # (N, L, Lr, k)
+            routes = self._route_buffer[:, at].permute(1, 2, 0, 3).cpu()  # (N, L, Lr, k)
             fed = torch.tensor([len(prompts[i // n]) for i in range(rows)]) + lengths - 1  # (N,)
             routes_mask = torch.arange(routes.shape[1])[None, :] < fed[:, None]  # (N, L)
             self._route_layout = self._route_buffer = None

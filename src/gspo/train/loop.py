@@ -101,6 +101,7 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         # optimizer step.
         engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
+                             compact_rows=cfg.rollout.compact_rows,
                              replica=strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0,
                              vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
         if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
