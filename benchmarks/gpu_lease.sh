@@ -15,6 +15,9 @@
 #                                            # tar -x -C .gpu/base), on the same machine; ROUNDS=2 repeats the pair;
 #                                            # then PGPUS="1 2": the profile of the working tree; TESTK=expr: the GPU
 #                                            # tests that match it
+#   bash benchmarks/gpu_lease.sh rounds      # detached: ROUNDS (default 2) rounds of weak scaling (GPUS, default
+#                                            # 1,2,4) of the working tree alone, the last one with the one-GPU run at
+#                                            # the largest batch too (--equal-batch: the reward curve at equal batch)
 #   bash benchmarks/gpu_lease.sh measure     # detached, from a frozen copy, one after another on the whole machine:
 #                                            # weak scaling at 1, 2, 4 GPUs; the profile at 1 and 4; tests/test_gpu.py
 #                                            # on GPUs 0-1 (its two-GPU tests included). Watch it with `wait`. On a
@@ -79,13 +82,27 @@ ab)
     echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
   sleep 5; cat $R/driver.log
   ;;
+rounds)
+  freeze
+  export OMP_NUM_THREADS=1 OUT=$R HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+  setsid bash -c "
+    cd $F
+    n=\${ROUNDS:-2}
+    for i in \$(seq \$n); do
+      if [ \$i = \$n ]; then unset EQUAL; else export EQUAL=; fi
+      GPUS=\${GPUS:-1,2,4} NAME=round_\$i bash benchmarks/gpu_scale.sh scaling > $R/round_\$i.log 2>&1
+      echo \"round \$i done\" >> $R/status
+    done
+    echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
+  sleep 5; cat $R/driver.log
+  ;;
 wait)
   end=$((SECONDS + ${2:-500}))
   while [ $SECONDS -lt $end ] && ! grep -q "all done" $R/status 2>/dev/null; do sleep 20; done
   cat $R/status 2>/dev/null; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   tail -3 $R/upcycle.log 2>/dev/null; tail -4 $R/gpu_tests.txt 2>/dev/null; tail -8 $R/rollback.log 2>/dev/null
   grep -h "speed-up\|GPUs\|rror" $R/scaling_12.log 2>/dev/null | tail -6
-  tail -12 $R/scaling.log 2>/dev/null; grep -h -A3 "compl/s" $R/frozen_*.log $R/base_*.log 2>/dev/null; grep -h "^gspo/\|^stage" $R/profile.log 2>/dev/null | head -60
+  tail -12 $R/scaling.log 2>/dev/null; grep -h -A3 "compl/s" $R/frozen_*.log $R/base_*.log $R/round_*.log 2>/dev/null; grep -h "^gspo/\|^stage" $R/profile.log 2>/dev/null | head -60
   ls /dev/shm/moe-compare 2>/dev/null | head -20; tail -25 $R/moe.log 2>/dev/null
   ;;
 pack)
