@@ -18,6 +18,9 @@
 #   bash benchmarks/gpu_lease.sh rounds      # detached: ROUNDS (default 2) rounds of weak scaling (GPUS, default
 #                                            # 1,2,4) of the working tree alone, the last one with the one-GPU run at
 #                                            # the largest batch too (--equal-batch: the reward curve at equal batch)
+#   bash benchmarks/gpu_lease.sh cards       # detached: ROUNDS (default 2) rounds of the working tree, each one GPU on
+#                                            # every card at once (4 one-GPU runs side by side: the host as loaded as
+#                                            # under the 4-GPU job) and then the 4-GPU job; cards.tgz to pack
 #   bash benchmarks/gpu_lease.sh measure     # detached, from a frozen copy, one after another on the whole machine:
 #                                            # weak scaling at 1, 2, 4 GPUs; the profile at 1 and 4; tests/test_gpu.py
 #                                            # on GPUs 0-1 (its two-GPU tests included). Watch it with `wait`. On a
@@ -96,13 +99,33 @@ rounds)
     echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
   sleep 5; cat $R/driver.log
   ;;
+cards)
+  freeze
+  export OMP_NUM_THREADS=1 OUT=$R HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$F/src
+  C=/dev/shm/cards
+  M="model.name='/root/smollm2/model.gguf'"
+  setsid bash -c "
+    cd $F
+    for i in \$(seq \${ROUNDS:-2}); do
+      for k in 0 1 2 3; do
+        CUDA_VISIBLE_DEVICES=\$k python3 benchmarks/scaling.py --gpus 1 --batches 40 --out $C/r\$i/card\$k/scaling.json \"$M\" \
+          > $R/r\${i}_card\$k.log 2>&1 &
+      done
+      wait
+      python3 benchmarks/scaling.py --gpus 4 --batches 40 --out $C/r\$i/gpus4/scaling.json \"$M\" > $R/r\${i}_gpus4.log 2>&1
+      echo \"round \$i done\" >> $R/status
+    done
+    cd /dev/shm && tar czf $R/cards.tgz cards/*/*/scaling.json cards/*/*/scaling-runs/*/{metrics.jsonl,config.json,timings.json}
+    echo all done >> $R/status" > $R/driver.log 2>&1 < /dev/null &
+  sleep 5; cat $R/driver.log
+  ;;
 wait)
   end=$((SECONDS + ${2:-500}))
   while [ $SECONDS -lt $end ] && ! grep -q "all done" $R/status 2>/dev/null; do sleep 20; done
   cat $R/status 2>/dev/null; nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   tail -3 $R/upcycle.log 2>/dev/null; tail -4 $R/gpu_tests.txt 2>/dev/null; tail -8 $R/rollback.log 2>/dev/null
   grep -h "speed-up\|GPUs\|rror" $R/scaling_12.log 2>/dev/null | tail -6
-  tail -12 $R/scaling.log 2>/dev/null; grep -h -A3 "compl/s" $R/frozen_*.log $R/base_*.log $R/round_*.log 2>/dev/null; grep -h "^gspo/\|^stage" $R/profile.log 2>/dev/null | head -60
+  tail -12 $R/scaling.log 2>/dev/null; grep -h -A3 "compl/s" $R/frozen_*.log $R/base_*.log $R/round_*.log $R/r?_*.log 2>/dev/null | grep -v "^seconds\|^--"; grep -h "^gspo/\|^stage" $R/profile.log 2>/dev/null | head -60
   ls /dev/shm/moe-compare 2>/dev/null | head -20; tail -25 $R/moe.log 2>/dev/null
   ;;
 pack)

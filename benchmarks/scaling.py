@@ -158,6 +158,11 @@ def main() -> None:
         dirs = [Path(d) for d in args.summarize]
         results = [summarize(d, gpus_of(d)) for d in dirs]
         counts = [r["gpus"] for r in results]
+        # a one-GPU run with a larger batch than another one-GPU run is the --equal-batch reference
+        per_gpu = min((r["prompts_per_batch"] for r in results if r["gpus"] == 1), default=0)
+        for r in results:
+            if r["gpus"] == 1 and r["prompts_per_batch"] > per_gpu:
+                r["equal_batch_reference"] = True
     else:
         counts = [int(n) for n in args.gpus.split(",")]
         results = [run(n, args, out.parent / "scaling-runs") for n in counts]
