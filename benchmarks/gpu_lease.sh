@@ -103,6 +103,7 @@ cards)
   freeze
   export OMP_NUM_THREADS=1 OUT=$R HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$F/src
   C=/dev/shm/cards
+  rm -rf $C  # a run directory left from an earlier call would get a suffix, and its runs would be packed too
   M="model.name='/root/smollm2/model.gguf'"
   setsid bash -c "
     cd $F

@@ -28,7 +28,7 @@ from gspo.prompts import encode_prompts  # noqa: E402
 from gspo.rollout.graph import GraphEngine  # noqa: E402
 from gspo.rollout.hf import HFEngine  # noqa: E402
 from gspo.types import SamplingParams  # noqa: E402
-from shapes import bench_model  # noqa: E402
+from shapes import bench_on_device  # noqa: E402
 
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
@@ -61,11 +61,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    device = torch.device(a.device)
-    autocast = torch.bfloat16 if device.type == "cuda" else None
-    model, tok = bench_model(a.model)
-    model.to(device).eval()
-    card = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    device, autocast, model, tok, card = bench_on_device(a.model, a.device)
     bw = next((v for k, v in BANDWIDTH.items() if k in card), None)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())

@@ -28,7 +28,7 @@ from gspo.data.tasks import ArithmeticTask  # noqa: E402
 from gspo.prompts import encode_prompts  # noqa: E402
 from gspo.rollout.graph import GraphEngine  # noqa: E402
 from gspo.types import SamplingParams  # noqa: E402
-from shapes import bench_model  # noqa: E402
+from shapes import bench_on_device  # noqa: E402
 
 
 def main() -> None:
@@ -41,11 +41,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    device = torch.device(a.device)
-    autocast = torch.bfloat16 if device.type == "cuda" else None
-    model, tok = bench_model(a.model)
-    model.to(device).eval()
-    card = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    device, autocast, model, tok, card = bench_on_device(a.model, a.device)
     task = ArithmeticTask(seed=0, ops=["+"], a_range=(1, 20), b_range=(1, 20))
     params = SamplingParams(max_new_tokens=a.new, temperature=1.0)
     engines = {c: GraphEngine(model, tok, device=device, autocast_dtype=autocast, compact=c) for c in (True, False)}
@@ -53,9 +49,9 @@ def main() -> None:
     moved: Counter = Counter()
     real = engines[True]._compact
 
-    def spy(b, v, rows):
+    def spy(b, v, rows, live):
         moved[rows] += 1
-        return real(b, v, rows)
+        return real(b, v, rows, live)
 
     engines[True]._compact = spy
     stats = {c: {"seconds": [], "tokens": [], "len_mean": [], "len_max": []} for c in engines}

@@ -20,3 +20,13 @@ def bench_model(name: str):
     if name == "qwen2.5-0.5b-shape":
         return qwen25_05b_shape(), load_tokenizer()
     return load_model(name)
+
+
+def bench_on_device(name: str, device: str):
+    """``(device, autocast dtype, model in eval mode on it, tokenizer, card name)`` for a rollout benchmark's
+    ``--model`` and ``--device``: bf16 autocast on CUDA, none on a CPU."""
+    dev = torch.device(device)
+    model, tok = bench_model(name)
+    model.to(dev).eval()
+    card = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
+    return dev, torch.bfloat16 if dev.type == "cuda" else None, model, tok, card

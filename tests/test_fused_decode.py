@@ -215,16 +215,27 @@ def test_fused_step_compacts_rows_like_the_whole_bucket(kernels, tokenizer, monk
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat.", "Name a colour."]]
     params = SamplingParams(max_new_tokens=8, greedy=True)
 
+    moves = []
+
     def run(stop_ids, compact):
         engine = GraphEngine(model, tokenizer, stop_ids=stop_ids, fused=True, device=DEV, compact=compact,
                              use_graphs=_graphs(arch, None))
         engine.routing = routing
+        move = engine._compact
+
+        def spy(b, v, rows, live):  # which rows moved: the step's rows in their new order
+            out = move(b, v, rows, live)
+            moves.append(v.order.tolist())
+            return out
+
+        engine._compact = spy
         return engine.generate(prompts, 1, params)
 
     free = run([2], False).completion_ids
     stop_ids = sorted({int(free[0, 1]), int(free[1, 3]), int(free[2, 5])})  # rows end at unlike steps
     a, b = run(stop_ids, True), run(stop_ids, False)
     assert len(set(b.lengths.tolist())) > 2
+    assert any(order != sorted(order) for order in moves)  # some compaction moved a live row to another place
     assert torch.equal(a.completion_ids, b.completion_ids) and (a.logprobs - b.logprobs).abs().max() < 1e-5
     if routing is not None:
         assert torch.equal(a.routes_mask, b.routes_mask) and torch.equal(a.routes[a.routes_mask], b.routes[b.routes_mask])

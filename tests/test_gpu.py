@@ -222,10 +222,13 @@ def test_fused_decode_agrees_with_the_trainer_and_warms_up_fast(tokenizer):
     assert fused_gap.mean() < 2 * module_gap.mean() + 1e-3 and fused_gap.max() < 0.1
 
 
-def test_compacted_graph_steps_agree_with_the_trainer(tokenizer):
-    """bf16 fused step in CUDA graphs, rows of geometric lengths (a likely stop token): the live rows move to steps of
-    16, then 8 rows, each captured mid-decode, and the engine's log-probs stay as close to the trainer's as the
-    uncompacted engine's; every row keeps its prompt (a moved row scored under another prompt would miss by far)."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "module-flash"])
+def test_compacted_graph_steps_agree_with_the_trainer(tokenizer, fused):
+    """bf16, CUDA graphs, rows of geometric lengths (a likely stop token): the live rows move to steps of 16, then 8
+    rows, each captured mid-decode in the first call and replayed in the second, through the fused step and through
+    the HF modules' step with flash attention over live slots; the engine's log-probs stay as close to the trainer's
+    as the uncompacted engine's, and every row keeps its prompt (a moved row scored under another prompt, or attending
+    another row's slots, would miss by far)."""
     from gspo.logprobs import sequence_logprobs
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams
@@ -237,20 +240,23 @@ def test_compacted_graph_steps_agree_with_the_trainer(tokenizer):
     model.cuda()
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story.", "Name a colour."]]
     params = SamplingParams(max_new_tokens=40, temperature=0.9)
-    gaps, sizes = {}, []
+    gaps, sizes = {True: [], False: []}, []
     for compact in (True, False):
-        engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, compact=compact)
-        assert engine.fused is not None and engine.use_graphs
+        engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, compact=compact,
+                             fused=fused)
+        assert (engine.fused is not None) == fused and engine.use_graphs and (fused or engine.flash_decode)
         move = engine._compact
-        engine._compact = lambda b, v, rows: (sizes.append(rows), move(b, v, rows))[1]
-        r = engine.generate(prompts, 8, params, generator=torch.Generator(device=cuda).manual_seed(0))  # 32 rows
-        with torch.no_grad():
-            logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.9,
-                                        pad_id=r.pad_id, autocast_dtype=torch.bfloat16)
-        gaps[compact] = (logp.cpu() - r.logprobs)[r.completion_mask].abs()
-        assert r.lengths.max() > 2 * r.lengths.float().median()
-    assert sizes[:2] == [16, 8]
-    assert gaps[True].mean() < 2 * gaps[False].mean() + 1e-3 and gaps[True].max() < 0.1
+        engine._compact = lambda b, v, rows, live: (sizes.append(rows), move(b, v, rows, live))[1]
+        for seed in (0, 1):  # the second call replays the graphs the first one captured
+            r = engine.generate(prompts, 8, params, generator=torch.Generator(device=cuda).manual_seed(seed))  # 32 rows
+            with torch.no_grad():
+                logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.9,
+                                            pad_id=r.pad_id, autocast_dtype=torch.bfloat16)
+            gaps[compact].append((logp.cpu() - r.logprobs)[r.completion_mask].abs())
+            assert r.lengths.max() > 2 * r.lengths.float().median()
+    assert sizes[:2] == [16, 8] and len(sizes) > 2  # the second call compacted too
+    gap, plain = torch.cat(gaps[True]), torch.cat(gaps[False])
+    assert gap.mean() < 2 * plain.mean() + 1e-3 and gap.max() < 0.1
 
 
 def test_fused_moe_step_agrees_with_the_trainer_as_the_module_step_does(tokenizer):

@@ -163,17 +163,20 @@ def _count_compactions(engine, monkeypatch) -> list[int]:
     """The row counts ``engine`` compacts to, appended as it goes."""
     sizes, compact = [], engine._compact
 
-    def spy(b, v, rows):
+    def spy(b, v, rows, live):
         sizes.append(rows)
-        return compact(b, v, rows)
+        return compact(b, v, rows, live)
 
     monkeypatch.setattr(engine, "_compact", spy)
     return sizes
 
 
-def test_compacted_steps_decode_like_the_whole_bucket(make_tiny_model, tokenizer, monkeypatch):
+@pytest.mark.parametrize("move_bytes", [64 << 20, 1], ids=["one-copy", "row-by-row"])
+def test_compacted_steps_decode_like_the_whole_bucket(make_tiny_model, tokenizer, monkeypatch, move_bytes):
     """Greedy rows ending at many steps: once half the rows have ended the live ones move to a step of 8 rows, and
-    every row comes back in its place with the tokens, log-probs and finish reasons of the uncompacted engine."""
+    every row comes back in its place with the tokens, log-probs and finish reasons of the uncompacted engine. The K/V
+    rows move in one copy, or (a cache too large for one temporary) a row of a layer at a time, in place."""
+    monkeypatch.setattr(graph, "_MOVE_BYTES", move_bytes)
     model = make_tiny_model(seed=6, init_std=0.3)
     prompts = [tokenizer.encode(f"Question {i}: what is {i} + {2 * i}?") for i in range(12)]  # 12 rows: bucket 16
     params = SamplingParams(max_new_tokens=16, greedy=True)

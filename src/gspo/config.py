@@ -107,8 +107,9 @@ class RolloutConfig:
     sparse block; else the HF modules) or ``off`` (always the HF modules)."""
     compact_rows: str = "auto"
     """The graph engine's decode under CUDA graphs: ``auto`` moves the rows still sampling to a step captured for fewer
-    rows once half of the step's rows have ended (a small model's step costs nearly as much for a few rows as for all;
-    the same distribution, another random stream than ``off``), ``off`` runs every step on the whole batch."""
+    rows (the next power of two, at least 8) when its check every 4 steps finds at most half of the step's rows live (a
+    small model's step costs nearly as much for a few rows as for all; the same distribution, another random stream
+    than ``off``), ``off`` runs every step on the whole batch."""
     engine_weight_bits: int = 0
     """For experiments on the engine-trainer gap: the rollout engine samples from its copy of the weights with every
     weight matrix rounded to signed integers of this many bits (symmetric, one scale per output row, as weight-only

@@ -126,8 +126,9 @@ class StaticKV:
     """K/V buffers for every layer, allocated once per shape bucket; ``slots`` says where the next forward writes.
 
     It stands in for a transformers ``Cache``: attention modules call ``update`` and attend over what it returns.
-    The storage is ``(B, L, Hkv, D)`` (rows of slots, the layout flash attention's variable-length path reads);
-    ``update`` returns ``(B, Hkv, L, D)`` views of it, the layout HF attention functions expect.
+    Each layer's K and V are ``(B, L, Hkv, D)`` (rows of slots, the layout flash attention's variable-length path
+    reads), views of one ``(2, layers, B, L, Hkv, D)`` tensor; ``update`` returns ``(B, Hkv, L, D)`` views of them, the
+    layout HF attention functions expect.
     """
 
     def __init__(self, layers: int, batch: int, groups: int, length: int, width: int, dtype, device):
@@ -139,7 +140,7 @@ class StaticKV:
         self.rows = batch  # forwards may use the first `rows` rows only (prefill of the unique prompts)
 
     def view(self, rows: int) -> "StaticKV":
-        """The first ``rows`` rows of every layer's buffers (views: contiguous, the same storage)."""
+        """The first ``rows`` rows of every layer's buffers (views of the same storage; each layer's is contiguous)."""
         out = copy.copy(self)
         out.kv = self.kv[:, :, :rows]
         out.k, out.v = [k[:rows] for k in self.k], [v[:rows] for v in self.v]
@@ -147,13 +148,18 @@ class StaticKV:
         return out
 
     def take_rows(self, src: torch.Tensor) -> None:
-        """Row ``i`` of every layer's K and V becomes what row ``src[i]`` held, for ``i < len(src)``. Copied through
-        temporaries of at most ``_MOVE_BYTES`` a few layers at a time: the cache fills most of the free memory."""
-        n, per_layer = len(src), 2 * self.kv[0, 0, :1].nbytes * len(src)
-        step = max(1, _MOVE_BYTES // max(per_layer, 1))
-        for i in range(0, self.kv.shape[1], step):
-            part = self.kv[:, i:i + step]
-            part[:, :, :n] = part.index_select(2, src)
+        """Row ``i`` of every layer's K and V becomes what row ``src[i]`` held, for ``i < len(src)``, where
+        ``src[i] >= i`` (rows moved towards the front, in order): so rows can be copied in ascending chunks in place,
+        none reading a row an earlier chunk wrote. The temporaries hold at most ``_MOVE_BYTES`` (or one row of one
+        layer's K and V, if that is more): the cache fills most of the free memory."""
+        n, layers = len(src), self.kv.shape[1]
+        row = 2 * self.kv[0, 0, 0].nbytes  # K and V of one row of one layer
+        rows = max(1, min(n, _MOVE_BYTES // row))
+        per = max(1, _MOVE_BYTES // (row * rows)) if rows == n else 1  # layers per chunk
+        for i in range(0, layers, per):
+            part = self.kv[:, i:i + per]
+            for r in range(0, n, rows):
+                part[:, :, r:r + rows] = part.index_select(2, src[r:r + rows])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k = self.k[layer_idx][: self.rows].transpose(1, 2)  # (b, Hkv, L, D) view
@@ -501,7 +507,9 @@ class GraphEngine:
         cfg = self.model.config
         itemsize = torch.empty((), dtype=self.cache_dtype).element_size()
         kv = 2 * cfg.num_hidden_layers * kv_heads(cfg) * length * head_dim(cfg) * itemsize
-        return kv + 6 * cfg.vocab_size * 4  # + fp32 logits, log-softmax, Gumbel noise and temporaries
+        # + fp32 logits, log-softmax, Gumbel noise and temporaries; with compaction the graphs of the smaller steps
+        # (half, a quarter, ... of the rows) keep theirs too, as many again
+        return kv + (12 if self.compact else 6) * cfg.vocab_size * 4
 
     def rows_that_fit(self, length: int) -> int:
         """The largest power-of-two batch bucket of ``length`` slots that fits ``max_batch`` and, on CUDA, 90% of the
@@ -592,7 +600,8 @@ class GraphEngine:
 
     def _decode(self, b: _Bucket, params: SamplingParams) -> None:
         T = params.max_new_tokens
-        # Capture runs 3 steps ahead in the buffers (2 warm-up, 1 captured): the last steps of a request decode eagerly.
+        # A capture runs 2 warm-up steps ahead in the buffers (then records a third, which does not run): the last
+        # steps of a request decode eagerly.
         graph_for = lambda v, j: self._graph(v, params) if self.use_graphs and T - j >= 3 else None  # noqa: E731
         with attention_implementation(self.model.config, "gspo_decode"):
             v = b  # the rows a step runs: the whole bucket, then its first rows, where the live ones were moved
@@ -603,16 +612,17 @@ class GraphEngine:
                     if not live:
                         break
                     rows = max(_COMPACT_MIN, 1 << (live - 1).bit_length())
-                    if self.compact and rows < v.batch:
-                        v = self._compact(b, v, rows)
+                    if self.compact and rows < v.batch and T - j >= 3:  # not for the last eager steps
+                        v = self._compact(b, v, rows, live)
                         graph = graph_for(v, j)
                 if graph is not None:
                     graph.replay()
                 else:
                     self._step(v, params)
 
-    def _compact(self, b: _Bucket, v: _Bucket, rows: int) -> _Bucket:
-        """Move the live rows of view ``v`` to its front and return the bucket's first ``rows`` rows, which hold them.
+    def _compact(self, b: _Bucket, v: _Bucket, rows: int, live: int) -> _Bucket:
+        """Move the ``live`` rows of view ``v`` to its front and return the bucket's first ``rows`` rows, which hold
+        them.
 
         A decode step costs about as much for the few rows still sampling as for the whole bucket (a small model's
         step is bound by its kernels' latency, not by rows), and with a long tail of response lengths most steps
@@ -625,7 +635,7 @@ class GraphEngine:
             t.copy_(t[move])
         first = v.starts[:n] - torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length  # row's first slot
         v.starts[:n] = torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length + first[move]
-        v.cache.take_rows(move[:rows])  # the rows past `rows` have ended: their K/V is never read again
+        v.cache.take_rows(move[:live])  # an ended row's K/V is never read again
         if self._route_buffer is not None:  # a row's recorded experts move with it
             self._route_buffer[:, :n] = self._route_buffer[:, move]
         out = b.view(rows)
