@@ -108,7 +108,8 @@ class RolloutConfig:
     compact_rows: str = "auto"
     """The graph engine's decode under CUDA graphs: ``auto`` moves the rows still sampling to a step captured for fewer
     rows (the next power of two, at least 8) when its check every 4 steps finds at most half of the step's rows live (a
-    small model's step costs nearly as much for a few rows as for all; the same distribution, another random stream
+    small model's step for 8 rows costs over half of one for 256, which a full step would keep paying for the few
+    rows left; the same distribution, another random stream
     than ``off``), ``off`` runs every step on the whole batch."""
     engine_weight_bits: int = 0
     """For experiments on the engine-trainer gap: the rollout engine samples from its copy of the weights with every

@@ -624,9 +624,10 @@ class GraphEngine:
         """Move the ``live`` rows of view ``v`` to its front and return the bucket's first ``rows`` rows, which hold
         them.
 
-        A decode step costs about as much for the few rows still sampling as for the whole bucket (a small model's
-        step is bound by its kernels' latency, not by rows), and with a long tail of response lengths most steps
-        have few: on one H100, 256 rows of SmolLM2-135M take ~2.1 ms a step and 64 ~1.4 ms. Their K/V rows and
+        A small model's decode step is bound by its kernels' latency more than by its rows, and with a long tail of
+        response lengths most steps have few rows left: on one H100 a step of SmolLM2-135M takes 2.38 ms for 256 rows,
+        1.55 for 64 and 1.32 for 8 (``benchmarks/results/rollout/rollout_steps_h100.json``), so the whole bucket's
+        step would cost the few live rows nearly twice what a step of their own does. Their K/V rows and
         per-row state move (``order`` remembers the request row of each); ended rows left behind keep their outputs.
         The step then samples its Gumbel noise for fewer rows: the same distribution, another random stream."""
         n = v.batch
