@@ -607,7 +607,7 @@ class GraphEngine:
             v = b  # the rows a step runs: the whole bucket, then its first rows, where the live ones were moved
             graph = graph_for(v, 1)
             for j in range(1, T):
-                if j % self.sync_every == 1 or graph is None:
+                if (j - 1) % self.sync_every == 0 or graph is None:  # steps 1, 1 + sync_every, ...; any with sync_every 1
                     live = int(v.done.logical_not().sum())  # the only host sync: once every sync_every steps
                     if not live:
                         break
