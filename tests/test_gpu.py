@@ -223,7 +223,7 @@ def test_fused_decode_agrees_with_the_trainer_and_warms_up_fast(tokenizer):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "module-flash"])
-def test_compacted_graph_steps_agree_with_the_trainer(tokenizer, fused):
+def test_compacted_graph_steps_agree_with_the_trainer(tokenizer, fused, monkeypatch):
     """bf16, CUDA graphs, rows of geometric lengths (a likely stop token): the live rows move to steps of 16, then 8
     rows, each captured mid-decode in the first call and replayed in the second, through the fused step and through
     the HF modules' step with flash attention over live slots; the engine's log-probs stay as close to the trainer's
@@ -232,6 +232,7 @@ def test_compacted_graph_steps_agree_with_the_trainer(tokenizer, fused):
     from gspo.logprobs import sequence_logprobs
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams
+    from test_graph_engine import _count_compactions
     from test_rollout import force_token
 
     cuda = torch.device("cuda")
@@ -240,13 +241,13 @@ def test_compacted_graph_steps_agree_with_the_trainer(tokenizer, fused):
     model.cuda()
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story.", "Name a colour."]]
     params = SamplingParams(max_new_tokens=40, temperature=0.9)
-    gaps, sizes = {True: [], False: []}, []
+    gaps, sizes = {True: [], False: []}, []  # sizes: the row counts the compacting engine moved to
     for compact in (True, False):
         engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, compact=compact,
                              fused=fused)
         assert (engine.fused is not None) == fused and engine.use_graphs and (fused or engine.flash_decode)
-        move = engine._compact
-        engine._compact = lambda b, v, rows, live: (sizes.append(rows), move(b, v, rows, live))[1]
+        if compact:
+            sizes = _count_compactions(engine, monkeypatch)
         for seed in (0, 1):  # the second call replays the graphs the first one captured
             r = engine.generate(prompts, 8, params, generator=torch.Generator(device=cuda).manual_seed(seed))  # 32 rows
             with torch.no_grad():

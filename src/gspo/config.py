@@ -109,8 +109,8 @@ class RolloutConfig:
     """The graph engine's decode under CUDA graphs: ``auto`` moves the rows still sampling to a step captured for fewer
     rows (the next power of two, at least 8) when its check every 4 steps finds at most half of the step's rows live (a
     small model's step for 8 rows costs over half of one for 256, which a full step would keep paying for the few
-    rows left; the same distribution, another random stream
-    than ``off``), ``off`` runs every step on the whole batch."""
+    rows left; the same distribution, another random stream than ``off``), ``off`` runs every step on the whole
+    batch."""
     engine_weight_bits: int = 0
     """For experiments on the engine-trainer gap: the rollout engine samples from its copy of the weights with every
     weight matrix rounded to signed integers of this many bits (symmetric, one scale per output row, as weight-only

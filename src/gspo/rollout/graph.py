@@ -259,6 +259,9 @@ _COMPACT_MIN = 8  # the fewest rows a step is compacted to (the smallest bucket)
 class _Bucket:
     """Everything static for one (batch, length) shape: cache, step buffers, and the captured graphs."""
 
+    # The buffers with one entry per row that the decode step reads or writes (moved together by ``_compact``)
+    ROW_STATE = ("tok", "pos", "valid", "used", "done", "out_tok", "out_logp", "order")
+
     def routes(self, routing) -> torch.Tensor:
         """The static route records ``(Lr, B+1, L, k)`` of this bucket (row B takes prompt padding), zeroed."""
         shape = (len(routing.routers), self.batch + 1, self.length, routing.top_k)
@@ -282,7 +285,7 @@ class _Bucket:
         if rows not in self.views:
             v = copy.copy(self)
             v.batch, v.cache, v.graphs, v.views = rows, self.cache.view(rows), {}, {}
-            for name in ("tok", "pos", "valid", "used", "done", "out_tok", "out_logp", "route_rows", "order"):
+            for name in (*self.ROW_STATE, "route_rows"):
                 setattr(v, name, getattr(self, name)[:rows])
             v.starts, v.cu_q = self.starts[:rows + 1], self.cu_q[:rows + 1]
             self.views[rows] = v
@@ -632,10 +635,11 @@ class GraphEngine:
         The step then samples its Gumbel noise for fewer rows: the same distribution, another random stream."""
         n = v.batch
         move = torch.argsort(v.done.to(torch.uint8), stable=True)  # (n,) live rows first, in their order
-        for t in (v.tok, v.pos, v.valid, v.used, v.done, v.out_tok, v.out_logp, v.order):
+        for name in v.ROW_STATE:
+            t = getattr(v, name)
             t.copy_(t[move])
-        first = v.starts[:n] - torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length  # row's first slot
-        v.starts[:n] = torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length + first[move]
+        row_start = torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length
+        v.starts[:n] = row_start + (v.starts[:n] - row_start)[move]  # each row's first live slot moves with it
         v.cache.take_rows(move[:live])  # an ended row's K/V is never read again
         if self._route_buffer is not None:  # a row's recorded experts move with it
             self._route_buffer[:, :n] = self._route_buffer[:, move]
