@@ -9,6 +9,10 @@ import os
 import pytest
 import torch
 
+# model.precision = "auto" on a CPU with native bf16 (AVX512-BF16, AMX) would autocast to bf16: the suite's CPU runs
+# stay fp32, so they compute the same numbers on every CPU (subprocesses inherit it).
+os.environ.setdefault("GSPO_CPU_BF16", "0")
+
 # Without a GPU, Triton kernels run in Triton's interpreter (it must be chosen before a kernel is defined).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -667,3 +667,77 @@ def test_kills_at_every_file_operation_of_a_rollback_leave_a_resumable_run(tiny_
         assert not any(p.name.endswith(".tmp") for p in (run / "checkpoints").iterdir())
     # a rename per abandoned checkpoint, an fsync and a replace per log file and the directory's fsync, the end
     assert any("rename" in op and "step-" in op for op in ops) and any("metrics.jsonl" in op for op in ops), ops
+
+
+NATIVE_CALL = """
+import logging, sys
+sys.path.insert(0, {src!r})
+import torch
+from gspo.train.guards import StopSignals
+logging.basicConfig(level=logging.INFO, format="[gspo] %(message)s", stream=sys.stderr)
+a = torch.randn(8192, 8192)
+with StopSignals(grace_s=1.0) as stop:
+    print("ready", flush=True)
+    torch.mm(a, a)  # one native call of many seconds on a CPU: no bytecode of the main thread runs meanwhile
+    print("native call returned", flush=True)
+print("guard exited", stop.received, flush=True)
+"""
+
+
+def _start_native_call(tmp_path: Path) -> subprocess.Popen:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    proc = subprocess.Popen([sys.executable, "-c", NATIVE_CALL.format(src=src)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.3)  # into the matmul
+    return proc
+
+
+def test_the_first_ctrl_c_is_acknowledged_while_a_native_call_runs(tmp_path):
+    """A first SIGINT is acknowledged on stderr before a long native call (a backward pass, a matmul) returns, not after
+    it (Python's own handler waits for the main thread's next bytecode); the call is not interrupted."""
+    proc = _start_native_call(tmp_path)
+    try:
+        proc.send_signal(signal.SIGINT)
+        ack = proc.stderr.readline()
+        assert "SIGINT: finishing" in ack and "Ctrl-C again to stop now" in ack
+        assert proc.poll() is None  # still in the native call: the first signal stops nothing
+    finally:
+        proc.kill()
+        out = proc.communicate()[0]
+    assert "native call returned" not in out  # the acknowledgement came while the call ran
+
+
+def test_a_second_ctrl_c_ends_a_process_stuck_in_a_native_call(tmp_path):
+    """After a second SIGINT, a process whose main thread stays inside one native call ends within the grace period
+    (exit 130) with the reason on stderr, instead of waiting for the call to return."""
+    proc = _start_native_call(tmp_path)
+    try:
+        proc.send_signal(signal.SIGINT)
+        assert "SIGINT: finishing" in proc.stderr.readline()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "stopping now" in err and "did not return within 1 s; exiting" in err
+    assert "native call returned" not in out
+
+
+def test_a_second_ctrl_c_between_native_calls_raises_keyboard_interrupt():
+    """Where the main thread runs Python, the second signal is a KeyboardInterrupt there (the loop's cleanup runs);
+    the first only sets ``received``."""
+    from gspo.train.guards import StopSignals
+
+    with pytest.raises(KeyboardInterrupt):
+        with StopSignals(grace_s=60) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(200):  # the watcher thread acknowledges it; the main thread keeps running bytecode
+                if stop.received:
+                    break
+                time.sleep(0.01)
+            assert stop.received == "SIGINT"
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                time.sleep(0.01)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the guard put the handlers back

@@ -15,13 +15,54 @@ from gspo.errors import UserError
 from gspo.runtime import Runtime, autocast_dtype
 
 
-def test_precision_rule_is_one_for_every_device():
-    """auto: bf16 autocast on CUDA only; bf16-autocast: on any device (CPUs too); fp32: never."""
+def test_precision_rule_is_one_for_every_device(monkeypatch):
+    """auto: bf16 autocast on CUDA and on a CPU with native bf16 only; bf16-autocast: on any device; fp32: never."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setenv("GSPO_CPU_BF16", "0")
     assert autocast_dtype("auto", cpu) is None and autocast_dtype("auto", cuda) == torch.bfloat16
+    monkeypatch.setenv("GSPO_CPU_BF16", "1")
+    assert autocast_dtype("auto", cpu) == torch.bfloat16
     assert autocast_dtype("bf16-autocast", cpu) == torch.bfloat16 and autocast_dtype("fp32", cuda) is None
     with pytest.raises(UserError, match="model.precision = 'bf16'"):
         autocast_dtype("bf16", cpu)
+
+
+@pytest.mark.parametrize("flags, isa, native", [
+    ({"avx2", "fma"}, "", False),  # an AVX2-only CPU (e.g. AMD Zen 3): bf16 would be emulated
+    ({"avx512f", "avx512_bf16"}, "", True),
+    ({"avx512f", "amx_bf16", "amx_tile"}, "", True),
+    ({"fp", "asimd", "bf16"}, "", True),  # Arm with the BF16 extension (Graviton 3, Apple M2)
+    ({"avx512f", "amx_bf16"}, "AVX2", False),  # oneDNN held to AVX2 runs bf16 emulated
+    ({"avx512f", "amx_bf16"}, "avx512_core_amx", True),
+    (set(), "", False),  # nothing reported (no /proc/cpuinfo, no sysctl)
+])
+def test_native_bf16_is_read_off_the_cpu(monkeypatch, flags, isa, native):
+    """`auto` on a CPU autocasts to bf16 only where the CPU's flags show bf16 matmul instructions oneDNN may use."""
+    import gspo.runtime as runtime
+
+    monkeypatch.delenv("GSPO_CPU_BF16", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    monkeypatch.setattr(runtime, "_cpu_flags", lambda: frozenset(flags))
+    assert runtime.cpu_has_native_bf16() is native
+    assert autocast_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else None)
+
+
+def test_emulated_bf16_is_named(monkeypatch, caplog):
+    """Asking for bf16 autocast on a CPU that would emulate it still gives bf16, with a warning that names the fix."""
+    monkeypatch.setenv("GSPO_CPU_BF16", "0")
+    with caplog.at_level("WARNING", logger="gspo"):
+        assert autocast_dtype("bf16-autocast", torch.device("cpu")) == torch.bfloat16
+    assert "emulated" in caplog.text and "model.precision = 'auto'" in caplog.text
+
+
+def test_cpu_flags_read_here_are_a_set():
+    """This machine's flags parse (Linux: /proc/cpuinfo), so the rule above is fed real input in CI."""
+    from gspo.runtime import _cpu_flags
+
+    flags = _cpu_flags()
+    assert isinstance(flags, frozenset)
+    if Path("/proc/cpuinfo").is_file():
+        assert flags and all(f == f.lower() for f in flags)
 
 
 def test_evaluation_and_training_share_the_rule(monkeypatch):

@@ -39,8 +39,10 @@ class ModelConfig:
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     precision: str = "auto"
-    """``auto``: fp32 master weights with bf16 autocast on CUDA, plain fp32 on CPU; ``fp32``; ``bf16-autocast``
-    (fp32 master weights, bf16 matmuls; also on CPUs with AVX512-BF16, where it is ~2x faster than fp32)."""
+    """``auto``: fp32 master weights with bf16 autocast on CUDA and on a CPU with native bf16 (AVX512-BF16, AMX, Arm
+    BF16; ~4x faster than fp32 there), plain fp32 on any other CPU (where bf16 is emulated, many times slower);
+    ``fp32``; ``bf16-autocast`` (fp32 master weights, bf16 matmuls, on any device). ``GSPO_CPU_BF16=0`` / ``1``
+    overrides what is read off the CPU."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, ~30% more time per update."""
 

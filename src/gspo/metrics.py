@@ -109,35 +109,89 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 class Console:
-    """Live progress: a rich progress bar on a terminal, one plain line per rollout batch elsewhere (CI, logs)."""
+    """Live progress. On a terminal: a progress line (steps, elapsed time, an estimate of the time left, the phase
+    running now: rollout, rewards, old log-probs, update k/M) with each rollout batch's metrics printed above it;
+    elsewhere (CI, logs): one plain line per rollout batch. Every line fits 80 columns. While the bar is live, log
+    records are printed above it, never onto its line."""
 
-    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True):
+    PHASES = {"rollout": "rollout", "reward": "rewards", "old_logprobs": "old log-probs", "step": "update"}
+
+    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, minibatches: int = 1):
         self.enabled = enabled
         self.t0 = time.time()
         self.total = total_steps
+        self.start_step = start_step
+        self.minibatches = minibatches
+        self._minibatch = 0
         self._bar = None
+        self._rerouted: list[tuple[logging.StreamHandler, Any]] = []
         if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn("[bold]gspo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
-            self._task = self._bar.add_task("", total=total_steps, completed=start_step)
+            self._bar = Progress(TextColumn("[bold]gspo"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[phase]}"),
+                                 transient=False, redirect_stderr=True, redirect_stdout=True)
+            self._task = self._bar.add_task("", total=total_steps, completed=start_step, phase="starting", eta="")
             self._bar.start()
+            self._reroute_logs()
+
+    def _reroute_logs(self) -> None:
+        """Point the logging handlers that write to the terminal at the bar's console (which prints above the bar);
+        their own reference to the terminal would print onto the bar's line, and its next refresh would erase it."""
+        for handler in logging.getLogger().handlers + logging.getLogger("gspo").handlers:
+            if type(handler) is logging.StreamHandler and handler.stream in (sys.__stderr__, sys.__stdout__):
+                self._rerouted.append((handler, handler.setStream(sys.stderr)))  # rich's proxy, while the bar is live
+
+    def phase(self, stage: str) -> None:
+        """The loop entered ``stage`` (a :func:`gspo.profiler.stage` name); the bar shows the phases users know."""
+        name = self.PHASES.get(stage)
+        if name is None or self._bar is None:
+            return
+        if stage == "old_logprobs":
+            self._minibatch = 0
+        elif stage == "step":
+            self._minibatch += 1
+            name = f"update {self._minibatch}/{self.minibatches}"
+        self._bar.update(self._task, phase=name)
+
+    def eta(self, step: int) -> str:
+        """The time left at this run's mean pace so far (steps of this process only: a resumed run's earlier ones are
+        not its pace); rich's own estimate forgets steps older than 30 s, so it shows nothing when a step is slower."""
+        done = step - self.start_step
+        if done <= 0:
+            return "eta …"
+        return f"eta {_clock((time.time() - self.t0) / done * max(self.total - step, 0))}"
+
+    def line(self, step: int, row: dict[str, Any]) -> str:
+        """One rollout batch's metrics, at most 80 columns for runs of up to 99,999 steps."""
+        return (f"step {step}/{self.total}  reward {row.get('reward/mean', float('nan')):.3f}  "
+                f"clip {100 * (row.get('clip/token_total') or 0):.2f}% tok {100 * (row.get('clip/seq_total') or 0):.1f}% "
+                f"seq  len {row.get('completion/len_mean') or 0:.0f}")
 
     def update(self, step: int, row: dict[str, Any], end_of_batch: bool) -> None:
         if not self.enabled:
             return
-        desc = (f"reward {row.get('reward/mean', float('nan')):.3f}  clip tok {100 * row.get('clip/token_total', 0):.2f}% "
-                f"seq {100 * row.get('clip/seq_total', 0):.1f}%  len {row.get('completion/len_mean', 0):.0f}  "
-                f"rollout {row.get('throughput/rollout_tok_s', 0):.0f} tok/s")
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, description=desc)
+            self._bar.update(self._task, completed=step, eta=self.eta(step))
+            if end_of_batch:
+                self._bar.console.print(self.line(step, row), highlight=False, soft_wrap=True)
         elif end_of_batch:
-            print(f"[gspo] step {step}/{self.total}  {desc}  ({time.time() - self.t0:.0f}s)", file=sys.stderr, flush=True)
+            print(f"[gspo] {self.line(step, row)}  {_clock(time.time() - self.t0)} {self.eta(step)}", file=sys.stderr,
+                  flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+            self._bar = None
+        for handler, stream in self._rerouted:
+            handler.setStream(stream)
+        self._rerouted = []
+
+
+def _clock(seconds: float) -> str:
+    """``1:02:03`` / ``2:03``: hours only when there are any."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 def mean_present(values: list[float | None], empty: float | None = float("nan")) -> float | None:

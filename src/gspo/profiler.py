@@ -6,7 +6,8 @@ Each process writes ``<run_dir>/profile/rank<r>.txt`` -- gspo's stages (the ``gs
 ``rank<r>.trace.json.gz``, a Chrome / Perfetto trace (chrome://tracing or ui.perfetto.dev). The profiled batch's own
 ``time/*`` metrics include the profiler's overhead.
 
-The ranges cost nothing outside the profiled batch: :func:`stage` is a null context then.
+The ranges cost nothing outside the profiled batch: :func:`stage` is a null context then. The same names tell the
+console's progress line which phase runs (:func:`watch_stages`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import contextlib
 import gzip
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,10 +23,19 @@ import torch
 log = logging.getLogger("gspo")
 
 _recording = False  # True only while the profiled batch runs
+_watcher: Callable[[str], None] | None = None  # told each stage's name as it starts (the live progress line)
+
+
+def watch_stages(callback: Callable[[str], None] | None) -> None:
+    """Call ``callback(name)`` as each :func:`stage` starts (None: stop)."""
+    global _watcher
+    _watcher = callback
 
 
 def stage(name: str):
     """A named range ``gspo/<name>`` in the profile (a null context unless a batch is being profiled)."""
+    if _watcher is not None:
+        _watcher(name)
     return torch.profiler.record_function(f"gspo/{name}") if _recording else contextlib.nullcontext()
 
 

@@ -17,6 +17,7 @@ import torch
 
 from gspo.diagnostics import LOG_RATIO_EDGES, pick_trace_rows, ratio_histograms, token_trace
 from gspo.metrics import Console, JsonlWriter
+from gspo.profiler import watch_stages
 from gspo.sinks import MetricSinks, open_sinks
 from gspo.types import Batch
 
@@ -30,7 +31,9 @@ class RunLog:
         self.cfg = cfg
         self.enabled = enabled
         self.sinks = MetricSinks()
-        self.console = Console(cfg.train.steps, step, enabled=enabled and cfg.log.progress)
+        self.console = Console(cfg.train.steps, step, enabled=enabled and cfg.log.progress,
+                               minibatches=cfg.train.minibatches)
+        watch_stages(self.console.phase)
         self._files: dict[str, JsonlWriter] = {}
         self._closed = False
         if enabled:
@@ -115,6 +118,7 @@ class RunLog:
         if self._closed:
             return
         self._closed = True
+        watch_stages(None)
         self.console.close()
         self._close_files()
         self.sinks.close(failed=failed)

@@ -1,9 +1,11 @@
 """What stands between the loop and the ways a run ends badly: stop signals, GPU out-of-memory, non-finite steps."""
 from __future__ import annotations
 
+import _thread
 import contextlib
 import errno
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -18,28 +20,87 @@ log = logging.getLogger("gspo")
 class StopSignals:
     """While active, SIGINT / SIGTERM set ``received`` (the loop finishes the rollout batch being trained, writes a
     checkpoint and returns); a second signal stops at once. Checkpoints sit at rollout-batch boundaries, so that is
-    where a resumed run continues bit for bit. Outside the main thread (where handlers cannot be set) it does nothing."""
+    where a resumed run continues bit for bit. Outside the main thread (where handlers cannot be set) it does nothing.
 
-    def __init__(self, describe=lambda: "the current rollout batch"):
+    Why a watcher thread: Python runs a signal handler only between bytecodes of the main thread, and a long native
+    call (one backward pass: 2 minutes on a CPU emulating bf16) holds it off that long. The C-level handler also
+    writes the signal's number to a pipe (``signal.set_wakeup_fd``), which the watcher reads at once: it acknowledges
+    the first signal when it comes, and after a second it interrupts the main thread (``KeyboardInterrupt`` at its
+    next bytecode) and, if the main thread is still inside native code ``grace_s`` later, flushes the log and ends
+    the process (exit 130 / 143). Every line written so far is flushed per line and checkpoints are complete or
+    absent, so the run directory stays valid."""
+
+    def __init__(self, describe=lambda: "the current rollout batch", grace_s: float = 5.0):
         self.received: str | None = None
         self._describe = describe
+        self._grace_s = grace_s
         self._previous: dict[int, object] = {}
+        self._count = 0
+        self._interrupted = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._pipe: tuple[int, int] | None = None
+        self._old_wakeup = -1
 
     def _handler(self, signum, frame):
-        if self.received is not None:  # the second one: the user really means it
-            signal.signal(signum, self._previous[signum])
+        # The count is the watcher's (it sees every signal; Python coalesces repeats of one signal into one call).
+        with self._lock:
+            raise_now = self._count >= 2 and not self._interrupted
+            self._interrupted = self._interrupted or raise_now
+        if raise_now:
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-        log.warning("%s: finishing %s, then writing a checkpoint (again to stop now)", self.received, self._describe())
+
+    def _seen(self, signum: int) -> None:
+        """The watcher's reaction to one signal."""
+        name = signal.Signals(signum).name
+        with self._lock:
+            self._count += 1
+            count = self._count
+        if count == 1:
+            self.received = name
+            log.warning("%s: finishing %s, then writing a checkpoint (%s again to stop now)", name, self._describe(),
+                        "Ctrl-C" if name == "SIGINT" else name)
+            return
+        if count == 2:
+            log.warning("%s again: stopping now; the run directory keeps the last checkpoint (--resume continues "
+                        "from it)", name)
+            _thread.interrupt_main(signum)
+            if not self._done.wait(self._grace_s):  # still inside one native call: end the process from here
+                log.warning("the running computation did not return within %.0f s; exiting", self._grace_s)
+                for handler in logging.getLogger().handlers + log.handlers:
+                    handler.flush()
+                os._exit(130 if signum == signal.SIGINT else 143)
+
+    def _watch(self, fd: int) -> None:
+        """Read signal numbers until the write end closes (the guard is over), then close the read end."""
+        try:
+            while data := os.read(fd, 64):
+                for signum in data:
+                    if signum in (signal.SIGINT, signal.SIGTERM) and not self._done.is_set():
+                        self._seen(signum)
+        finally:
+            os.close(fd)
 
     def __enter__(self) -> "StopSignals":
         self.received = None
+        self._count, self._interrupted = 0, False
+        self._done.clear()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handler)
+            r, w = os.pipe()
+            os.set_blocking(w, False)  # the C handler must never block on a full pipe
+            self._pipe = (r, w)
+            self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(r,), name="gspo-signals", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_wakeup)
+            os.close(self._pipe[1])  # the watcher's read returns empty: it closes the read end and ends
+            self._pipe = None
         for sig, old in self._previous.items():
             signal.signal(sig, old)
         self._previous.clear()

@@ -34,7 +34,7 @@ from gspo.profiler import BatchProfiler, stage
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import RolloutEngine, make_engine, rounded_weights
 from gspo.runlog import RunLog
-from gspo.runtime import Runtime, finite, process_seconds
+from gspo.runtime import Runtime, finite, precision_name, process_seconds
 from gspo.train.actor import Actor
 from gspo.train.collect import Collector
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, lock_run_dir, out_of_memory
@@ -129,6 +129,20 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
     return Parts(runtime, actor, tokenizer, engine, Collector(cfg, tokenizer, stream, rewards, engine, generator), rewards)
 
 
+def describe_run(cfg: Config, runtime: Runtime, run_dir: Path, resume: bool) -> str:
+    """The start-up line: algorithm, task, model, device, precision (and why, on a CPU), batch shape and length."""
+    r, t = cfg.rollout, cfg.train
+    where = runtime.device.type if runtime.world_size == 1 else f"{runtime.world_size} x {runtime.device.type}"
+    precision = precision_name(runtime.autocast)
+    if runtime.device.type == "cpu" and cfg.model.precision == "auto":
+        precision += " (this CPU has native bf16)" if runtime.autocast else " (this CPU has no native bf16)"
+    batches = -(-t.steps // t.minibatches)
+    return (f"{'resuming' if resume else 'training'} {cfg.algorithm} on {cfg.data.task} with {cfg.model.name} on "
+            f"{where}, {precision}; {r.prompts_per_batch * runtime.world_size} prompts x {r.group_size} completions "
+            f"of up to {r.max_new_tokens} tokens a rollout batch, {t.steps} optimizer steps ({batches} rollout "
+            f"batch{'es' if batches != 1 else ''} x {t.minibatches} minibatches); run directory {run_dir}")
+
+
 class Trainer:
     """Runs one configured training job in ``run_dir``; ``train()`` does the work."""
 
@@ -140,6 +154,8 @@ class Trainer:
         dist.init(self.runtime.device, cfg.dist.timeout_s)
         self.timings: dict[str, float] = {"process_start_to_trainer": round(process_seconds(), 3)}
         self._prepare_run_dir(resume)
+        if self.runtime.is_main:  # before the model loads (seconds to minutes): what this run is, at once
+            log.info("%s", describe_run(cfg, self.runtime, self.run_dir, resume))
         try:
             parts = build(cfg, self.runtime, self.timings)
             self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
