@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gspo.cli import main
+from gspo.metrics import summarize
+
 from test_trainer import tiny_dir  # noqa: F401  (the module fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,4 +49,40 @@ def test_the_readme_example_trains_with_the_reward_module_of_the_current_folder(
     rows = [json.loads(line) for line in (tmp_path / "runs" / "my-task" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["reward/failures"] == 0 and r["reward/score/mean"] is not None for r in rows)
     shown = _gspo(summary, tmp_path)
-    assert shown.returncode == 0 and json.loads(shown.stdout)["steps"] == 2, shown.stderr[-3000:]
+    assert shown.returncode == 0 and "reward, first batch" in shown.stdout, shown.stderr[-3000:]
+
+
+def _fake_run(path: Path, rewards: list[float]) -> str:
+    """A run directory whose metrics.jsonl has one single-minibatch rollout batch per reward."""
+    path.mkdir(parents=True)
+    rows = [{"step": i + 1, "rollout_batch": i, "minibatch": 0, "reward/mean": r, "clip/token_total": 0.25,
+             "clip/seq_total": 0.5, "entropy": 2.0 - i / 10, "completion/len_mean": 12.0, "time/elapsed": 3.0 * (i + 1)}
+            for i, r in enumerate(rewards)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_summary_prints_a_table_within_80_columns_and_json_on_request(tmp_path, capsys):
+    """`gspo summary` prints labelled rows with a column per run, split into tables that fit 80 columns; with --json
+    it prints what summarize() returns, as JSON."""
+    runs = [_fake_run(tmp_path / f"a-rather-long-run-name-seed{s}", [0.25, 0.5, 0.75]) for s in (1, 2, 3)]
+    assert main(["summary", *runs]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert all(Path(r).name in out for r in runs) and out.count("reward, first batch") >= 2  # 3 runs: 2+ tables
+    assert re.search(r"^reward, first batch +0\.250\b", out, re.M) and "clipped tokens, off-policy" in out
+    assert main(["summary", runs[0], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == summarize(runs[0])
+
+
+def test_eval_prints_a_table_and_json_on_request_and_writes_out_as_before(tiny_dir, tmp_path, capsys):  # noqa: F811
+    """`gspo eval` prints a table of its numbers; with --json the result as JSON; --out writes the JSON either way."""
+    argv = ["eval", f"model.name='{tiny_dir}'", "model.device='cpu'", "rewards.workers=0", "rollout.max_new_tokens=4",
+            "--n", "2", "--samples", "1", "--batch-size", "2"]
+    assert main([*argv, "--out", str(tmp_path / "table.json")]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^greedy accuracy +\d\.\d{3}$", table, re.M) and "pass@1 over the samples" in table
+    assert main([*argv, "--json", "--out", str(tmp_path / "json.json")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result == json.loads((tmp_path / "json.json").read_text())
+    assert json.loads((tmp_path / "table.json").read_text()).keys() == result.keys()

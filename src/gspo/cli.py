@@ -73,17 +73,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from gspo.evaluate import evaluate
+    from gspo.tables import eval_table
 
     cfg = _config(args.config, args.overrides)
     result = evaluate(cfg, model_name=args.model, n=args.n, samples=args.samples, batch_size=args.batch_size)
-    print(json.dumps(result, indent=1))
-    if args.out:
+    shown = json.dumps(result, indent=1) if args.json else eval_table(result)
+    if args.out:  # written before printing: a reader that closes the pipe early must not cost the file
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
         except OSError as e:
+            print(shown)
             raise UserError(f"gspo eval --out {args.out!r} could not be written ({e.strerror or e}); the result is "
                             "printed above; pick another path.") from None
+    print(shown)
     return 0
 
 
@@ -439,12 +442,13 @@ def _new_dir(text: str) -> str:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     from gspo.metrics import summarize
+    from gspo.tables import summary_table
 
-    for run in args.run_dirs:
-        s = summarize(run)
+    summaries = [summarize(run) for run in args.run_dirs]
+    for s in summaries:
         if not s["steps"]:
-            raise UserError(f"{run!r} has no metrics.jsonl lines yet; pass a run directory that has trained.")
-        print(json.dumps(s, indent=1))
+            raise UserError(f"{s['run_dir']!r} has no metrics.jsonl lines yet; pass a run directory that has trained.")
+    print("\n".join(json.dumps(s, indent=1) for s in summaries) if args.json else summary_table(summaries))
     return 0
 
 
@@ -478,9 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--samples", type=_count(0), default=4, help="samples per example for pass@1 (0 = greedy only; default 4)")
     e.add_argument("--batch-size", type=_count(1), default=64, help="prompts per generation batch")
     e.add_argument("--out", type=_out_file, help="also write the result JSON here")
+    e.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     e.set_defaults(func=cmd_eval)
     s = sub.add_parser("summary", help="headline numbers of finished runs (reward first/last, clipping, entropy)")
     s.add_argument("run_dirs", nargs="+", type=_run_dir, help="run directories")
+    s.add_argument("--json", action="store_true", help="print each run's numbers as a JSON object instead of a table")
     s.set_defaults(func=cmd_summary)
     m = sub.add_parser("compare", help="train one config under several algorithms and seeds, then report")
     m.add_argument("config", nargs="?", help="TOML config shared by every run (default: the built-in defaults)")
