@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from gspo import cli
 from gspo.cli import main
 from gspo.metrics import summarize
 
@@ -86,3 +89,27 @@ def test_eval_prints_a_table_and_json_on_request_and_writes_out_as_before(tiny_d
     result = json.loads(capsys.readouterr().out)
     assert result == json.loads((tmp_path / "json.json").read_text())
     assert json.loads((tmp_path / "table.json").read_text()).keys() == result.keys()
+
+
+def test_a_reader_that_closes_the_pipe_ends_gspo_quietly():
+    """`gspo config | head -1`: once the reader has closed the pipe, gspo exits 141 (128 + SIGPIPE, as the shell
+    reports for other tools) with nothing on stderr, not a BrokenPipeError traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "gspo.cli", "config"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # before gspo writes anything: every write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err[-2000:]
+
+
+def test_a_broken_pipe_of_gspos_own_is_still_an_error(tmp_path, monkeypatch):
+    """A BrokenPipeError while stdout is still open (a reward worker's pipe broke) is raised, not taken for a reader
+    that went away."""
+    def broken(args):
+        raise BrokenPipeError("a worker's pipe")
+
+    monkeypatch.setattr(cli, "cmd_config", broken)
+    with open(tmp_path / "stdout", "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        with pytest.raises(BrokenPipeError, match="a worker's pipe"):
+            main(["config"])

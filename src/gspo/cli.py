@@ -560,7 +560,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what the shell reports for `yes | head`, as 130 / 143 are SIGINT / SIGTERM here
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (`gspo config | head`), as opposed to a pipe of gspo's own
+    (the reward workers') that broke, which is a real error."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() (Windows), or stdout is no file: assume it was stdout
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``gspo ...``: the exit code of the subcommand; 2 for a user error, 141 when the reader of stdout went away."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a closed pipe raises now, where it is caught
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise
+        # The standard way (Python's signal docs): the rest of the output goes nowhere, so the flush at exit is silent.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_EXIT
+
+
+def _main(argv: list[str] | None) -> int:
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)
