@@ -2,12 +2,14 @@
 trust."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,18 @@ def test_a_broken_pipe_of_gspos_own_is_still_an_error(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "stdout", stdout)
         with pytest.raises(BrokenPipeError, match="a worker's pipe"):
             main(["config"])
+
+
+def test_each_in_process_compare_arm_times_its_own_start_up(tiny_dir, tmp_path):  # noqa: F811
+    """`gspo compare` without --jobs trains its arms one after another in one process: the second arm's timings.json
+    counts from that arm's own start, so its whole run (process_s) fits in the time left after the first arm's
+    training loop (it used to count from the command's start, the first arm's training included)."""
+    overrides = [f"model.name='{tiny_dir}'", "model.device='cpu'", "rollout.prompts_per_batch=2", "rollout.group_size=2",
+                 "rollout.max_new_tokens=4", "train.steps=2", "train.minibatches=2", "rewards.workers=0",
+                 "log.progress=false", "log.checkpoint_every=0", "rewards.functions=[{path='trainer_rewards:text_length'}]"]
+    todo = [([*overrides, f"algorithm='{algo}'"], tmp_path / algo, False) for algo in ("gspo", "grpo")]
+    start = time.perf_counter()
+    assert cli._compare_in_process(argparse.Namespace(config=None), todo) == 0
+    total = time.perf_counter() - start
+    first, second = (json.loads((tmp_path / algo / "timings.json").read_text()) for algo in ("gspo", "grpo"))
+    assert 0 < second["process_start_to_trainer"] <= second["process_s"] <= total - first["loop_s"], (first, second)

@@ -98,9 +98,12 @@ def _compare_in_process(args: argparse.Namespace, todo: list) -> int:
 
     from gspo.train import Trainer
 
-    for overrides, run_dir, resume in todo:
+    for i, (overrides, run_dir, resume) in enumerate(todo):
+        # The first run pays this process's start-up (imports), as a `gspo train` would; a later one shares it, so its
+        # timings count from its own start, not from the command's (which would add the earlier runs' training).
+        started = time.perf_counter() if i else None
         print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}", file=sys.stderr)
-        trainer = Trainer(_config(args.config, overrides), run_dir, resume=resume)
+        trainer = Trainer(_config(args.config, overrides), run_dir, resume=resume, started=started)
         trainer.train()
         if trainer.stop_signal is not None:
             print(f"[compare] stopped by {trainer.stop_signal}; run the same command again to continue", file=sys.stderr)
