@@ -18,7 +18,7 @@ python3 benchmarks/e2e_reference.py run --model $M --algos gspo --tag _ckpt10 --
   log.progress=false log.checkpoint_every=10 2>&1 | grep "e2e\]\|rror"
 for i in 1 2; do /usr/bin/time -f "bare import of torch + transformers + AutoModelForCausalLM: %e s" \
   python3 -c "import torch, transformers; from transformers import AutoModelForCausalLM"; done 2>&1 | tail -1 | tee $E/imports.txt
-python3 -m gspo.cli eval configs/quickstart.toml --model /tmp/e2e/gspo_warm/checkpoints/step-000160 --n 128 --samples 2 \
+python3 -m gspo.cli eval configs/quickstart.toml --model /tmp/e2e/gspo_warm/checkpoints/step-000160 --n 128 --samples 2 --json \
   2>&1 | grep -v "Warn\|warn" | tail -9 | tee $E/eval_trained.txt
 python3 -m gspo.cli probe noise configs/quickstart.toml --out /tmp/probe --rows 16 --bins 3 model.name="'$M'" \
   2>&1 | grep "gspo\|grpo\|probe:" | tail -8 | tee $E/probe_smoke.txt

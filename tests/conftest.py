@@ -73,3 +73,12 @@ def make_tiny_model(tokenizer):
         return tiny_llama(vocab_size=vocab_size or len(tokenizer), seed=seed, init_std=init_std)
 
     return make
+
+
+@pytest.fixture
+def user_folder(tmp_path, monkeypatch):
+    """The current folder is ``tmp_path`` and, as under the ``gspo`` command (whose first import path is its own
+    script's folder), it is not on the import path."""
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

@@ -229,7 +229,7 @@ def test_moe_runs_get_arm_labels_a_flip_figure_and_summary_numbers(tmp_path, cap
     groups = json.loads((tmp_path / "report" / "summary.json").read_text())["groups"]
     flips = {g["algorithm"]: g["flip_rate"] for g in groups}
     assert set(flips) == {"gspo", "grpo", "grpo+r2"} and flips["grpo+r2"] < flips["grpo"]
-    assert main(["summary", str(runs[2])]) == 0
+    assert main(["summary", str(runs[2]), "--json"]) == 0
     assert 0 < json.loads(capsys.readouterr().out)["moe_flip_rate_mean"] < 0.01
 
 

@@ -235,6 +235,35 @@ def test_user_module_and_close(tmp_path, monkeypatch):
         runner.score(["a"], [ex(None)])
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_reward_module_in_the_current_folder_is_found(user_folder, workers):
+    """`my_reward.py` in the folder the command runs in is imported by path `my_reward:score`, in process and in the
+    workers (the trainer's process used to refuse it as a module that does not exist)."""
+    module = f"cwd_reward_{workers}"
+    (user_folder / f"{module}.py").write_text("def score(c, e):\n    return len(c)\n")
+    with RewardRunner([f"{module}:score"], workers=workers) as runner:
+        assert runner.score(["ab", "abc"], [ex(None)] * 2).total.tolist() == [2.0, 3.0]
+
+
+@pytest.mark.parametrize("source, path, says", [
+    (None, "cwd_absent:f", "no module named 'cwd_absent' in the current folder"),
+    ("import not_installed_dep_xyz\n", "cwd_needs_dep:f", "imports 'not_installed_dep_xyz', which is not installed"),
+    ("1 / 0\n", "cwd_raises:f", "raised ZeroDivisionError: division by zero; fix that module"),
+    ("def f(:\n", "cwd_syntax:f", "raised SyntaxError"),
+    ("def f(c, e):\n    return 1\n", "cwd_has_f:g", "has no attribute 'g'; check the function name"),
+    ("def f(c, e):\n    return 1\n", "json:f", "that module is not .*json.py: an installed one of the same name comes "
+                                              "first, so rename your file"),
+])
+def test_an_import_failure_says_what_failed(user_folder, source, path, says):
+    """A reward module that is not there, that needs a package that is not installed, whose code fails, that lacks the
+    function, or whose name an installed module takes: each message names that cause, not a generic one."""
+    module = path.split(":")[0]
+    if source is not None:
+        (user_folder / f"{module}.py").write_text(source)
+    with pytest.raises(UserError, match=says):
+        resolve(path)
+
+
 def test_workers_survive_a_process_group_sigterm():
     """A SIGTERM sent to the whole process group (Slurm, systemd) is the trainer's to handle: workers ignore it and keep
     scoring the batch the trainer finishes before it checkpoints."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gspo.errors import UserError
-from gspo.rewards.steps import token_starts
+from gspo.rewards.steps import load_step_credit, token_starts
 from gspo.train import Trainer
 
 from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module fixture)
@@ -62,7 +62,7 @@ def test_a_gspo_token_run_trains_on_per_token_advantages(tiny_dir, tmp_path):  #
 def test_step_credit_refusals_are_one_line(tiny_dir, tmp_path):  # noqa: F811
     with pytest.raises(UserError, match="sequence-level ratio cannot take"):
         tiny_config(tiny_dir, "algorithm='gspo'", "loss.step_credit='trainer_rewards:every_third_char'")
-    with pytest.raises(UserError, match="could not be loaded"):
+    with pytest.raises(UserError, match="has no attribute .nope."):
         Trainer(tiny_config(tiny_dir, "algorithm='grpo'", "loss.step_credit='trainer_rewards:nope'"), tmp_path / "a")
     trainer = Trainer(tiny_config(tiny_dir, "algorithm='grpo'", "loss.step_credit='trainer_rewards:bad_steps'"),
                       tmp_path / "b")
@@ -82,3 +82,9 @@ def test_token_starts_of_ids_that_are_not_the_texts_own_encoding(tokenizer):
     starts = token_starts(tokenizer, ids, text)
     assert starts[:6] == [0, 1, 2, 3, 4, 5] and starts[6] == 6  # each letter; the emoji's bytes start at it
     assert starts[-1] == len(text) - len(tokenizer.decode(ids[-1:])) and starts == sorted(starts)
+
+
+def test_a_step_credit_module_in_the_current_folder_is_found(user_folder):
+    """loss.step_credit = 'my_steps:spans' with my_steps.py in the folder the command runs in loads that function."""
+    (user_folder / "cwd_steps.py").write_text("def spans(c, e):\n    return [(len(c), 1.0)]\n")
+    assert load_step_credit("cwd_steps:spans")("ab", None) == [(2, 1.0)]

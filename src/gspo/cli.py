@@ -73,17 +73,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from gspo.evaluate import evaluate
+    from gspo.tables import eval_table
 
     cfg = _config(args.config, args.overrides)
     result = evaluate(cfg, model_name=args.model, n=args.n, samples=args.samples, batch_size=args.batch_size)
-    print(json.dumps(result, indent=1))
-    if args.out:
+    shown = json.dumps(result, indent=1) if args.json else eval_table(result)
+    if args.out:  # written before printing: a reader that closes the pipe early must not cost the file
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
         except OSError as e:
+            print(shown)
             raise UserError(f"gspo eval --out {args.out!r} could not be written ({e.strerror or e}); the result is "
                             "printed above; pick another path.") from None
+    print(shown)
     return 0
 
 
@@ -95,9 +98,12 @@ def _compare_in_process(args: argparse.Namespace, todo: list) -> int:
 
     from gspo.train import Trainer
 
-    for overrides, run_dir, resume in todo:
+    for i, (overrides, run_dir, resume) in enumerate(todo):
+        # The first run pays this process's start-up (imports), as a `gspo train` would; a later one shares it, so its
+        # timings count from its own start, not from the command's (which would add the earlier runs' training).
+        started = time.perf_counter() if i else None
         print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}", file=sys.stderr)
-        trainer = Trainer(_config(args.config, overrides), run_dir, resume=resume)
+        trainer = Trainer(_config(args.config, overrides), run_dir, resume=resume, started=started)
         trainer.train()
         if trainer.stop_signal is not None:
             print(f"[compare] stopped by {trainer.stop_signal}; run the same command again to continue", file=sys.stderr)
@@ -439,12 +445,13 @@ def _new_dir(text: str) -> str:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     from gspo.metrics import summarize
+    from gspo.tables import summary_table
 
-    for run in args.run_dirs:
-        s = summarize(run)
+    summaries = [summarize(run) for run in args.run_dirs]
+    for s in summaries:
         if not s["steps"]:
-            raise UserError(f"{run!r} has no metrics.jsonl lines yet; pass a run directory that has trained.")
-        print(json.dumps(s, indent=1))
+            raise UserError(f"{s['run_dir']!r} has no metrics.jsonl lines yet; pass a run directory that has trained.")
+    print("\n".join(json.dumps(s, indent=1) for s in summaries) if args.json else summary_table(summaries))
     return 0
 
 
@@ -478,9 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--samples", type=_count(0), default=4, help="samples per example for pass@1 (0 = greedy only; default 4)")
     e.add_argument("--batch-size", type=_count(1), default=64, help="prompts per generation batch")
     e.add_argument("--out", type=_out_file, help="also write the result JSON here")
+    e.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     e.set_defaults(func=cmd_eval)
     s = sub.add_parser("summary", help="headline numbers of finished runs (reward first/last, clipping, entropy)")
     s.add_argument("run_dirs", nargs="+", type=_run_dir, help="run directories")
+    s.add_argument("--json", action="store_true", help="print each run's numbers as a JSON object instead of a table")
     s.set_defaults(func=cmd_summary)
     m = sub.add_parser("compare", help="train one config under several algorithms and seeds, then report")
     m.add_argument("config", nargs="?", help="TOML config shared by every run (default: the built-in defaults)")
@@ -554,7 +563,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what the shell reports for `yes | head`, as 130 / 143 are SIGINT / SIGTERM here
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (`gspo config | head`), as opposed to a pipe of gspo's own
+    (the reward workers') that broke, which is a real error."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() (Windows), or stdout is no file: assume it was stdout
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``gspo ...``: the exit code of the subcommand; 2 for a user error, 141 when the reader of stdout went away."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a closed pipe raises now, where it is caught
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise
+        # The standard way (Python's signal docs): the rest of the output goes nowhere, so the flush at exit is silent.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_EXIT
+
+
+def _main(argv: list[str] | None) -> int:
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)

@@ -68,13 +68,18 @@ class DataConfig:
     """``running_sum`` / ``numbered_words``: inclusive range of how many numbers a prompt adds / words it numbers
     (each a line of a correct response); ``None``: the task's default, ``[16, 48]`` / ``[20, 40]``."""
     prompt_field: str | None = None
-    """JSONL field holding the question (task default when unset)."""
+    """Row field holding the question (``example.prompt``); unset: ``question`` for ``jsonl`` and ``hf``, ``problem``
+    for ``math``. ``gsm8k`` always reads ``question``."""
     answer_field: str | None = None
-    """JSONL field holding the reference answer (task default when unset)."""
+    """Row field holding the reference answer (``example.answer``); unset: ``answer`` for ``jsonl`` and ``hf``; for
+    ``math`` ``answer`` when the first row has one, else ``solution``. ``gsm8k`` always reads ``answer``."""
     answer_format: str | None = None
-    """How to read the answer field: ``raw``, ``gsm8k`` (after ``####``) or ``boxed`` (last ``\\boxed{}``)."""
+    """How the answer field is read (``jsonl`` and ``hf``): ``raw`` (the default: the field as written, stripped),
+    ``gsm8k`` (the number after ``####``) or ``boxed`` (the last ``\\boxed{}``). ``gsm8k`` reads ``gsm8k``; ``math``
+    reads ``answer`` raw and ``solution`` boxed."""
     template: str | None = None
-    """Prompt template with ``{question}``; task default when unset."""
+    """Prompt template with ``{question}`` and any other field of the row as ``{name}``; unset: ``{question}`` for
+    ``jsonl`` and ``hf``, the question with a step-by-step instruction for ``gsm8k`` and ``math``."""
     system_prompt: str | None = None
     """Optional system message; ``None`` keeps the chat template's own default."""
     max_prompt_tokens: int = 512

@@ -203,4 +203,9 @@ def process_seconds() -> float:
         return time.perf_counter() - _IMPORTED
 
 
+def seconds_since(started: float | None) -> float:
+    """Seconds since ``started`` (a ``time.perf_counter()`` reading), or since this process started when it is None."""
+    return process_seconds() if started is None else time.perf_counter() - started
+
+
 _IMPORTED = time.perf_counter()

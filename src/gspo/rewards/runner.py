@@ -333,7 +333,7 @@ class RewardRunner:
                 w.ready = True
             elif msg[0] == "init_error":
                 self.close()
-                raise UserError(f"a reward worker could not load the reward functions: {msg[1]}")
+                raise UserError(msg[1])  # the worker's own one-line message, naming the reward
             else:
                 call = w.chunk.popleft()
                 assert call[0] == msg[0], "reward worker answered out of order"

@@ -10,12 +10,12 @@ run in the trainer's process (a regular expression over the text, not a verifier
 from __future__ import annotations
 
 import bisect
-import importlib
 import math
 from collections.abc import Callable
 
 import torch
 
+from gspo import user_code
 from gspo.algorithms.advantages import step_advantages
 from gspo.errors import UserError
 
@@ -23,19 +23,9 @@ StepFn = Callable[..., list]
 
 
 def load_step_credit(path: str) -> StepFn:
-    """The function ``module:function`` names, or one line saying what is wrong with ``loss.step_credit``."""
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise UserError(f"loss.step_credit = {path!r} must be 'module:function', e.g. "
-                        "'gspo.rewards.builtin:running_sum_step_spans'.")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except Exception as e:  # noqa: BLE001 -- any import failure of user code is the user's input
-        raise UserError(f"loss.step_credit = {path!r} could not be loaded ({type(e).__name__}: {e}); check the module "
-                        "is importable (on PYTHONPATH) and defines the function.") from e
-    if not callable(fn):
-        raise UserError(f"loss.step_credit = {path!r} is not a function.")
-    return fn
+    """The function ``module:function`` names (the current folder is searched too, :mod:`gspo.user_code`), or one line
+    saying what is wrong with ``loss.step_credit``."""
+    return user_code.load_function(path, f"loss.step_credit = {path!r}", "gspo.rewards.builtin:running_sum_step_spans")
 
 
 def token_starts(tokenizer, ids: list[int], text: str) -> list[int]:

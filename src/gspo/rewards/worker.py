@@ -3,7 +3,6 @@ gspo's torch-free modules), so the fork server that starts workers is ready in a
 seconds an import of torch takes; a reward module that needs torch imports it itself."""
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import signal
@@ -14,50 +13,27 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from gspo import user_code
 from gspo.errors import UserError
 from gspo.example import Example
 
 RewardFn = Callable[[str, Example], float]
+EXAMPLE = "gspo.rewards.builtin:last_number"
 
 
 def resolve(path: str) -> RewardFn:
-    """The callable named by ``"module:function"`` (``function`` may be dotted, e.g. ``"mod:Class.method"``)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(f"reward {path!r} is not 'module:function'; write it like 'gspo.rewards.builtin:last_number'.")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # a user's module can fail to import in any way (syntax error, missing dependency)
-        raise UserError(
-            f"reward {path!r}: importing {module_name!r} failed ({type(e).__name__}: {e}); fix the module name, "
-            "or put its folder on PYTHONPATH (or run from that folder)."
-        ) from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UserError(f"reward {path!r}: {module_name!r} has no attribute {attr!r}; check the function name.")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise UserError(f"reward {path!r} is a {type(obj).__name__}, not a function; point it at a function.")
-    return obj
+    """The callable named by ``"module:function"`` (``function`` may be dotted, e.g. ``"mod:Class.method"``); the
+    current folder is searched too (:mod:`gspo.user_code`)."""
+    return user_code.load_function(path, f"reward {path!r}", EXAMPLE)
 
 
 def locate(path: str) -> str:
     """Check ``"module:function"`` as far as it can be without running any of the module's code (which may block, or
-    fail): the form, and that the module's top-level package exists on the path. Returns ``path``; the import itself
-    happens in the worker processes, under their start-up limit."""
-    import importlib.util
-
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(f"reward {path!r} is not 'module:function'; write it like 'gspo.rewards.builtin:last_number'.")
-    top = module_name.split(".")[0]
-    try:
-        found = top in sys.modules or importlib.util.find_spec(top) is not None  # a top-level name imports nothing
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise UserError(f"reward {path!r}: no module named {top!r}; fix the module name, or put its folder on "
-                        "PYTHONPATH (or run from that folder).")
+    fail): the form, and that the module's top-level package exists on the path or in the current folder. Returns
+    ``path``; the import itself happens in the worker processes, under their start-up limit."""
+    module_name, _ = user_code.split(path, f"reward {path!r}", EXAMPLE)
+    if not user_code.exists(module_name):
+        raise UserError(user_code.not_found(f"reward {path!r}", module_name.split(".")[0]))
     return path
 
 
@@ -90,6 +66,14 @@ def _watch_parent() -> None:
     os._exit(0)
 
 
+def _warm_up(path: str, fn: RewardFn) -> None:
+    try:
+        fn.warm_up()
+    except Exception as e:  # the user's set-up code can fail in any way
+        raise UserError(f"reward {path!r}: its warm_up raised {type(e).__name__}: {e}; fix it, or set rewards.workers "
+                        "= 0 to debug it in-process.") from e
+
+
 def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str) -> None:
     """Worker process: resolve the reward functions, then answer chunks of calls one result per call."""
     # Ctrl-C and a SIGTERM sent to the whole process group (Slurm, systemd) are the parent's to handle: it finishes its
@@ -98,16 +82,15 @@ def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: st
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.chdir(cwd)  # reward functions may open files relative to where the user started training
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    if cwd not in sys.path:
-        sys.path.append(cwd)
+    user_code.search_current_folder()
     threading.Thread(target=_watch_parent, daemon=True).start()
     try:
         fns = [resolve(p) for p in paths]
-        for fn in fns:
+        for path, fn in zip(paths, fns):
             if callable(getattr(fn, "warm_up", None)):
-                fn.warm_up()  # one-off set-up cost stays out of the first call's time limit
-    except Exception as e:
-        conn.send(("init_error", f"{type(e).__name__}: {e}"))
+                _warm_up(path, fn)  # one-off set-up cost stays out of the first call's time limit
+    except UserError as e:  # already one sentence naming the reward and the fix
+        conn.send(("init_error", str(e)))
         return
     conn.send(("ready", os.getpid()))
     while True:

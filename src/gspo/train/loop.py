@@ -34,7 +34,7 @@ from gspo.profiler import BatchProfiler, stage
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import RolloutEngine, make_engine, rounded_weights
 from gspo.runlog import RunLog
-from gspo.runtime import Runtime, finite, precision_name, process_seconds
+from gspo.runtime import Runtime, finite, precision_name, seconds_since
 from gspo.train.actor import Actor
 from gspo.train.collect import Collector
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, lock_run_dir, out_of_memory
@@ -146,13 +146,18 @@ def describe_run(cfg: Config, runtime: Runtime, run_dir: Path, resume: bool) -> 
 class Trainer:
     """Runs one configured training job in ``run_dir``; ``train()`` does the work."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False, runtime: Runtime | None = None):
+    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False, runtime: Runtime | None = None,
+                 started: float | None = None):
+        """``started``: the ``time.perf_counter()`` reading when this run began, for a run that is not the first of its
+        process (``gspo compare`` trains its arms one after another in one); timings.json counts from it. Default: the
+        process's start, imports included."""
+        self.started = started
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.runtime = runtime or Runtime.from_config(cfg.model)
         dist.check_layout(cfg, self.runtime.world_size)
         dist.init(self.runtime.device, cfg.dist.timeout_s)
-        self.timings: dict[str, float] = {"process_start_to_trainer": round(process_seconds(), 3)}
+        self.timings: dict[str, float] = {"process_start_to_trainer": self.since_start()}
         self._prepare_run_dir(resume)
         if self.runtime.is_main:  # before the model loads (seconds to minutes): what this run is, at once
             log.info("%s", describe_run(cfg, self.runtime, self.run_dir, resume))
@@ -171,12 +176,16 @@ class Trainer:
                 self.restore()
             if self.runtime.is_main:
                 self._record_config()
-            self.timings["trainer_ready_at"] = round(process_seconds(), 3)
+            self.timings["trainer_ready_at"] = self.since_start()
         except BaseException:
             if hasattr(self, "rewards"):
                 self.rewards.close()
             self.release()  # a start that failed leaves the directory to the next one
             raise
+
+    def since_start(self) -> float:
+        """Seconds since this run started (see ``started``), as timings.json records them."""
+        return round(seconds_since(self.started), 3)
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -231,7 +240,7 @@ class Trainer:
         self.timings["final_checkpoint_s"] = round(time.perf_counter() - t_loop_end, 3)
         self.timings["checkpoint_wait_s"] = round(self.writer.seconds, 3)
         self.timings.update({f"final_checkpoint_{k}": v for k, v in self.writer.phases.items()})
-        self.timings["process_s"] = round(process_seconds(), 3)
+        self.timings["process_s"] = self.since_start()
         if self.runtime.is_main:
             try:
                 (self.run_dir / "timings.json").write_text(json.dumps(self.timings, indent=1))
@@ -254,8 +263,9 @@ class Trainer:
         t_sync = time.perf_counter() - t_sync
         first = "first_rollout_at" not in self.timings
         if first:
-            self.timings["first_rollout_at"] = round(process_seconds(), 3)
-            log.info("first rollout %.1f s after the command (%s)", self.timings["first_rollout_at"],
+            self.timings["first_rollout_at"] = self.since_start()
+            log.info("first rollout %.1f s after %s (%s)", self.timings["first_rollout_at"],
+                     "the command" if self.started is None else "this run started",
                      ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k != "first_rollout_at"))
         t_collect = time.perf_counter()
         with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint), stage("collect"):
