@@ -46,6 +46,37 @@ def _row(step, batch, minibatch, reward, clip=0.0, entropy=1.0, elapsed=None):
             "clip/seq_total": clip, "entropy": entropy, "time/elapsed": elapsed if elapsed is not None else float(step)}
 
 
+def _synthetic_run(d: Path, algorithm: str, clip: list[float], loss: dict | None = None, probe: dict | None = None) -> Path:
+    """A run directory of ``len(clip)`` rollout batches of two steps each: an on-policy one, then an off-policy one that
+    clipped ``clip[b]`` of its tokens and sequences and logged a ratio histogram; ``loss`` goes into config.json."""
+    import json
+
+    from gspo.diagnostics import LOG_RATIO_EDGES
+
+    d.mkdir(parents=True)
+    config = {"algorithm": algorithm, "seed": 1, "model": {"name": "tiny-base"}, **({"loss": loss} if loss else {})}
+    (d / "config.json").write_text(json.dumps(config))
+    rows, hists = [], []
+    for b, c in enumerate(clip):
+        rows += [_row(2 * b + 1, b, 0, 0.1 * b), _row(2 * b + 2, b, 1, 0.1 * b, clip=c)]
+        counts = [0] * (len(LOG_RATIO_EDGES) + 1)
+        counts[12], counts[13] = 40, 60
+        hists.append({"step": 2 * b + 2, "rollout_batch": b, "minibatch": 1, "edges": LOG_RATIO_EDGES, "token": counts,
+                      "seq": counts})
+    for name, lines in (("metrics", rows), ("histograms", hists)):
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    if probe is not None:
+        (d / "probe_noise.json").write_text(json.dumps(probe))
+    return d
+
+
+def _figcaption(page: Path, figure: str) -> str:
+    """The caption under ``figure`` on the report page (unescaped)."""
+    import html
+
+    return html.unescape(re.search(f"src='{figure}'.*?<figcaption>(.*?)</figcaption>", page.read_text(), re.S).group(1))
+
+
 def test_key_metrics_hand_worked(tmp_path):
     """Rewards 0.2, 0.6, 1.0, 0.0, 0.0, 0.0 per batch (two steps each): final = mean of all 6 (fewer than 10) = 0.3;
     5-batch moving averages 0.2, 0.4, 0.6, 0.45, 0.36, 0.32 -> best 0.6, largest drop 0.6 - 0.32 = 0.28; clipping is
@@ -371,3 +402,25 @@ def test_committed_h100x4_tables_are_what_the_script_computes(tmp_path, table):
         ones = [r["completions_per_s"] for r in got if r["gpus"] == 1]
         fours = [r["completions_per_s"] for r in got if r["gpus"] == 4][:2]  # the new code's, listed first
         assert len(ones) == 4 and [round(f / (sum(ones) / 4), 2) for f in fours] == [3.64, 3.62]
+
+
+def test_ratio_panels_shade_each_runs_own_clip_band(tmp_path, monkeypatch):
+    """Each ratio panel shades the clip range its run trained with: config.json's eps, else the algorithm's preset."""
+    import math
+
+    from matplotlib.axes import Axes
+
+    from gspo.config import PRESETS
+
+    spans = []
+    draw = Axes.axvspan
+    monkeypatch.setattr(Axes, "axvspan", lambda ax, lo, hi, **kw: spans.append((lo, hi)) or draw(ax, lo, hi, **kw))
+    runs = [_synthetic_run(tmp_path / "grpo", "grpo", [0.01, 0.02]),
+            _synthetic_run(tmp_path / "gspo", "gspo", [0.3, 0.2], loss={"eps_low": 1e-3, "eps_high": 2e-3})]
+    page = write_report(runs, tmp_path / "report")
+    low, high = PRESETS["grpo"]["loss.eps_low"], PRESETS["grpo"]["loss.eps_high"]
+    assert spans == [pytest.approx((math.log(1 - low), math.log(1 + high))),
+                     pytest.approx((math.log(1 - 1e-3), math.log(1 + 2e-3)))]
+    text = _figcaption(page, "ratios.png")
+    assert f"grpo: clip band on the token ratio, 1 - {low:g} to 1 + {high:g}" in text
+    assert "gspo: clip band on the sequence ratio, 1 - 0.001 to 1 + 0.002" in text

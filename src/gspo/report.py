@@ -7,7 +7,7 @@ averaged, with a band from the lowest to the highest seed.
 Figures (each saved as a PNG next to ``index.html``):
   1. reward vs optimizer step and vs wall-clock
   2. clipped fraction of the off-policy steps (log scale), per token and per sequence
-  3. token and sequence log-ratio histograms of the off-policy steps on one axis, GSPO's clip band as a sliver
+  3. token and sequence log-ratio histograms of the off-policy steps on one axis, shading the clip band of the run's config
   4. a token strip: one response's tokens shaded by their ratio, the outliers labelled, the geometric mean called out
   5. gradient noise vs response length (only when ``gspo probe noise`` wrote ``probe_noise.json``)
   6. response length and entropy over steps
@@ -15,6 +15,7 @@ Figures (each saved as a PNG next to ``index.html``):
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import math
@@ -26,8 +27,9 @@ from gspo.config import arm_label
 from gspo.errors import UserError
 from gspo.metrics import mean_present, read_jsonl
 
-GSPO_BAND = (3e-4, 4e-4)  # the paper's sequence-level clip range, drawn on the ratio histogram
-GRPO_BAND = (0.2, 0.28)
+
+
+Drawn = tuple[str, str]  # a figure written: its file name and its titles
 
 
 @dataclass
@@ -67,6 +69,20 @@ def _legend(ax, fontsize: int) -> None:
     """The axes' legend, when a line has a label (a figure of runs without one, e.g. all failed, stays quiet)."""
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=fontsize)
+
+
+def clip_band(config: dict[str, Any]) -> tuple[str, float, float] | None:
+    """The ratio level and clip range (eps_low, eps_high) a run trained with: its config.json's, the fields it lacks
+    from its algorithm's preset as training fills them; None when the config names no known algorithm."""
+    from gspo.config import PRESETS, Config, LossConfig, apply_preset
+
+    if config.get("algorithm") not in PRESETS:
+        return None
+    known = {f.name for f in dataclasses.fields(LossConfig)}
+    loss = LossConfig(**{k: v for k, v in (config.get("loss") or {}).items() if k in known})
+    cfg = Config(algorithm=config["algorithm"], loss=loss)
+    apply_preset(cfg)
+    return cfg.loss.level, cfg.loss.eps_low, cfg.loss.eps_high
 
 
 def load_run(path: str | Path) -> Run:
@@ -167,7 +183,7 @@ def _label(name: str, runs: list[Run]) -> str:
     return f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
 
 
-def fig_reward(plt, groups, colors, out: Path) -> str:
+def fig_reward(plt, groups, colors, out: Path) -> Drawn:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for g, runs in groups.items():
         steps = [b["step"] for b in runs[0].batches()]
@@ -186,7 +202,7 @@ def fig_reward(plt, groups, colors, out: Path) -> str:
     return _save(fig, out / "reward.png")
 
 
-def fig_clipping(plt, groups, colors, out: Path) -> str:
+def fig_clipping(plt, groups, colors, out: Path) -> Drawn:
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     for g, runs in groups.items():
         steps = [b["step"] for b in runs[0].batches()]
@@ -213,13 +229,34 @@ def _histogram_counts(run: Run) -> tuple[list[float], list[int], list[int]] | No
     return edges, tok, seq
 
 
-def fig_ratios(plt, groups, colors, out: Path) -> str | None:
-    data = {g: _histogram_counts(runs[0]) for g, runs in groups.items()}
-    data = {g: d for g, d in data.items() if d is not None}
+def _band_text(band: tuple[str, float, float] | None) -> str:
+    if band is None:
+        return "no clip band (the run's config.json names no known algorithm)"
+    level, low, high = band
+    return f"clip band on the {level} ratio, 1 - {low:g} to 1 + {high:g}"
+
+
+BAND_COLOR = "#e69f00"  # apart from every arm's colour: the band must not merge with the sequence-ratio bars
+
+
+def _draw_clip_band(ax, band: tuple[str, float, float] | None) -> None:
+    """The run's own clip band; its edges as lines too, so that a band narrower than a pixel still shows."""
+    if band is None:
+        return
+    _, low, high = band
+    lo, hi = math.log(1 - low), math.log(1 + high)
+    ax.axvspan(lo, hi, color=BAND_COLOR, alpha=0.18, lw=0, zorder=0.5, label=_band_text(band))
+    for x in (lo, hi):
+        ax.axvline(x, color=BAND_COLOR, lw=1.0, zorder=0.6)  # under the histograms
+
+
+def fig_ratios(plt, groups, colors, out: Path) -> Drawn | None:
+    data = {g: (runs[0], _histogram_counts(runs[0])) for g, runs in groups.items()}
+    data = {g: d for g, d in data.items() if d[1] is not None}
     if not data:
         return None
     fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 3.8), squeeze=False)
-    for ax, (g, (edges, tok, seq)) in zip(axes[0], data.items()):
+    for ax, (g, (run, (edges, tok, seq))) in zip(axes[0], data.items()):
         # A linear log-ratio axis, so that clip bands keep their true widths (GSPO's is a sliver next to GRPO's); the
         # bins are log-spaced, so each is drawn as a density (fraction of the items / bin width) on a log scale.
         bounds = [-2.0, *edges[1:-1], 2.0]  # beyond +-1 merged into one bin a side, drawn out to +-2 (off the axis)
@@ -232,19 +269,25 @@ def fig_ratios(plt, groups, colors, out: Path) -> str | None:
             dens = [c / total / w for c, w in zip(counts, widths)]
             lowest = min([lowest] + [d for d in dens if d > 0])
             ax.stairs(dens, bounds, label=f"{label} (n={sum(counts):,})", color=color, lw=1.6)
-        ax.axvspan(math.log(1 - GSPO_BAND[0]), math.log(1 + GSPO_BAND[1]), color="#1f77b4", alpha=0.6, lw=0,
-                   label="GSPO clip band (1 - 3e-4, 1 + 4e-4)")
-        ax.axvspan(math.log(1 - GRPO_BAND[0]), math.log(1 + GRPO_BAND[1]), color="#d62728", alpha=0.08, lw=0,
-                   label="GRPO/DAPO clip band (1 - 0.2, 1 + 0.28)")
+        _draw_clip_band(ax, clip_band(run.config))
         ax.set_yscale("log")
         if math.isfinite(lowest):
             ax.set_ylim(bottom=lowest / 3)
         ax.set_xlim(-0.6, 0.6)
         ax.set(xlabel="log ratio  log(pi / pi_old)", ylabel="density (fraction per unit log ratio)",
-               title=f"{g}: ratios of the off-policy steps")
+               title=f"{g} ({run.name}): ratios of the off-policy steps")
         ax.grid(alpha=0.3)
         _legend(ax, 7)
     return _save(fig, out / "ratios.png")
+
+
+def ratios_caption(groups: dict[str, list[Run]]) -> str:
+    bands = "; ".join(f"{g}: {_band_text(clip_band(runs[0].config))}" for g, runs in groups.items()
+                      if _histogram_counts(runs[0]) is not None)
+    return ("Distribution of token ratios and of sequence ratios (geometric mean of a sequence's token ratios) over "
+            "the off-policy steps of the first run of each arm, on one log-ratio axis; density on a log scale, an "
+            "empty bin drops to the bottom edge. Each panel shades the clip band its run's config.json set (edges "
+            f"drawn as lines, so that a band narrower than a pixel shows): {bands}.")
 
 
 def _pick_trace(groups) -> tuple[str, dict[str, Any]] | None:
@@ -259,7 +302,7 @@ def _pick_trace(groups) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def fig_token_strip(plt, groups, out: Path) -> str | None:
+def fig_token_strip(plt, groups, out: Path) -> Drawn | None:
     picked = _pick_trace(groups)
     if picked is None:
         return None
@@ -297,7 +340,7 @@ def fig_token_strip(plt, groups, out: Path) -> str | None:
     return _save(fig, out / "token_strip.png")
 
 
-def fig_noise(plt, groups, colors, out: Path) -> str | None:
+def fig_noise(plt, groups, colors, out: Path) -> Drawn | None:
     probes = [(g, r.probe) for g, runs in groups.items() for r in runs if r.probe]
     if not probes:
         return None
@@ -333,7 +376,7 @@ def noise_figure(probe: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def fig_length_entropy(plt, groups, colors, out: Path) -> str:
+def fig_length_entropy(plt, groups, colors, out: Path) -> Drawn:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for g, runs in groups.items():
         steps = [b["step"] for b in runs[0].batches()]
@@ -348,7 +391,7 @@ def fig_length_entropy(plt, groups, colors, out: Path) -> str:
     return _save(fig, out / "length_entropy.png")
 
 
-def fig_moe(plt, groups, colors, out: Path) -> str | None:
+def fig_moe(plt, groups, colors, out: Path) -> Drawn | None:
     """Expert volatility: ``moe/flip_rate`` per optimizer step (mean over seeds, band over seeds), and for each arm a
     layer x step heat map of ``moe/flip_rate/layer_<i>`` (mean over seeds). None for dense runs."""
     moe = {g: runs for g, runs in groups.items() if any(r.get("moe/flip_rate") is not None for run in runs for r in run.metrics)}
@@ -391,7 +434,7 @@ def length_bins_seen(rows: list[dict[str, Any]]) -> list[str]:
     return sorted(names, key=lambda n: int(n.split("-")[0].rstrip("+")))
 
 
-def fig_minibatch_depth(plt, groups, colors, out: Path) -> str | None:
+def fig_minibatch_depth(plt, groups, colors, out: Path) -> Drawn | None:
     """Off-policy depth: clipped fraction and ratio spread against the minibatch's index in its rollout batch (0 is
     the on-policy step; k is k optimizer steps away from the policy that sampled), mean over steps and seeds. None
     when no run has an off-policy step."""
@@ -414,7 +457,7 @@ def fig_minibatch_depth(plt, groups, colors, out: Path) -> str | None:
     return _save(fig, out / "minibatch_depth.png")
 
 
-def fig_by_length(plt, groups, colors, out: Path) -> str | None:
+def fig_by_length(plt, groups, colors, out: Path) -> Drawn | None:
     """By response length: clipped fraction and ratio spreads of each length bin (``bylen/<bin>/*``), mean over the
     off-policy steps and seeds. None unless responses fell in two or more bins."""
     off = {g: [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0] for g, runs in groups.items()}
@@ -437,13 +480,15 @@ def fig_by_length(plt, groups, colors, out: Path) -> str | None:
     return _save(fig, out / "by_length.png")
 
 
-def _save(fig, path: Path) -> str:
+def _save(fig, path: Path) -> Drawn:
+    """Writes the PNG; returns its file name and its titles, which the page repeats as the image's alt text."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    titles = [t for t in [fig.get_suptitle()] + [ax.get_title() for ax in fig.axes] if t]
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    return path.name
+    return path.name, " | ".join(titles)
 
 
 # --------------------------------------------------------------------------------------------- page
@@ -494,9 +539,6 @@ _CAPTIONS = {
     "clipping.png": "Fraction of tokens (solid) and of sequences (dashed) clipped in the off-policy steps (minibatches "
                     "after the first of each rollout batch), log scale. GSPO's sequence ratio and its narrow clip range "
                     "clip far more than GRPO's token ratios.",
-    "ratios.png": "Distribution of token ratios and of sequence ratios (geometric mean of a sequence's token ratios) over "
-                  "the off-policy steps of the first run of each algorithm, on one log-ratio axis. Averaging over the "
-                  "sequence concentrates the ratio: GSPO's clip band is the thin blue sliver.",
     "token_strip.png": "One response of an off-policy step, each token shaded by its ratio (blue below 1, red above); the "
                        "three most extreme tokens are outlined and labelled. The sequence ratio is their geometric mean.",
     "noise.png": "From gspo probe noise, on one rollout batch after its minibatch updates: by response length, the "
@@ -512,6 +554,12 @@ _CAPTIONS = {
                      "among the current policy's top-k, per off-policy optimizer step (left; with Routing Replay, "
                      "measured inside the replay), and per layer (right, one map per arm, mean over seeds).",
 }
+
+def caption(name: str, groups: dict[str, list[Run]]) -> str:
+    """The caption of figure ``name``: fixed text, or for the figures that quote numbers, computed from the runs."""
+    computed = {"ratios.png": ratios_caption}
+    return computed[name](groups) if name in computed else _CAPTIONS[name]
+
 
 _LOADED_CHECK = """<script>
 window.addEventListener('load', () => {
@@ -545,8 +593,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
     table_rows = rows + (group_means(rows) if any(len(v) > 1 for v in groups.values()) else [])
     (out / "summary.json").write_text(json.dumps({"runs": rows, "groups": group_means(rows)}, indent=1))
     (out / "table.md").write_text(metrics_table(table_rows, markdown=True))
-    sections = "".join(f"<figure><img src='{f}' alt='{f}'><figcaption>{html.escape(_CAPTIONS[f])}</figcaption></figure>"
-                       for f in figures if f)
+    sections = "".join(f"<figure><img src='{f}' alt='{html.escape(alt, quote=True)}'><figcaption>"
+                       f"{html.escape(caption(f, groups))}</figcaption></figure>" for f, alt in filter(None, figures))
     missing = [] if figures[4] else ["<p class='note'>No gradient-noise figure: run <code>gspo probe noise</code> on a "
                                      "run directory to add it.</p>"]
     page = f"""<!doctype html>
