@@ -424,3 +424,48 @@ def test_ratio_panels_shade_each_runs_own_clip_band(tmp_path, monkeypatch):
     text = _figcaption(page, "ratios.png")
     assert f"grpo: clip band on the token ratio, 1 - {low:g} to 1 + {high:g}" in text
     assert "gspo: clip band on the sequence ratio, 1 - 0.001 to 1 + 0.002" in text
+
+
+def _alt(page: Path, figure: str) -> str:
+    """The alt text of ``figure`` on the report page: the figure's titles."""
+    import html
+
+    return html.unescape(re.search(f"src='{figure}' alt='(.*?)'>", page.read_text()).group(1))
+
+
+def test_a_single_run_clipping_figure_states_its_numbers_and_compares_nothing(tmp_path):
+    """On a one-run page the clipping title and caption give that run's mean clipped fractions and no comparison."""
+    page = write_report([_synthetic_run(tmp_path / "gspo", "gspo", [0.3, 0.1])], tmp_path / "report")
+    title, text = _alt(page, "clipping.png"), _figcaption(page, "clipping.png")
+    assert title == "Clipped tokens, mean over the off-policy steps: gspo 20%"
+    assert "Means over the off-policy steps: gspo 20% of tokens, 20% per sequence." in text
+    for claim in (" more ", " than ", "orders of magnitude", "GRPO", "grpo"):
+        assert claim not in title + text, claim
+
+
+def test_batches_that_clipped_nothing_are_named_in_the_clipping_caption(tmp_path):
+    """Batches whose clipped fraction is 0, which the log axis cannot draw, are counted per arm in the caption."""
+    runs = [_synthetic_run(tmp_path / "gspo", "gspo", [0.3, 0.2, 0.1, 0.2]),
+            _synthetic_run(tmp_path / "grpo", "grpo", [0.01, 0.0, 0.0, 0.02])]
+    text = _figcaption(write_report(runs, tmp_path / "report"), "clipping.png")
+    assert "grpo tokens: 0 in 2 of 4 batches; grpo per sequence: 0 in 2 of 4 batches." in text
+    assert "gspo tokens" not in text and "gspo per sequence" not in text
+
+
+def test_a_zero_on_a_log_axis_sits_on_a_floor_and_its_legend_counts_it():
+    """A zero on a log axis is drawn on a floor under the smallest positive value, and its line's legend entry counts it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gspo.report import _draw_log
+
+    fig, ax = plt.subplots()
+    _draw_log(ax, [([1, 2, 3], [0.1, 0.0, 0.02], "grpo", {"color": "red"}), ([1, 2, 3], [0.5, 0.4, 0.3], "gspo", {})],
+              "batches")
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) >= {"grpo; 0 in 1 of 3 batches (\u25bd)", "gspo"}
+    floor = lines["grpo; 0 in 1 of 3 batches (\u25bd)"].get_ydata()[1]
+    assert 0 < floor < 0.02 and ax.get_yscale() == "log" and ax.get_ylim()[0] < floor
+    plt.close(fig)

@@ -202,18 +202,85 @@ def fig_reward(plt, groups, colors, out: Path) -> Drawn:
     return _save(fig, out / "reward.png")
 
 
-def fig_clipping(plt, groups, colors, out: Path) -> Drawn:
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
-    for g, runs in groups.items():
-        steps = [b["step"] for b in runs[0].batches()]
-        for key, style, what in (("clip/token_total", "-", "tokens"), ("clip/seq_total", "--", "sequences")):
-            idx, mean, lo, hi = _band([r.per_batch(key, off_policy=True) for r in runs])
-            pts = [(steps[i], m, a, b) for i, m, a, b in zip(idx, mean, lo, hi) if m > 0]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colors[g], lw=1.4, label=f"{g}: {what}")
+def _draw_log(ax, lines: list[tuple[list, list[float], str, dict]], unit: str) -> None:
+    """Draws ``lines`` (x, y, label, plot keywords) on a log y axis. A log axis cannot draw 0: zeros go on a dotted
+    floor below the smallest positive value, as open triangles, and the line's legend entry counts them."""
+    positive = [v for _, ys, _, _ in lines for v in ys if v > 0]
+    if not positive:  # nothing a log axis could draw: a linear one draws the zeros where they are
+        for x, y, label, kw in lines:
+            ax.plot(x, y, label=label, **kw)
+        return
+    floor = min(positive) / 4
+    for x, y, label, kw in lines:
+        zeros = [xi for xi, v in zip(x, y) if v <= 0]
+        if zeros:
+            label += f"; 0 in {len(zeros)} of {len(y)} {unit} (\u25bd)"
+            ax.plot(zeros, [floor] * len(zeros), ls="none", marker="v", mfc="none", ms=6, mew=1.2, color=kw.get("color"),
+                    zorder=kw.get("zorder", 2) + 0.5)
+        ax.plot(x, [v if v > 0 else floor for v in y], label=label, **kw)
     ax.set_yscale("log")
-    ax.set(xlabel="optimizer step", ylabel="clipped fraction (off-policy steps)",
-           title="Clipping: GSPO clips whole sequences, orders of magnitude more often")
+    if any(v <= 0 for _, ys, _, _ in lines for v in ys):
+        ax.axhline(floor, color="#888888", lw=0.8, ls=":", zorder=0.5)
+        ax.text(0.01, floor * 1.15, "0 drawn here (a log scale has no 0)", transform=ax.get_yaxis_transform(), fontsize=7,
+                color="#666666", va="bottom")
+        ax.set_ylim(bottom=floor / 2)
+
+
+CLIP_KEYS = (("clip/token_total", "clip_token", "tokens"), ("clip/seq_total", "clip_seq", "per sequence"))
+
+
+def _clip_series(runs: list[Run], key: str) -> tuple[list[int], list[float]]:
+    """Per rollout batch (at its first step), the mean over seeds of its off-policy steps' clipped fraction."""
+    steps = [b["step"] for b in runs[0].batches()]
+    idx, mean, _, _ = _band([r.per_batch(key, off_policy=True) for r in runs])
+    return [steps[i] for i in idx], mean
+
+
+def _seed_mean(runs: list[Run], key: str) -> float | None:
+    """A key-metrics number averaged over seeds, as the table's group rows have it."""
+    return mean_present([key_metrics(r)[key] for r in runs], empty=None)
+
+
+def _pct(v: float | None) -> str:
+    return "no off-policy step" if v is None else _fmt("clip", v)
+
+
+def clipping_title(groups: dict[str, list[Run]]) -> str:
+    """The arms' mean clipped-token fractions, and nothing they do not show: no ranking, no claim."""
+    import textwrap
+
+    arms = ", ".join(f"{g} {_pct(_seed_mean(runs, 'clip_token'))}" for g, runs in groups.items())
+    return textwrap.fill(f"Clipped tokens, mean over the off-policy steps: {arms}", 80)
+
+
+def clipping_caption(groups: dict[str, list[Run]]) -> str:
+    means = "; ".join(f"{g} {_pct(_seed_mean(runs, 'clip_token'))} of tokens, {_pct(_seed_mean(runs, 'clip_seq'))} "
+                      "per sequence" for g, runs in groups.items())
+    zeros = []
+    for g, runs in groups.items():
+        for key, _, what in CLIP_KEYS:
+            _, y = _clip_series(runs, key)
+            if any(v <= 0 for v in y):
+                zeros.append(f"{g} {what}: 0 in {sum(v <= 0 for v in y)} of {len(y)} batches")
+    zero_text = (f"A log scale cannot draw 0; batches that clipped nothing sit on the dotted floor as \u25bd: "
+                 f"{'; '.join(zeros)}." if zeros else "Every batch drawn clipped something.")
+    return ("Per rollout batch, the clipped fraction of its off-policy steps (minibatches after the first), mean over "
+            "seeds, log scale: thick solid, of all tokens; thin dashed, drawn on top, the mean over sequences of each "
+            "sequence's clipped share of its tokens (with a sequence-level ratio, the share of sequences clipped). "
+            f"Means over the off-policy steps: {means}. {zero_text}")
+
+
+def fig_clipping(plt, groups, colors, out: Path) -> Drawn:
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    lines = []
+    for g, runs in groups.items():
+        for (key, _, what), kw in zip(CLIP_KEYS, ({"ls": "-", "lw": 2.6, "alpha": 0.55}, {"ls": "--", "lw": 1.1, "zorder": 3})):
+            x, y = _clip_series(runs, key)
+            if x:
+                lines.append((x, y, f"{g}: {what}", {"color": colors[g], **kw}))
+    _draw_log(ax, lines, "batches")
+    ax.set(xlabel="optimizer step (first of its rollout batch)", ylabel="clipped fraction (off-policy steps)",
+           title=clipping_title(groups))
     ax.grid(alpha=0.3, which="both")
     _legend(ax, 8)
     return _save(fig, out / "clipping.png")
@@ -346,15 +413,14 @@ def fig_noise(plt, groups, colors, out: Path) -> Drawn | None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     _, probe = probes[0]
-    for algo, rows in probe["by_algorithm"].items():
-        x = [b["length_mid"] for b in rows]
-        for ax, key in zip(axes, ("weight_var", "grad_norm", "is_noise")):
-            ax.plot(x, [b[key] for b in rows], marker="o", label=algo, color=colors.get(algo, "#333333"))
+    for ax, key in zip(axes, ("weight_var", "grad_norm", "is_noise")):
+        _draw_log(ax, [([b["length_mid"] for b in rows], [b[key] for b in rows], algo,
+                        {"marker": "o", "color": colors.get(algo, "#333333")})
+                       for algo, rows in probe["by_algorithm"].items()], "length bins")
     axes[0].set(xlabel="response length (tokens)", ylabel="variance", title="Per-token gradient weights")
     axes[1].set(xlabel="response length (tokens)", ylabel="norm", title="Per-response gradient norm")
     axes[2].set(xlabel="response length (tokens)", ylabel="||g_IS - g_on|| / ||g_on||", title="Noise from importance weights")
     for ax in axes:
-        ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
         _legend(ax, 8)
     return _save(fig, out / "noise.png")
@@ -442,16 +508,17 @@ def fig_minibatch_depth(plt, groups, colors, out: Path) -> Drawn | None:
     if depth < 1:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    panels = (("clip/token_total", "clipped tokens", True), ("ratio/token_std", "std of token ratios", True),
-              ("ratio/seq_std", "std of sequence ratios", True))
-    for ax, (key, what, log) in zip(axes, panels):
+    panels = (("clip/token_total", "clipped tokens"), ("ratio/token_std", "std of token ratios"),
+              ("ratio/seq_std", "std of sequence ratios"))
+    for ax, (key, what) in zip(axes, panels):
+        lines = []
         for g, runs in groups.items():
-            pts = [(k, y) for k, y in minibatch_means(runs, key).items() if k > 0 and y is not None and (y > 0 or not log)]
+            pts = [(k, y) for k, y in minibatch_means(runs, key).items() if k > 0 and y is not None]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[g], lw=1.4, ms=3, label=_label(g, runs))
-        if log:
-            ax.set_yscale("log")
-        ax.set(xlabel="minibatch index in its rollout batch (optimizer steps off-policy)", ylabel=what, title=what)
+                lines.append(([p[0] for p in pts], [p[1] for p in pts], _label(g, runs),
+                              {"color": colors[g], "marker": "o", "lw": 1.4, "ms": 3}))
+        _draw_log(ax, lines, "minibatches")
+        ax.set(xlabel="minibatch index k in its rollout batch (k steps off-policy)", ylabel=what, title=what)
         ax.grid(alpha=0.3, which="both")
     _legend(axes[0], 7)
     return _save(fig, out / "minibatch_depth.png")
@@ -467,13 +534,15 @@ def fig_by_length(plt, groups, colors, out: Path) -> Drawn | None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     for ax, (key, what) in zip(axes, (("clip_token", "clipped tokens"), ("ratio_token_std", "std of token ratios"),
                                       ("ratio_seq_std", "std of sequence ratios"))):
+        lines = []
         for g, runs in groups.items():
             ys = [mean_present([r.get(f"bylen/{n}/{key}") for r in off[g]], empty=None) for n in names]
-            pts = [(i, y) for i, y in enumerate(ys) if y is not None and y > 0]
+            pts = [(i, y) for i, y in enumerate(ys) if y is not None]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[g], lw=1.4, ms=3, label=_label(g, runs))
+                lines.append(([p[0] for p in pts], [p[1] for p in pts], _label(g, runs),
+                              {"color": colors[g], "marker": "o", "lw": 1.4, "ms": 3}))
+        _draw_log(ax, lines, "length bins")
         ax.set_xticks(range(len(names)), names)
-        ax.set_yscale("log")
         ax.set(xlabel="response length (tokens), off-policy steps", ylabel=what, title=f"{what}, by length")
         ax.grid(alpha=0.3, which="both")
     _legend(axes[0], 7)
@@ -533,23 +602,23 @@ def group_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+_LOG_ZERO = ("A log scale cannot draw 0: a zero sits on the dotted floor line as \u25bd, and the legend counts a line's "
+             "zeros.")
 _CAPTIONS = {
     "reward.png": "Mean reward of each rollout batch against optimizer steps and against the training loop's wall-clock; "
                   "the line is the mean over seeds, the band spans the lowest to the highest seed.",
-    "clipping.png": "Fraction of tokens (solid) and of sequences (dashed) clipped in the off-policy steps (minibatches "
-                    "after the first of each rollout batch), log scale. GSPO's sequence ratio and its narrow clip range "
-                    "clip far more than GRPO's token ratios.",
     "token_strip.png": "One response of an off-policy step, each token shaded by its ratio (blue below 1, red above); the "
                        "three most extreme tokens are outlined and labelled. The sequence ratio is their geometric mean.",
     "noise.png": "From gspo probe noise, on one rollout batch after its minibatch updates: by response length, the "
                  "variance of the per-token gradient weights (GRPO: token ratios; GSPO: one sequence ratio per "
-                 "response), the per-response gradient norm, and the share of the gradient the importance weights add.",
+                 "response), the per-response gradient norm, and the share of the gradient the importance weights add. "
+                 f"{_LOG_ZERO}",
     "length_entropy.png": "Mean response length and policy entropy per rollout batch (mean over seeds, band over seeds).",
     "minibatch_depth.png": "Off-policy depth: clipped fraction and the spread of token and sequence ratios in each "
                            "minibatch of a rollout batch, against its index (k = k optimizer steps after the policy "
-                           "that sampled), mean over steps and seeds, log scale.",
+                           f"that sampled), mean over steps and seeds, log scale. {_LOG_ZERO}",
     "by_length.png": "By response length: clipped fraction and ratio spreads of the responses in each length bin, mean "
-                     "over the off-policy steps and seeds, log scale. The seeds say token-level noise grows with length.",
+                     f"over the off-policy steps and seeds, log scale. {_LOG_ZERO}",
     "moe_flips.png": "MoE expert volatility: the fraction of (token, layer, top-k slot) whose old-policy expert is not "
                      "among the current policy's top-k, per off-policy optimizer step (left; with Routing Replay, "
                      "measured inside the replay), and per layer (right, one map per arm, mean over seeds).",
@@ -557,7 +626,7 @@ _CAPTIONS = {
 
 def caption(name: str, groups: dict[str, list[Run]]) -> str:
     """The caption of figure ``name``: fixed text, or for the figures that quote numbers, computed from the runs."""
-    computed = {"ratios.png": ratios_caption}
+    computed = {"clipping.png": clipping_caption, "ratios.png": ratios_caption}
     return computed[name](groups) if name in computed else _CAPTIONS[name]
 
 
