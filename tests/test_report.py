@@ -469,3 +469,16 @@ def test_a_zero_on_a_log_axis_sits_on_a_floor_and_its_legend_counts_it():
     floor = lines["grpo; 0 in 1 of 3 batches (\u25bd)"].get_ydata()[1]
     assert 0 < floor < 0.02 and ax.get_yscale() == "log" and ax.get_ylim()[0] < floor
     plt.close(fig)
+
+
+def test_the_noise_figure_says_it_measured_the_base_model_on_one_batch_moved_off_policy(tmp_path):
+    """The probe's figure names the base model it measured and the updates that moved its one rollout batch off-policy."""
+    bins = [{"length_lo": 1, "length_hi": 4, "length_mid": 3.0, "n": 2, "weight_var": 0.1, "grad_norm": 2.0,
+             "is_noise": 0.3}]
+    probe = {"model": "tiny-base", "algorithm_of_the_updates": "gspo", "minibatches": 4, "responses": 6,
+             "by_algorithm": {"grpo": bins, "gspo": bins}}
+    page = write_report([_synthetic_run(tmp_path / "gspo", "gspo", [0.3, 0.1], probe=probe)], tmp_path / "report")
+    title = _alt(page, "noise.png").split(" | ")[0]
+    assert title == ("gspo probe noise on the base model tiny-base: one rollout batch it sampled, moved off-policy by 3 "
+                     "gspo updates on it; 6 responses probed")
+    assert "measured on the base model tiny-base, not on the policy a run trained" in _figcaption(page, "noise.png")

@@ -407,19 +407,54 @@ def fig_token_strip(plt, groups, out: Path) -> Drawn | None:
     return _save(fig, out / "token_strip.png")
 
 
+def _probe_run(groups) -> Run | None:
+    """The first run holding a ``gspo probe noise`` result: the page draws one probe."""
+    return next((r for runs in groups.values() for r in runs if r.probe), None)
+
+
+def _probed_model(run: Run) -> str:
+    """The model the probe measured: the one its config named, loaded untrained, which is the run's base model when
+    the run's own config names the same."""
+    name = run.probe.get("model", "an unnamed model")
+    base = (run.config.get("model") or {}).get("name")
+    return f"the base model {name}" if base in (None, name) else f"{name} (this run's base model is {base})"
+
+
+def _probe_updates(probe: dict[str, Any]) -> str:
+    if "minibatches" not in probe or "algorithm_of_the_updates" not in probe:
+        return "moved off-policy by its minibatch updates"
+    k = probe["minibatches"] - 1
+    return f"moved off-policy by {k} {probe['algorithm_of_the_updates']} update{'s' * (k != 1)} on it"
+
+
+def noise_title(run: Run) -> str:
+    n = run.probe.get("responses", "?")
+    return (f"gspo probe noise on {_probed_model(run)}:\none rollout batch it sampled, {_probe_updates(run.probe)}; "
+            f"{n} responses probed")
+
+
+def noise_caption(groups: dict[str, list[Run]]) -> str:
+    run = _probe_run(groups)
+    return (f"From gspo probe noise ({run.name}/probe_noise.json), measured on {_probed_model(run)}, not on the policy "
+            f"a run trained: one rollout batch it sampled, {_probe_updates(run.probe)} (as far off-policy as a batch's "
+            "last minibatch in training). By response length: the variance of the per-token gradient weights (GRPO: "
+            "token ratios; GSPO: one sequence ratio per response), the per-response gradient norm, and the share of "
+            f"the gradient the importance weights add. {_LOG_ZERO}")
+
+
 def fig_noise(plt, groups, colors, out: Path) -> Drawn | None:
-    probes = [(g, r.probe) for g, runs in groups.items() for r in runs if r.probe]
-    if not probes:
+    run = _probe_run(groups)
+    if run is None:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    _, probe = probes[0]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.3))
     for ax, key in zip(axes, ("weight_var", "grad_norm", "is_noise")):
         _draw_log(ax, [([b["length_mid"] for b in rows], [b[key] for b in rows], algo,
                         {"marker": "o", "color": colors.get(algo, "#333333")})
-                       for algo, rows in probe["by_algorithm"].items()], "length bins")
+                       for algo, rows in run.probe["by_algorithm"].items()], "length bins")
     axes[0].set(xlabel="response length (tokens)", ylabel="variance", title="Per-token gradient weights")
     axes[1].set(xlabel="response length (tokens)", ylabel="norm", title="Per-response gradient norm")
     axes[2].set(xlabel="response length (tokens)", ylabel="||g_IS - g_on|| / ||g_on||", title="Noise from importance weights")
+    fig.suptitle(noise_title(run), fontsize=11)
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
         _legend(ax, 8)
@@ -557,7 +592,7 @@ def _save(fig, path: Path) -> Drawn:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    return path.name, " | ".join(titles)
+    return path.name, " | ".join(t.replace("\n", " ") for t in titles)
 
 
 # --------------------------------------------------------------------------------------------- page
@@ -609,10 +644,6 @@ _CAPTIONS = {
                   "the line is the mean over seeds, the band spans the lowest to the highest seed.",
     "token_strip.png": "One response of an off-policy step, each token shaded by its ratio (blue below 1, red above); the "
                        "three most extreme tokens are outlined and labelled. The sequence ratio is their geometric mean.",
-    "noise.png": "From gspo probe noise, on one rollout batch after its minibatch updates: by response length, the "
-                 "variance of the per-token gradient weights (GRPO: token ratios; GSPO: one sequence ratio per "
-                 "response), the per-response gradient norm, and the share of the gradient the importance weights add. "
-                 f"{_LOG_ZERO}",
     "length_entropy.png": "Mean response length and policy entropy per rollout batch (mean over seeds, band over seeds).",
     "minibatch_depth.png": "Off-policy depth: clipped fraction and the spread of token and sequence ratios in each "
                            "minibatch of a rollout batch, against its index (k = k optimizer steps after the policy "
@@ -626,7 +657,7 @@ _CAPTIONS = {
 
 def caption(name: str, groups: dict[str, list[Run]]) -> str:
     """The caption of figure ``name``: fixed text, or for the figures that quote numbers, computed from the runs."""
-    computed = {"clipping.png": clipping_caption, "ratios.png": ratios_caption}
+    computed = {"clipping.png": clipping_caption, "ratios.png": ratios_caption, "noise.png": noise_caption}
     return computed[name](groups) if name in computed else _CAPTIONS[name]
 
 
