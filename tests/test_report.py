@@ -482,3 +482,22 @@ def test_the_noise_figure_says_it_measured_the_base_model_on_one_batch_moved_off
     assert title == ("gspo probe noise on the base model tiny-base: one rollout batch it sampled, moved off-policy by 3 "
                      "gspo updates on it; 6 responses probed")
     assert "measured on the base model tiny-base, not on the policy a run trained" in _figcaption(page, "noise.png")
+
+
+def test_arms_with_the_same_curve_stay_apart(tmp_path, monkeypatch):
+    """Two arms with identical numbers differ in line style and marker as well as colour, the later one thinner on top."""
+    import gspo.report as report
+
+    drawn, save = {}, report._save
+
+    def spy(fig, path):
+        drawn[path.name] = [[ln for ln in ax.get_lines() if not ln.get_label().startswith("_")] for ax in fig.axes]
+        return save(fig, path)
+
+    monkeypatch.setattr(report, "_save", spy)
+    runs = [_synthetic_run(tmp_path / a, a, [0.1, 0.2, 0.1]) for a in ("gspo", "grpo")]
+    write_report(runs, tmp_path / "report")
+    first, second = drawn["reward.png"][0]
+    assert first.get_linestyle() != second.get_linestyle() and first.get_marker() != second.get_marker()
+    assert first.get_color() != second.get_color() and list(first.get_ydata()) == list(second.get_ydata())
+    assert second.get_linewidth() < first.get_linewidth() and second.get_zorder() > first.get_zorder()

@@ -164,10 +164,33 @@ def _band(series: list[list[float | None]]) -> tuple[list[int], list[float], lis
     return idx, mean, lo, hi
 
 
-def _plot_band(ax, x, mean, lo, hi, label, color):
-    ax.plot(x, mean, label=label, color=color, lw=1.6)
+def _plot_band(ax, x, mean, lo, hi, label, style):
+    ax.plot(x, mean, label=label, **_plot_kw(style, len(x)))
     if any(a != b for a, b in zip(lo, hi)):
-        ax.fill_between(x, lo, hi, color=color, alpha=0.18, lw=0)
+        ax.fill_between(x, lo, hi, color=style["color"], alpha=0.18, lw=0)
+
+
+_DASHES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "D", "P", "X", "*", "h")  # no "v": an open "v" marks a zero on a log axis
+
+
+def _styles(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
+    """Per arm a colour, a line style, a marker and a width; each later arm's line and markers are smaller and drawn
+    over the ones before, so that arms whose curves coincide stay apart, in grey print too."""
+    colors = _colors(groups)
+    return {g: {"color": colors[g], "ls": _DASHES[i % len(_DASHES)], "marker": _MARKERS[i % len(_MARKERS)],
+                "ms": max(3.0, 7.0 - 1.5 * i), "lw": max(1.0, 2.8 - 0.6 * i), "zorder": 2 + 0.1 * i, "arm": i}
+            for i, g in enumerate(groups)}
+
+
+def _plot_kw(style: dict[str, Any], n: int, skip: set[int] = frozenset()) -> dict[str, Any]:
+    """``ax.plot`` keywords of ``style`` for a line of ``n`` points: about ten markers, staggered from arm to arm so
+    that coinciding lines each show theirs, and none on the points in ``skip``."""
+    kw = {k: v for k, v in style.items() if k != "arm"}
+    if "marker" in kw:
+        every = max(1, n // 10)
+        kw["markevery"] = [j for j in range(style.get("arm", 0) % every, n, every) if j not in skip]
+    return kw
 
 
 def _colors(groups: dict[str, list[Run]]) -> dict[str, str]:
@@ -175,25 +198,27 @@ def _colors(groups: dict[str, list[Run]]) -> dict[str, str]:
     import matplotlib
 
     taken = {palette[g] for g in groups if g in palette}
-    extra = iter([c for c in matplotlib.colormaps["tab20"].colors if matplotlib.colors.to_hex(c) not in taken])
-    return {g: palette.get(g) or matplotlib.colors.to_hex(next(extra, (0.2, 0.2, 0.2))) for g in groups}
+    # tab10's strong colours before tab20's pale ones, which vanish under the alpha of a thick line.
+    spare = matplotlib.colormaps["tab10"].colors + matplotlib.colormaps["tab20"].colors[1::2]
+    extra = iter(dict.fromkeys(h for h in map(matplotlib.colors.to_hex, spare) if h not in taken))
+    return {g: palette.get(g) or next(extra, "#333333") for g in groups}
 
 
 def _label(name: str, runs: list[Run]) -> str:
     return f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
 
 
-def fig_reward(plt, groups, colors, out: Path) -> Drawn:
+def fig_reward(plt, groups, styles, out: Path) -> Drawn:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for g, runs in groups.items():
         steps = [b["step"] for b in runs[0].batches()]
         idx, mean, lo, hi = _band([r.per_batch("reward/mean") for r in runs])
-        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
+        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), styles[g])
         widx, wmean, _, _ = _band([r.per_batch("time/elapsed") for r in runs])
         wall = dict(zip(widx, wmean))
         keep = [k for k, i in enumerate(idx) if i in wall]
         _plot_band(axes[1], [wall[idx[k]] for k in keep], [mean[k] for k in keep], [lo[k] for k in keep],
-                   [hi[k] for k in keep], _label(g, runs), colors[g])
+                   [hi[k] for k in keep], _label(g, runs), styles[g])
     axes[0].set(xlabel="optimizer step", ylabel="mean reward of the rollout batch", title="Reward vs step")
     axes[1].set(xlabel="wall-clock (s, training loop)", title="Reward vs wall-clock")
     for ax in axes:
@@ -203,21 +228,21 @@ def fig_reward(plt, groups, colors, out: Path) -> Drawn:
 
 
 def _draw_log(ax, lines: list[tuple[list, list[float], str, dict]], unit: str) -> None:
-    """Draws ``lines`` (x, y, label, plot keywords) on a log y axis. A log axis cannot draw 0: zeros go on a dotted
+    """Draws ``lines`` (x, y, label, style) on a log y axis. A log axis cannot draw 0: zeros go on a dotted
     floor below the smallest positive value, as open triangles, and the line's legend entry counts them."""
     positive = [v for _, ys, _, _ in lines for v in ys if v > 0]
     if not positive:  # nothing a log axis could draw: a linear one draws the zeros where they are
         for x, y, label, kw in lines:
-            ax.plot(x, y, label=label, **kw)
+            ax.plot(x, y, label=label, **_plot_kw(kw, len(y)))
         return
     floor = min(positive) / 4
     for x, y, label, kw in lines:
-        zeros = [xi for xi, v in zip(x, y) if v <= 0]
+        zeros = {j for j, v in enumerate(y) if v <= 0}
         if zeros:
             label += f"; 0 in {len(zeros)} of {len(y)} {unit} (\u25bd)"
-            ax.plot(zeros, [floor] * len(zeros), ls="none", marker="v", mfc="none", ms=6, mew=1.2, color=kw.get("color"),
-                    zorder=kw.get("zorder", 2) + 0.5)
-        ax.plot(x, [v if v > 0 else floor for v in y], label=label, **kw)
+            ax.plot([x[j] for j in sorted(zeros)], [floor] * len(zeros), ls="none", marker="v", mfc="none", ms=6,
+                    mew=1.2, color=kw.get("color"), zorder=kw.get("zorder", 2) + 0.05)
+        ax.plot(x, [v if v > 0 else floor for v in y], label=label, **_plot_kw(kw, len(y), zeros))
     ax.set_yscale("log")
     if any(v <= 0 for _, ys, _, _ in lines for v in ys):
         ax.axhline(floor, color="#888888", lw=0.8, ls=":", zorder=0.5)
@@ -249,8 +274,8 @@ def clipping_title(groups: dict[str, list[Run]]) -> str:
     """The arms' mean clipped-token fractions, and nothing they do not show: no ranking, no claim."""
     import textwrap
 
-    arms = ", ".join(f"{g} {_pct(_seed_mean(runs, 'clip_token'))}" for g, runs in groups.items())
-    return textwrap.fill(f"Clipped tokens, mean over the off-policy steps: {arms}", 80)
+    arms = ", ".join(f"{g}\0{_pct(_seed_mean(runs, 'clip_token'))}" for g, runs in groups.items())
+    return textwrap.fill(f"Clipped tokens, mean over the off-policy steps: {arms}", 80).replace("\0", " ")  # arm and value on one line
 
 
 def clipping_caption(groups: dict[str, list[Run]]) -> str:
@@ -270,19 +295,25 @@ def clipping_caption(groups: dict[str, list[Run]]) -> str:
             f"Means over the off-policy steps: {means}. {zero_text}")
 
 
-def fig_clipping(plt, groups, colors, out: Path) -> Drawn:
-    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+def fig_clipping(plt, groups, styles, out: Path) -> Drawn:
+    fig, ax = plt.subplots(figsize=(9.5, 4.0))
     lines = []
     for g, runs in groups.items():
-        for (key, _, what), kw in zip(CLIP_KEYS, ({"ls": "-", "lw": 2.6, "alpha": 0.55}, {"ls": "--", "lw": 1.1, "zorder": 3})):
+        # Tokens thick and pale, sequences thin on top: a sequence-level ratio clips all of a sequence's tokens or
+        # none, so the two lines of such an arm nearly coincide.
+        st = styles[g]
+        tokens = {"color": st["color"], "ls": "-", "lw": 2.8, "alpha": 0.5, "zorder": st["zorder"]}
+        seqs = {**st, "ls": "--", "lw": 1.1, "ms": st["ms"] - 2, "zorder": st["zorder"] + 1}
+        for (key, _, what), kw in zip(CLIP_KEYS, (tokens, seqs)):
             x, y = _clip_series(runs, key)
             if x:
-                lines.append((x, y, f"{g}: {what}", {"color": colors[g], **kw}))
+                lines.append((x, y, f"{g}: {what}", kw))
     _draw_log(ax, lines, "batches")
     ax.set(xlabel="optimizer step (first of its rollout batch)", ylabel="clipped fraction (off-policy steps)",
            title=clipping_title(groups))
     ax.grid(alpha=0.3, which="both")
-    _legend(ax, 8)
+    if lines:  # beside the axes: the lines span the whole height, from the floor to GSPO-like fractions
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, out / "clipping.png")
 
 
@@ -317,7 +348,7 @@ def _draw_clip_band(ax, band: tuple[str, float, float] | None) -> None:
         ax.axvline(x, color=BAND_COLOR, lw=1.0, zorder=0.6)  # under the histograms
 
 
-def fig_ratios(plt, groups, colors, out: Path) -> Drawn | None:
+def fig_ratios(plt, groups, styles, out: Path) -> Drawn | None:
     data = {g: (runs[0], _histogram_counts(runs[0])) for g, runs in groups.items()}
     data = {g: d for g, d in data.items() if d[1] is not None}
     if not data:
@@ -331,7 +362,7 @@ def fig_ratios(plt, groups, colors, out: Path) -> Drawn | None:
         counts_seq = [seq[0] + seq[1], *seq[2:-2], seq[-2] + seq[-1]]
         widths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         lowest = math.inf
-        for counts, label, color in ((counts_tok, "token ratios", "#555555"), (counts_seq, "sequence ratios", colors[g])):
+        for counts, label, color in ((counts_tok, "token ratios", "#555555"), (counts_seq, "sequence ratios", styles[g]["color"])):
             total = max(sum(counts), 1)
             dens = [c / total / w for c, w in zip(counts, widths)]
             lowest = min([lowest] + [d for d in dens if d > 0])
@@ -442,14 +473,19 @@ def noise_caption(groups: dict[str, list[Run]]) -> str:
             f"the gradient the importance weights add. {_LOG_ZERO}")
 
 
-def fig_noise(plt, groups, colors, out: Path) -> Drawn | None:
+# The probe's two objectives, apart as arms are (GSPO's and GRPO's gradient norms nearly coincide).
+_OBJECTIVES = {"grpo": {"color": "#d62728", "ls": "-", "marker": "o", "lw": 2.6, "ms": 6, "zorder": 2},
+               "gspo": {"color": "#1f77b4", "ls": "--", "marker": "s", "lw": 1.3, "ms": 4, "zorder": 2.1}}
+
+
+def fig_noise(plt, groups, out: Path) -> Drawn | None:
     run = _probe_run(groups)
     if run is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.3))
     for ax, key in zip(axes, ("weight_var", "grad_norm", "is_noise")):
         _draw_log(ax, [([b["length_mid"] for b in rows], [b[key] for b in rows], algo,
-                        {"marker": "o", "color": colors.get(algo, "#333333")})
+                        _OBJECTIVES.get(algo, {"color": "#333333", "marker": "o"}))
                        for algo, rows in run.probe["by_algorithm"].items()], "length bins")
     axes[0].set(xlabel="response length (tokens)", ylabel="variance", title="Per-token gradient weights")
     axes[1].set(xlabel="response length (tokens)", ylabel="norm", title="Per-response gradient norm")
@@ -470,20 +506,20 @@ def noise_figure(probe: dict[str, Any], path: str | Path) -> Path:
 
     path = Path(path)
     run = Run(path.parent, "probe", 0, {}, [], probe=probe)
-    fig_noise(plt, {"probe": [run]}, {"grpo": "#d62728", "gspo": "#1f77b4"}, path.parent)
+    fig_noise(plt, {"probe": [run]}, path.parent)
     produced = path.parent / "noise.png"
     if produced != path:
         produced.replace(path)
     return path
 
 
-def fig_length_entropy(plt, groups, colors, out: Path) -> Drawn:
+def fig_length_entropy(plt, groups, styles, out: Path) -> Drawn:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for g, runs in groups.items():
         steps = [b["step"] for b in runs[0].batches()]
         for ax, key in zip(axes, ("completion/len_mean", "entropy")):
             idx, mean, lo, hi = _band([r.per_batch(key) for r in runs])
-            _plot_band(ax, [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
+            _plot_band(ax, [steps[i] for i in idx], mean, lo, hi, _label(g, runs), styles[g])
     axes[0].set(xlabel="optimizer step", ylabel="tokens", title="Mean response length")
     axes[1].set(xlabel="optimizer step", ylabel="nats per token", title="Policy entropy (on-policy step)")
     for ax in axes:
@@ -492,7 +528,7 @@ def fig_length_entropy(plt, groups, colors, out: Path) -> Drawn:
     return _save(fig, out / "length_entropy.png")
 
 
-def fig_moe(plt, groups, colors, out: Path) -> Drawn | None:
+def fig_moe(plt, groups, styles, out: Path) -> Drawn | None:
     """Expert volatility: ``moe/flip_rate`` per optimizer step (mean over seeds, band over seeds), and for each arm a
     layer x step heat map of ``moe/flip_rate/layer_<i>`` (mean over seeds). None for dense runs."""
     moe = {g: runs for g, runs in groups.items() if any(r.get("moe/flip_rate") is not None for run in runs for r in run.metrics)}
@@ -506,7 +542,7 @@ def fig_moe(plt, groups, colors, out: Path) -> Drawn | None:
         idx, mean, lo, hi = _band(series)
         if not idx:
             continue
-        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
+        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), styles[g])
         layers = sorted({int(k.rsplit("_", 1)[1]) for k in runs[0].metrics[-1] if k.startswith("moe/flip_rate/layer_")})
         grid = [[mean_present([run.metrics[i].get(f"moe/flip_rate/layer_{layer}") for run in runs
                                if i < len(run.metrics)]) for i in idx] for layer in layers]
@@ -535,7 +571,7 @@ def length_bins_seen(rows: list[dict[str, Any]]) -> list[str]:
     return sorted(names, key=lambda n: int(n.split("-")[0].rstrip("+")))
 
 
-def fig_minibatch_depth(plt, groups, colors, out: Path) -> Drawn | None:
+def fig_minibatch_depth(plt, groups, styles, out: Path) -> Drawn | None:
     """Off-policy depth: clipped fraction and ratio spread against the minibatch's index in its rollout batch (0 is
     the on-policy step; k is k optimizer steps away from the policy that sampled), mean over steps and seeds. None
     when no run has an off-policy step."""
@@ -551,15 +587,16 @@ def fig_minibatch_depth(plt, groups, colors, out: Path) -> Drawn | None:
             pts = [(k, y) for k, y in minibatch_means(runs, key).items() if k > 0 and y is not None]
             if pts:
                 lines.append(([p[0] for p in pts], [p[1] for p in pts], _label(g, runs),
-                              {"color": colors[g], "marker": "o", "lw": 1.4, "ms": 3}))
+                              styles[g]))
         _draw_log(ax, lines, "minibatches")
         ax.set(xlabel="minibatch index k in its rollout batch (k steps off-policy)", ylabel=what, title=what)
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3, which="both")
     _legend(axes[0], 7)
     return _save(fig, out / "minibatch_depth.png")
 
 
-def fig_by_length(plt, groups, colors, out: Path) -> Drawn | None:
+def fig_by_length(plt, groups, styles, out: Path) -> Drawn | None:
     """By response length: clipped fraction and ratio spreads of each length bin (``bylen/<bin>/*``), mean over the
     off-policy steps and seeds. None unless responses fell in two or more bins."""
     off = {g: [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0] for g, runs in groups.items()}
@@ -575,7 +612,7 @@ def fig_by_length(plt, groups, colors, out: Path) -> Drawn | None:
             pts = [(i, y) for i, y in enumerate(ys) if y is not None]
             if pts:
                 lines.append(([p[0] for p in pts], [p[1] for p in pts], _label(g, runs),
-                              {"color": colors[g], "marker": "o", "lw": 1.4, "ms": 3}))
+                              styles[g]))
         _draw_log(ax, lines, "length bins")
         ax.set_xticks(range(len(names)), names)
         ax.set(xlabel="response length (tokens), off-policy steps", ylabel=what, title=f"{what}, by length")
@@ -683,12 +720,12 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
-    colors = _colors(groups)
-    figures = [fig_reward(plt, groups, colors, out), fig_clipping(plt, groups, colors, out),
-               fig_ratios(plt, groups, colors, out), fig_token_strip(plt, groups, out),
-               fig_noise(plt, groups, colors, out), fig_length_entropy(plt, groups, colors, out),
-               fig_moe(plt, groups, colors, out), fig_minibatch_depth(plt, groups, colors, out),
-               fig_by_length(plt, groups, colors, out)]
+    styles = _styles(groups)
+    figures = [fig_reward(plt, groups, styles, out), fig_clipping(plt, groups, styles, out),
+               fig_ratios(plt, groups, styles, out), fig_token_strip(plt, groups, out),
+               fig_noise(plt, groups, out), fig_length_entropy(plt, groups, styles, out),
+               fig_moe(plt, groups, styles, out), fig_minibatch_depth(plt, groups, styles, out),
+               fig_by_length(plt, groups, styles, out)]
     rows = [key_metrics(r) for r in runs]
     table_rows = rows + (group_means(rows) if any(len(v) > 1 for v in groups.values()) else [])
     (out / "summary.json").write_text(json.dumps({"runs": rows, "groups": group_means(rows)}, indent=1))
