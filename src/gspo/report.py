@@ -355,7 +355,7 @@ def fig_ratios(plt, groups, styles, out: Path) -> Drawn | None:
         return None
     fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 3.8), squeeze=False)
     for ax, (g, (run, (edges, tok, seq))) in zip(axes[0], data.items()):
-        # A linear log-ratio axis, so that clip bands keep their true widths (GSPO's is a sliver next to GRPO's); the
+        # A linear log-ratio axis, so that clip bands keep their true widths (3e-4 is a sliver next to 0.2); the
         # bins are log-spaced, so each is drawn as a density (fraction of the items / bin width) on a log scale.
         bounds = [-2.0, *edges[1:-1], 2.0]  # beyond +-1 merged into one bin a side, drawn out to +-2 (off the axis)
         counts_tok = [tok[0] + tok[1], *tok[2:-2], tok[-2] + tok[-1]]
