@@ -46,7 +46,8 @@ def _row(step, batch, minibatch, reward, clip=0.0, entropy=1.0, elapsed=None):
             "clip/seq_total": clip, "entropy": entropy, "time/elapsed": elapsed if elapsed is not None else float(step)}
 
 
-def _synthetic_run(d: Path, algorithm: str, clip: list[float], loss: dict | None = None, probe: dict | None = None) -> Path:
+def _synthetic_run(d: Path, algorithm: str, clip: list[float], loss: dict | None = None,
+                   probe: dict | None = None) -> Path:
     """A run directory of ``len(clip)`` rollout batches of two steps each: an on-policy one, then an off-policy one that
     clipped ``clip[b]`` of its tokens and sequences and logged a ratio histogram; ``loss`` goes into config.json."""
     import json
@@ -453,7 +454,7 @@ def test_batches_that_clipped_nothing_are_named_in_the_clipping_caption(tmp_path
 
 
 def test_a_zero_on_a_log_axis_sits_on_a_floor_and_its_legend_counts_it():
-    """A zero on a log axis is drawn on a floor under the smallest positive value, and its line's legend entry counts it."""
+    """A zero on a log axis is drawn on a floor under the smallest positive value; its line's legend entry counts it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -472,20 +473,20 @@ def test_a_zero_on_a_log_axis_sits_on_a_floor_and_its_legend_counts_it():
 
 
 def test_the_noise_figure_says_it_measured_the_base_model_on_one_batch_moved_off_policy(tmp_path):
-    """The probe's figure names the base model it measured and the updates that moved its one rollout batch off-policy."""
+    """The probe's figure names the base model it measured and the updates that moved its one batch off-policy."""
     bins = [{"length_lo": 1, "length_hi": 4, "length_mid": 3.0, "n": 2, "weight_var": 0.1, "grad_norm": 2.0,
              "is_noise": 0.3}]
     probe = {"model": "tiny-base", "algorithm_of_the_updates": "gspo", "minibatches": 4, "responses": 6,
              "by_algorithm": {"grpo": bins, "gspo": bins}}
     page = write_report([_synthetic_run(tmp_path / "gspo", "gspo", [0.3, 0.1], probe=probe)], tmp_path / "report")
     title = _alt(page, "noise.png").split(" | ")[0]
-    assert title == ("gspo probe noise on the base model tiny-base: one rollout batch it sampled, moved off-policy by 3 "
-                     "gspo updates on it; 6 responses probed")
-    assert "measured on the base model tiny-base, not on the policy a run trained" in _figcaption(page, "noise.png")
+    assert title == ("gspo probe noise on the base model tiny-base: one rollout batch it sampled, moved off-policy by "
+                     "3 gspo updates on it; 6 responses probed")
+    assert "measured on the base model tiny-base as the probe's model.name loaded it" in _figcaption(page, "noise.png")
 
 
 def test_arms_with_the_same_curve_stay_apart(tmp_path, monkeypatch):
-    """Two arms with identical numbers differ in line style and marker as well as colour, the later one thinner on top."""
+    """Two arms with identical numbers differ in line style, marker and colour, the later one thinner and on top."""
     import gspo.report as report
 
     drawn, save = {}, report._save

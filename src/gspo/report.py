@@ -7,7 +7,7 @@ averaged, with a band from the lowest to the highest seed.
 Figures (each saved as a PNG next to ``index.html``):
   1. reward vs optimizer step and vs wall-clock
   2. clipped fraction of the off-policy steps (log scale), per token and per sequence
-  3. token and sequence log-ratio histograms of the off-policy steps on one axis, shading the clip band of the run's config
+  3. token and sequence log-ratio histograms of the off-policy steps on one axis, each run's own clip band shaded
   4. a token strip: one response's tokens shaded by their ratio, the outliers labelled, the geometric mean called out
   5. gradient noise vs response length (only when ``gspo probe noise`` wrote ``probe_noise.json``)
   6. response length and entropy over steps
@@ -26,8 +26,6 @@ from typing import Any
 from gspo.config import arm_label
 from gspo.errors import UserError
 from gspo.metrics import mean_present, read_jsonl
-
-
 
 Drawn = tuple[str, str]  # a figure written: its file name and its titles
 
@@ -246,8 +244,8 @@ def _draw_log(ax, lines: list[tuple[list, list[float], str, dict]], unit: str) -
     ax.set_yscale("log")
     if any(v <= 0 for _, ys, _, _ in lines for v in ys):
         ax.axhline(floor, color="#888888", lw=0.8, ls=":", zorder=0.5)
-        ax.text(0.01, floor * 1.15, "0 drawn here (a log scale has no 0)", transform=ax.get_yaxis_transform(), fontsize=7,
-                color="#666666", va="bottom")
+        ax.text(0.01, floor * 1.15, "0 drawn here (a log scale has no 0)", transform=ax.get_yaxis_transform(),
+                fontsize=7, color="#666666", va="bottom")
         ax.set_ylim(bottom=floor / 2)
 
 
@@ -274,8 +272,9 @@ def clipping_title(groups: dict[str, list[Run]]) -> str:
     """The arms' mean clipped-token fractions, and nothing they do not show: no ranking, no claim."""
     import textwrap
 
+    # "\0" between an arm and its value, which textwrap does not break at, keeps the two on one line.
     arms = ", ".join(f"{g}\0{_pct(_seed_mean(runs, 'clip_token'))}" for g, runs in groups.items())
-    return textwrap.fill(f"Clipped tokens, mean over the off-policy steps: {arms}", 80).replace("\0", " ")  # arm and value on one line
+    return textwrap.fill(f"Clipped tokens, mean over the off-policy steps: {arms}", 80).replace("\0", " ")
 
 
 def clipping_caption(groups: dict[str, list[Run]]) -> str:
@@ -362,7 +361,8 @@ def fig_ratios(plt, groups, styles, out: Path) -> Drawn | None:
         counts_seq = [seq[0] + seq[1], *seq[2:-2], seq[-2] + seq[-1]]
         widths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         lowest = math.inf
-        for counts, label, color in ((counts_tok, "token ratios", "#555555"), (counts_seq, "sequence ratios", styles[g]["color"])):
+        for counts, label, color in ((counts_tok, "token ratios", "#555555"),
+                                     (counts_seq, "sequence ratios", styles[g]["color"])):
             total = max(sum(counts), 1)
             dens = [c / total / w for c, w in zip(counts, widths)]
             lowest = min([lowest] + [d for d in dens if d > 0])
@@ -444,8 +444,8 @@ def _probe_run(groups) -> Run | None:
 
 
 def _probed_model(run: Run) -> str:
-    """The model the probe measured: the one its config named, loaded untrained, which is the run's base model when
-    the run's own config names the same."""
+    """The model the probe measured, as its config's model.name loaded it: the run's base model when the run's own
+    config names the same."""
     name = run.probe.get("model", "an unnamed model")
     base = (run.config.get("model") or {}).get("name")
     return f"the base model {name}" if base in (None, name) else f"{name} (this run's base model is {base})"
@@ -466,9 +466,9 @@ def noise_title(run: Run) -> str:
 
 def noise_caption(groups: dict[str, list[Run]]) -> str:
     run = _probe_run(groups)
-    return (f"From gspo probe noise ({run.name}/probe_noise.json), measured on {_probed_model(run)}, not on the policy "
-            f"a run trained: one rollout batch it sampled, {_probe_updates(run.probe)} (as far off-policy as a batch's "
-            "last minibatch in training). By response length: the variance of the per-token gradient weights (GRPO: "
+    return (f"From gspo probe noise ({run.name}/probe_noise.json), measured on {_probed_model(run)} as the probe's "
+            f"model.name loaded it: one rollout batch it sampled, {_probe_updates(run.probe)} (as far off-policy as a "
+            "batch's last minibatch in training). By response length: the variance of the per-token gradient weights (GRPO: "
             "token ratios; GSPO: one sequence ratio per response), the per-response gradient norm, and the share of "
             f"the gradient the importance weights add. {_LOG_ZERO}")
 
@@ -674,8 +674,8 @@ def group_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-_LOG_ZERO = ("A log scale cannot draw 0: a zero sits on the dotted floor line as \u25bd, and the legend counts a line's "
-             "zeros.")
+_LOG_ZERO = ("A log scale cannot draw 0: a zero sits on the dotted floor line as \u25bd, and the legend counts a "
+             "line's zeros.")
 _CAPTIONS = {
     "reward.png": "Mean reward of each rollout batch against optimizer steps and against the training loop's wall-clock; "
                   "the line is the mean over seeds, the band spans the lowest to the highest seed.",
