@@ -46,6 +46,38 @@ def _row(step, batch, minibatch, reward, clip=0.0, entropy=1.0, elapsed=None):
             "clip/seq_total": clip, "entropy": entropy, "time/elapsed": elapsed if elapsed is not None else float(step)}
 
 
+def _synthetic_run(d: Path, algorithm: str, clip: list[float], loss: dict | None = None,
+                   probe: dict | None = None) -> Path:
+    """A run directory of ``len(clip)`` rollout batches of two steps each: an on-policy one, then an off-policy one that
+    clipped ``clip[b]`` of its tokens and sequences and logged a ratio histogram; ``loss`` goes into config.json."""
+    import json
+
+    from gspo.diagnostics import LOG_RATIO_EDGES
+
+    d.mkdir(parents=True)
+    config = {"algorithm": algorithm, "seed": 1, "model": {"name": "tiny-base"}, **({"loss": loss} if loss else {})}
+    (d / "config.json").write_text(json.dumps(config))
+    rows, hists = [], []
+    for b, c in enumerate(clip):
+        rows += [_row(2 * b + 1, b, 0, 0.1 * b), _row(2 * b + 2, b, 1, 0.1 * b, clip=c)]
+        counts = [0] * (len(LOG_RATIO_EDGES) + 1)
+        counts[12], counts[13] = 40, 60
+        hists.append({"step": 2 * b + 2, "rollout_batch": b, "minibatch": 1, "edges": LOG_RATIO_EDGES, "token": counts,
+                      "seq": counts})
+    for name, lines in (("metrics", rows), ("histograms", hists)):
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    if probe is not None:
+        (d / "probe_noise.json").write_text(json.dumps(probe))
+    return d
+
+
+def _figcaption(page: Path, figure: str) -> str:
+    """The caption under ``figure`` on the report page (unescaped)."""
+    import html
+
+    return html.unescape(re.search(f"src='{figure}'.*?<figcaption>(.*?)</figcaption>", page.read_text(), re.S).group(1))
+
+
 def test_key_metrics_hand_worked(tmp_path):
     """Rewards 0.2, 0.6, 1.0, 0.0, 0.0, 0.0 per batch (two steps each): final = mean of all 6 (fewer than 10) = 0.3;
     5-batch moving averages 0.2, 0.4, 0.6, 0.45, 0.36, 0.32 -> best 0.6, largest drop 0.6 - 0.32 = 0.28; clipping is
@@ -371,3 +403,102 @@ def test_committed_h100x4_tables_are_what_the_script_computes(tmp_path, table):
         ones = [r["completions_per_s"] for r in got if r["gpus"] == 1]
         fours = [r["completions_per_s"] for r in got if r["gpus"] == 4][:2]  # the new code's, listed first
         assert len(ones) == 4 and [round(f / (sum(ones) / 4), 2) for f in fours] == [3.64, 3.62]
+
+
+def test_ratio_panels_shade_each_runs_own_clip_band(tmp_path, monkeypatch):
+    """Each ratio panel shades the clip range its run trained with: config.json's eps, else the algorithm's preset."""
+    import math
+
+    from matplotlib.axes import Axes
+
+    from gspo.config import PRESETS
+
+    spans = []
+    draw = Axes.axvspan
+    monkeypatch.setattr(Axes, "axvspan", lambda ax, lo, hi, **kw: spans.append((lo, hi)) or draw(ax, lo, hi, **kw))
+    runs = [_synthetic_run(tmp_path / "grpo", "grpo", [0.01, 0.02]),
+            _synthetic_run(tmp_path / "gspo", "gspo", [0.3, 0.2], loss={"eps_low": 1e-3, "eps_high": 2e-3})]
+    page = write_report(runs, tmp_path / "report")
+    low, high = PRESETS["grpo"]["loss.eps_low"], PRESETS["grpo"]["loss.eps_high"]
+    assert spans == [pytest.approx((math.log(1 - low), math.log(1 + high))),
+                     pytest.approx((math.log(1 - 1e-3), math.log(1 + 2e-3)))]
+    text = _figcaption(page, "ratios.png")
+    assert f"grpo: clip band on the token ratio, 1 - {low:g} to 1 + {high:g}" in text
+    assert "gspo: clip band on the sequence ratio, 1 - 0.001 to 1 + 0.002" in text
+
+
+def _alt(page: Path, figure: str) -> str:
+    """The alt text of ``figure`` on the report page: the figure's titles."""
+    import html
+
+    return html.unescape(re.search(f"src='{figure}' alt='(.*?)'>", page.read_text()).group(1))
+
+
+def test_a_single_run_clipping_figure_states_its_numbers_and_compares_nothing(tmp_path):
+    """On a one-run page the clipping title and caption give that run's mean clipped fractions and no comparison."""
+    page = write_report([_synthetic_run(tmp_path / "gspo", "gspo", [0.3, 0.1])], tmp_path / "report")
+    title, text = _alt(page, "clipping.png"), _figcaption(page, "clipping.png")
+    assert title == "Clipped tokens, mean over the off-policy steps: gspo 20%"
+    assert "Means over the off-policy steps: gspo 20% of tokens, 20% per sequence." in text
+    for claim in (" more ", " than ", "orders of magnitude", "GRPO", "grpo"):
+        assert claim not in title + text, claim
+
+
+def test_batches_that_clipped_nothing_are_named_in_the_clipping_caption(tmp_path):
+    """Batches whose clipped fraction is 0, which the log axis cannot draw, are counted per arm in the caption."""
+    runs = [_synthetic_run(tmp_path / "gspo", "gspo", [0.3, 0.2, 0.1, 0.2]),
+            _synthetic_run(tmp_path / "grpo", "grpo", [0.01, 0.0, 0.0, 0.02])]
+    text = _figcaption(write_report(runs, tmp_path / "report"), "clipping.png")
+    assert "grpo tokens: 0 in 2 of 4 batches; grpo per sequence: 0 in 2 of 4 batches." in text
+    assert "gspo tokens" not in text and "gspo per sequence" not in text
+
+
+def test_a_zero_on_a_log_axis_sits_on_a_floor_and_its_legend_counts_it():
+    """A zero on a log axis is drawn on a floor under the smallest positive value; its line's legend entry counts it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gspo.report import _draw_log
+
+    fig, ax = plt.subplots()
+    _draw_log(ax, [([1, 2, 3], [0.1, 0.0, 0.02], "grpo", {"color": "red"}), ([1, 2, 3], [0.5, 0.4, 0.3], "gspo", {})],
+              "batches")
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) >= {"grpo; 0 in 1 of 3 batches (\u25bd)", "gspo"}
+    floor = lines["grpo; 0 in 1 of 3 batches (\u25bd)"].get_ydata()[1]
+    assert 0 < floor < 0.02 and ax.get_yscale() == "log" and ax.get_ylim()[0] < floor
+    plt.close(fig)
+
+
+def test_the_noise_figure_says_it_measured_the_base_model_on_one_batch_moved_off_policy(tmp_path):
+    """The probe's figure names the base model it measured and the updates that moved its one batch off-policy."""
+    bins = [{"length_lo": 1, "length_hi": 4, "length_mid": 3.0, "n": 2, "weight_var": 0.1, "grad_norm": 2.0,
+             "is_noise": 0.3}]
+    probe = {"model": "tiny-base", "algorithm_of_the_updates": "gspo", "minibatches": 4, "responses": 6,
+             "by_algorithm": {"grpo": bins, "gspo": bins}}
+    page = write_report([_synthetic_run(tmp_path / "gspo", "gspo", [0.3, 0.1], probe=probe)], tmp_path / "report")
+    title = _alt(page, "noise.png").split(" | ")[0]
+    assert title == ("gspo probe noise on the base model tiny-base: one rollout batch it sampled, moved off-policy by "
+                     "3 gspo updates on it; 6 responses probed")
+    assert "measured on the base model tiny-base as the probe's model.name loaded it" in _figcaption(page, "noise.png")
+
+
+def test_arms_with_the_same_curve_stay_apart(tmp_path, monkeypatch):
+    """Two arms with identical numbers differ in line style, marker and colour, the later one thinner and on top."""
+    import gspo.report as report
+
+    drawn, save = {}, report._save
+
+    def spy(fig, path):
+        drawn[path.name] = [[ln for ln in ax.get_lines() if not ln.get_label().startswith("_")] for ax in fig.axes]
+        return save(fig, path)
+
+    monkeypatch.setattr(report, "_save", spy)
+    runs = [_synthetic_run(tmp_path / a, a, [0.1, 0.2, 0.1]) for a in ("gspo", "grpo")]
+    write_report(runs, tmp_path / "report")
+    first, second = drawn["reward.png"][0]
+    assert first.get_linestyle() != second.get_linestyle() and first.get_marker() != second.get_marker()
+    assert first.get_color() != second.get_color() and list(first.get_ydata()) == list(second.get_ydata())
+    assert second.get_linewidth() < first.get_linewidth() and second.get_zorder() > first.get_zorder()

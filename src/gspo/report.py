@@ -7,7 +7,7 @@ averaged, with a band from the lowest to the highest seed.
 Figures (each saved as a PNG next to ``index.html``):
   1. reward vs optimizer step and vs wall-clock
   2. clipped fraction of the off-policy steps (log scale), per token and per sequence
-  3. token and sequence log-ratio histograms of the off-policy steps on one axis, GSPO's clip band as a sliver
+  3. token and sequence log-ratio histograms of the off-policy steps on one axis, each run's own clip band shaded
   4. a token strip: one response's tokens shaded by their ratio, the outliers labelled, the geometric mean called out
   5. gradient noise vs response length (only when ``gspo probe noise`` wrote ``probe_noise.json``)
   6. response length and entropy over steps
@@ -15,6 +15,7 @@ Figures (each saved as a PNG next to ``index.html``):
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import math
@@ -26,8 +27,7 @@ from gspo.config import arm_label
 from gspo.errors import UserError
 from gspo.metrics import mean_present, read_jsonl
 
-GSPO_BAND = (3e-4, 4e-4)  # the paper's sequence-level clip range, drawn on the ratio histogram
-GRPO_BAND = (0.2, 0.28)
+Drawn = tuple[str, str]  # a figure written: its file name and its titles
 
 
 @dataclass
@@ -67,6 +67,20 @@ def _legend(ax, fontsize: int) -> None:
     """The axes' legend, when a line has a label (a figure of runs without one, e.g. all failed, stays quiet)."""
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=fontsize)
+
+
+def clip_band(config: dict[str, Any]) -> tuple[str, float, float] | None:
+    """The ratio level and clip range (eps_low, eps_high) a run trained with: its config.json's, the fields it lacks
+    from its algorithm's preset as training fills them; None when the config names no known algorithm."""
+    from gspo.config import PRESETS, Config, LossConfig, apply_preset
+
+    if config.get("algorithm") not in PRESETS:
+        return None
+    known = {f.name for f in dataclasses.fields(LossConfig)}
+    loss = LossConfig(**{k: v for k, v in (config.get("loss") or {}).items() if k in known})
+    cfg = Config(algorithm=config["algorithm"], loss=loss)
+    apply_preset(cfg)
+    return cfg.loss.level, cfg.loss.eps_low, cfg.loss.eps_high
 
 
 def load_run(path: str | Path) -> Run:
@@ -148,10 +162,33 @@ def _band(series: list[list[float | None]]) -> tuple[list[int], list[float], lis
     return idx, mean, lo, hi
 
 
-def _plot_band(ax, x, mean, lo, hi, label, color):
-    ax.plot(x, mean, label=label, color=color, lw=1.6)
+def _plot_band(ax, x, mean, lo, hi, label, style):
+    ax.plot(x, mean, label=label, **_plot_kw(style, len(x)))
     if any(a != b for a, b in zip(lo, hi)):
-        ax.fill_between(x, lo, hi, color=color, alpha=0.18, lw=0)
+        ax.fill_between(x, lo, hi, color=style["color"], alpha=0.18, lw=0)
+
+
+_DASHES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "D", "P", "X", "*", "h")  # no "v": an open "v" marks a zero on a log axis
+
+
+def _styles(groups: dict[str, list[Run]]) -> dict[str, dict[str, Any]]:
+    """Per arm a colour, a line style, a marker and a width; each later arm's line and markers are smaller and drawn
+    over the ones before, so that arms whose curves coincide stay apart, in grey print too."""
+    colors = _colors(groups)
+    return {g: {"color": colors[g], "ls": _DASHES[i % len(_DASHES)], "marker": _MARKERS[i % len(_MARKERS)],
+                "ms": max(3.0, 7.0 - 1.5 * i), "lw": max(1.0, 2.8 - 0.6 * i), "zorder": 2 + 0.1 * i, "arm": i}
+            for i, g in enumerate(groups)}
+
+
+def _plot_kw(style: dict[str, Any], n: int, skip: set[int] = frozenset()) -> dict[str, Any]:
+    """``ax.plot`` keywords of ``style`` for a line of ``n`` points: about ten markers, staggered from arm to arm so
+    that coinciding lines each show theirs, and none on the points in ``skip``."""
+    kw = {k: v for k, v in style.items() if k != "arm"}
+    if "marker" in kw:
+        every = max(1, n // 10)
+        kw["markevery"] = [j for j in range(style.get("arm", 0) % every, n, every) if j not in skip]
+    return kw
 
 
 def _colors(groups: dict[str, list[Run]]) -> dict[str, str]:
@@ -159,25 +196,27 @@ def _colors(groups: dict[str, list[Run]]) -> dict[str, str]:
     import matplotlib
 
     taken = {palette[g] for g in groups if g in palette}
-    extra = iter([c for c in matplotlib.colormaps["tab20"].colors if matplotlib.colors.to_hex(c) not in taken])
-    return {g: palette.get(g) or matplotlib.colors.to_hex(next(extra, (0.2, 0.2, 0.2))) for g in groups}
+    # tab10's strong colours before tab20's pale ones, which vanish under the alpha of a thick line.
+    spare = matplotlib.colormaps["tab10"].colors + matplotlib.colormaps["tab20"].colors[1::2]
+    extra = iter(dict.fromkeys(h for h in map(matplotlib.colors.to_hex, spare) if h not in taken))
+    return {g: palette.get(g) or next(extra, "#333333") for g in groups}
 
 
 def _label(name: str, runs: list[Run]) -> str:
     return f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
 
 
-def fig_reward(plt, groups, colors, out: Path) -> str:
+def fig_reward(plt, groups, styles, out: Path) -> Drawn:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for g, runs in groups.items():
         steps = [b["step"] for b in runs[0].batches()]
         idx, mean, lo, hi = _band([r.per_batch("reward/mean") for r in runs])
-        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
+        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), styles[g])
         widx, wmean, _, _ = _band([r.per_batch("time/elapsed") for r in runs])
         wall = dict(zip(widx, wmean))
         keep = [k for k, i in enumerate(idx) if i in wall]
         _plot_band(axes[1], [wall[idx[k]] for k in keep], [mean[k] for k in keep], [lo[k] for k in keep],
-                   [hi[k] for k in keep], _label(g, runs), colors[g])
+                   [hi[k] for k in keep], _label(g, runs), styles[g])
     axes[0].set(xlabel="optimizer step", ylabel="mean reward of the rollout batch", title="Reward vs step")
     axes[1].set(xlabel="wall-clock (s, training loop)", title="Reward vs wall-clock")
     for ax in axes:
@@ -186,20 +225,94 @@ def fig_reward(plt, groups, colors, out: Path) -> str:
     return _save(fig, out / "reward.png")
 
 
-def fig_clipping(plt, groups, colors, out: Path) -> str:
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
-    for g, runs in groups.items():
-        steps = [b["step"] for b in runs[0].batches()]
-        for key, style, what in (("clip/token_total", "-", "tokens"), ("clip/seq_total", "--", "sequences")):
-            idx, mean, lo, hi = _band([r.per_batch(key, off_policy=True) for r in runs])
-            pts = [(steps[i], m, a, b) for i, m, a, b in zip(idx, mean, lo, hi) if m > 0]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colors[g], lw=1.4, label=f"{g}: {what}")
+def _draw_log(ax, lines: list[tuple[list, list[float], str, dict]], unit: str) -> None:
+    """Draws ``lines`` (x, y, label, style) on a log y axis. A log axis cannot draw 0: zeros go on a dotted
+    floor below the smallest positive value, as open triangles, and the line's legend entry counts them."""
+    positive = [v for _, ys, _, _ in lines for v in ys if v > 0]
+    if not positive:  # nothing a log axis could draw: a linear one draws the zeros where they are
+        for x, y, label, kw in lines:
+            ax.plot(x, y, label=label, **_plot_kw(kw, len(y)))
+        return
+    floor = min(positive) / 4
+    for x, y, label, kw in lines:
+        zeros = {j for j, v in enumerate(y) if v <= 0}
+        if zeros:
+            label += f"; 0 in {len(zeros)} of {len(y)} {unit} (\u25bd)"
+            ax.plot([x[j] for j in sorted(zeros)], [floor] * len(zeros), ls="none", marker="v", mfc="none", ms=6,
+                    mew=1.2, color=kw.get("color"), zorder=kw.get("zorder", 2) + 0.05)
+        ax.plot(x, [v if v > 0 else floor for v in y], label=label, **_plot_kw(kw, len(y), zeros))
     ax.set_yscale("log")
-    ax.set(xlabel="optimizer step", ylabel="clipped fraction (off-policy steps)",
-           title="Clipping: GSPO clips whole sequences, orders of magnitude more often")
+    if any(v <= 0 for _, ys, _, _ in lines for v in ys):
+        ax.axhline(floor, color="#888888", lw=0.8, ls=":", zorder=0.5)
+        ax.text(0.01, floor * 1.15, "0 drawn here (a log scale has no 0)", transform=ax.get_yaxis_transform(),
+                fontsize=7, color="#666666", va="bottom")
+        ax.set_ylim(bottom=floor / 2)
+
+
+CLIP_KEYS = (("clip/token_total", "clip_token", "tokens"), ("clip/seq_total", "clip_seq", "per sequence"))
+
+
+def _clip_series(runs: list[Run], key: str) -> tuple[list[int], list[float]]:
+    """Per rollout batch (at its first step), the mean over seeds of its off-policy steps' clipped fraction."""
+    steps = [b["step"] for b in runs[0].batches()]
+    idx, mean, _, _ = _band([r.per_batch(key, off_policy=True) for r in runs])
+    return [steps[i] for i in idx], mean
+
+
+def _seed_mean(runs: list[Run], key: str) -> float | None:
+    """A key-metrics number averaged over seeds, as the table's group rows have it."""
+    return mean_present([key_metrics(r)[key] for r in runs], empty=None)
+
+
+def _pct(v: float | None) -> str:
+    return "no off-policy step" if v is None else _fmt("clip", v)
+
+
+def clipping_title(groups: dict[str, list[Run]]) -> str:
+    """The arms' mean clipped-token fractions, and nothing they do not show: no ranking, no claim."""
+    import textwrap
+
+    # "\0" between an arm and its value, which textwrap does not break at, keeps the two on one line.
+    arms = ", ".join(f"{g}\0{_pct(_seed_mean(runs, 'clip_token'))}" for g, runs in groups.items())
+    return textwrap.fill(f"Clipped tokens, mean over the off-policy steps: {arms}", 80).replace("\0", " ")
+
+
+def clipping_caption(groups: dict[str, list[Run]]) -> str:
+    means = "; ".join(f"{g} {_pct(_seed_mean(runs, 'clip_token'))} of tokens, {_pct(_seed_mean(runs, 'clip_seq'))} "
+                      "per sequence" for g, runs in groups.items())
+    zeros = []
+    for g, runs in groups.items():
+        for key, _, what in CLIP_KEYS:
+            _, y = _clip_series(runs, key)
+            if any(v <= 0 for v in y):
+                zeros.append(f"{g} {what}: 0 in {sum(v <= 0 for v in y)} of {len(y)} batches")
+    zero_text = (f"A log scale cannot draw 0; batches that clipped nothing sit on the dotted floor as \u25bd: "
+                 f"{'; '.join(zeros)}." if zeros else "Every batch drawn clipped something.")
+    return ("Per rollout batch, the clipped fraction of its off-policy steps (minibatches after the first), mean over "
+            "seeds, log scale: thick solid, of all tokens; thin dashed, drawn on top, the mean over sequences of each "
+            "sequence's clipped share of its tokens (with a sequence-level ratio, the share of sequences clipped). "
+            f"Means over the off-policy steps: {means}. {zero_text}")
+
+
+def fig_clipping(plt, groups, styles, out: Path) -> Drawn:
+    fig, ax = plt.subplots(figsize=(9.5, 4.0))
+    lines = []
+    for g, runs in groups.items():
+        # Tokens thick and pale, sequences thin on top: a sequence-level ratio clips all of a sequence's tokens or
+        # none, so the two lines of such an arm nearly coincide.
+        st = styles[g]
+        tokens = {"color": st["color"], "ls": "-", "lw": 2.8, "alpha": 0.5, "zorder": st["zorder"]}
+        seqs = {**st, "ls": "--", "lw": 1.1, "ms": st["ms"] - 2, "zorder": st["zorder"] + 1}
+        for (key, _, what), kw in zip(CLIP_KEYS, (tokens, seqs)):
+            x, y = _clip_series(runs, key)
+            if x:
+                lines.append((x, y, f"{g}: {what}", kw))
+    _draw_log(ax, lines, "batches")
+    ax.set(xlabel="optimizer step (first of its rollout batch)", ylabel="clipped fraction (off-policy steps)",
+           title=clipping_title(groups))
     ax.grid(alpha=0.3, which="both")
-    _legend(ax, 8)
+    if lines:  # beside the axes: the lines span the whole height, from the floor to GSPO-like fractions
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, out / "clipping.png")
 
 
@@ -213,38 +326,66 @@ def _histogram_counts(run: Run) -> tuple[list[float], list[int], list[int]] | No
     return edges, tok, seq
 
 
-def fig_ratios(plt, groups, colors, out: Path) -> str | None:
-    data = {g: _histogram_counts(runs[0]) for g, runs in groups.items()}
-    data = {g: d for g, d in data.items() if d is not None}
+def _band_text(band: tuple[str, float, float] | None) -> str:
+    if band is None:
+        return "no clip band (the run's config.json names no known algorithm)"
+    level, low, high = band
+    return f"clip band on the {level} ratio, 1 - {low:g} to 1 + {high:g}"
+
+
+BAND_COLOR = "#e69f00"  # apart from every arm's colour: the band must not merge with the sequence-ratio bars
+
+
+def _draw_clip_band(ax, band: tuple[str, float, float] | None) -> None:
+    """The run's own clip band; its edges as lines too, so that a band narrower than a pixel still shows."""
+    if band is None:
+        return
+    _, low, high = band
+    lo, hi = math.log(1 - low), math.log(1 + high)
+    ax.axvspan(lo, hi, color=BAND_COLOR, alpha=0.18, lw=0, zorder=0.5, label=_band_text(band))
+    for x in (lo, hi):
+        ax.axvline(x, color=BAND_COLOR, lw=1.0, zorder=0.6)  # under the histograms
+
+
+def fig_ratios(plt, groups, styles, out: Path) -> Drawn | None:
+    data = {g: (runs[0], _histogram_counts(runs[0])) for g, runs in groups.items()}
+    data = {g: d for g, d in data.items() if d[1] is not None}
     if not data:
         return None
     fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 3.8), squeeze=False)
-    for ax, (g, (edges, tok, seq)) in zip(axes[0], data.items()):
-        # A linear log-ratio axis, so that clip bands keep their true widths (GSPO's is a sliver next to GRPO's); the
+    for ax, (g, (run, (edges, tok, seq))) in zip(axes[0], data.items()):
+        # A linear log-ratio axis, so that clip bands keep their true widths (3e-4 is a sliver next to 0.2); the
         # bins are log-spaced, so each is drawn as a density (fraction of the items / bin width) on a log scale.
         bounds = [-2.0, *edges[1:-1], 2.0]  # beyond +-1 merged into one bin a side, drawn out to +-2 (off the axis)
         counts_tok = [tok[0] + tok[1], *tok[2:-2], tok[-2] + tok[-1]]
         counts_seq = [seq[0] + seq[1], *seq[2:-2], seq[-2] + seq[-1]]
         widths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         lowest = math.inf
-        for counts, label, color in ((counts_tok, "token ratios", "#555555"), (counts_seq, "sequence ratios", colors[g])):
+        for counts, label, color in ((counts_tok, "token ratios", "#555555"),
+                                     (counts_seq, "sequence ratios", styles[g]["color"])):
             total = max(sum(counts), 1)
             dens = [c / total / w for c, w in zip(counts, widths)]
             lowest = min([lowest] + [d for d in dens if d > 0])
             ax.stairs(dens, bounds, label=f"{label} (n={sum(counts):,})", color=color, lw=1.6)
-        ax.axvspan(math.log(1 - GSPO_BAND[0]), math.log(1 + GSPO_BAND[1]), color="#1f77b4", alpha=0.6, lw=0,
-                   label="GSPO clip band (1 - 3e-4, 1 + 4e-4)")
-        ax.axvspan(math.log(1 - GRPO_BAND[0]), math.log(1 + GRPO_BAND[1]), color="#d62728", alpha=0.08, lw=0,
-                   label="GRPO/DAPO clip band (1 - 0.2, 1 + 0.28)")
+        _draw_clip_band(ax, clip_band(run.config))
         ax.set_yscale("log")
         if math.isfinite(lowest):
             ax.set_ylim(bottom=lowest / 3)
         ax.set_xlim(-0.6, 0.6)
         ax.set(xlabel="log ratio  log(pi / pi_old)", ylabel="density (fraction per unit log ratio)",
-               title=f"{g}: ratios of the off-policy steps")
+               title=f"{g} ({run.name}): ratios of the off-policy steps")
         ax.grid(alpha=0.3)
         _legend(ax, 7)
     return _save(fig, out / "ratios.png")
+
+
+def ratios_caption(groups: dict[str, list[Run]]) -> str:
+    bands = "; ".join(f"{g}: {_band_text(clip_band(runs[0].config))}" for g, runs in groups.items()
+                      if _histogram_counts(runs[0]) is not None)
+    return ("Distribution of token ratios and of sequence ratios (geometric mean of a sequence's token ratios) over "
+            "the off-policy steps of the first run of each arm, on one log-ratio axis; density on a log scale, an "
+            "empty bin drops to the bottom edge. Each panel shades the clip band its run's config.json set (edges "
+            f"drawn as lines, so that a band narrower than a pixel shows): {bands}.")
 
 
 def _pick_trace(groups) -> tuple[str, dict[str, Any]] | None:
@@ -259,7 +400,7 @@ def _pick_trace(groups) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def fig_token_strip(plt, groups, out: Path) -> str | None:
+def fig_token_strip(plt, groups, out: Path) -> Drawn | None:
     picked = _pick_trace(groups)
     if picked is None:
         return None
@@ -297,21 +438,60 @@ def fig_token_strip(plt, groups, out: Path) -> str | None:
     return _save(fig, out / "token_strip.png")
 
 
-def fig_noise(plt, groups, colors, out: Path) -> str | None:
-    probes = [(g, r.probe) for g, runs in groups.items() for r in runs if r.probe]
-    if not probes:
+def _probe_run(groups) -> Run | None:
+    """The first run holding a ``gspo probe noise`` result: the page draws one probe."""
+    return next((r for runs in groups.values() for r in runs if r.probe), None)
+
+
+def _probed_model(run: Run) -> str:
+    """The model the probe measured, as its config's model.name loaded it: the run's base model when the run's own
+    config names the same."""
+    name = run.probe.get("model", "an unnamed model")
+    base = (run.config.get("model") or {}).get("name")
+    return f"the base model {name}" if base in (None, name) else f"{name} (this run's base model is {base})"
+
+
+def _probe_updates(probe: dict[str, Any]) -> str:
+    if "minibatches" not in probe or "algorithm_of_the_updates" not in probe:
+        return "moved off-policy by its minibatch updates"
+    k = probe["minibatches"] - 1
+    return f"moved off-policy by {k} {probe['algorithm_of_the_updates']} update{'s' * (k != 1)} on it"
+
+
+def noise_title(run: Run) -> str:
+    n = run.probe.get("responses", "?")
+    return (f"gspo probe noise on {_probed_model(run)}:\none rollout batch it sampled, {_probe_updates(run.probe)}; "
+            f"{n} responses probed")
+
+
+def noise_caption(groups: dict[str, list[Run]]) -> str:
+    run = _probe_run(groups)
+    return (f"From gspo probe noise ({run.name}/probe_noise.json), measured on {_probed_model(run)} as the probe's "
+            f"model.name loaded it: one rollout batch it sampled, {_probe_updates(run.probe)} (as far off-policy as a "
+            "batch's last minibatch in training). By response length: the variance of the per-token gradient weights (GRPO: "
+            "token ratios; GSPO: one sequence ratio per response), the per-response gradient norm, and the share of "
+            f"the gradient the importance weights add. {_LOG_ZERO}")
+
+
+# The probe's two objectives, apart as arms are (GSPO's and GRPO's gradient norms nearly coincide).
+_OBJECTIVES = {"grpo": {"color": "#d62728", "ls": "-", "marker": "o", "lw": 2.6, "ms": 6, "zorder": 2},
+               "gspo": {"color": "#1f77b4", "ls": "--", "marker": "s", "lw": 1.3, "ms": 4, "zorder": 2.1}}
+
+
+def fig_noise(plt, groups, out: Path) -> Drawn | None:
+    run = _probe_run(groups)
+    if run is None:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    _, probe = probes[0]
-    for algo, rows in probe["by_algorithm"].items():
-        x = [b["length_mid"] for b in rows]
-        for ax, key in zip(axes, ("weight_var", "grad_norm", "is_noise")):
-            ax.plot(x, [b[key] for b in rows], marker="o", label=algo, color=colors.get(algo, "#333333"))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.3))
+    for ax, key in zip(axes, ("weight_var", "grad_norm", "is_noise")):
+        _draw_log(ax, [([b["length_mid"] for b in rows], [b[key] for b in rows], algo,
+                        _OBJECTIVES.get(algo, {"color": "#333333", "marker": "o"}))
+                       for algo, rows in run.probe["by_algorithm"].items()], "length bins")
     axes[0].set(xlabel="response length (tokens)", ylabel="variance", title="Per-token gradient weights")
     axes[1].set(xlabel="response length (tokens)", ylabel="norm", title="Per-response gradient norm")
     axes[2].set(xlabel="response length (tokens)", ylabel="||g_IS - g_on|| / ||g_on||", title="Noise from importance weights")
+    fig.suptitle(noise_title(run), fontsize=11)
     for ax in axes:
-        ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
         _legend(ax, 8)
     return _save(fig, out / "noise.png")
@@ -326,20 +506,20 @@ def noise_figure(probe: dict[str, Any], path: str | Path) -> Path:
 
     path = Path(path)
     run = Run(path.parent, "probe", 0, {}, [], probe=probe)
-    fig_noise(plt, {"probe": [run]}, {"grpo": "#d62728", "gspo": "#1f77b4"}, path.parent)
+    fig_noise(plt, {"probe": [run]}, path.parent)
     produced = path.parent / "noise.png"
     if produced != path:
         produced.replace(path)
     return path
 
 
-def fig_length_entropy(plt, groups, colors, out: Path) -> str:
+def fig_length_entropy(plt, groups, styles, out: Path) -> Drawn:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for g, runs in groups.items():
         steps = [b["step"] for b in runs[0].batches()]
         for ax, key in zip(axes, ("completion/len_mean", "entropy")):
             idx, mean, lo, hi = _band([r.per_batch(key) for r in runs])
-            _plot_band(ax, [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
+            _plot_band(ax, [steps[i] for i in idx], mean, lo, hi, _label(g, runs), styles[g])
     axes[0].set(xlabel="optimizer step", ylabel="tokens", title="Mean response length")
     axes[1].set(xlabel="optimizer step", ylabel="nats per token", title="Policy entropy (on-policy step)")
     for ax in axes:
@@ -348,7 +528,7 @@ def fig_length_entropy(plt, groups, colors, out: Path) -> str:
     return _save(fig, out / "length_entropy.png")
 
 
-def fig_moe(plt, groups, colors, out: Path) -> str | None:
+def fig_moe(plt, groups, styles, out: Path) -> Drawn | None:
     """Expert volatility: ``moe/flip_rate`` per optimizer step (mean over seeds, band over seeds), and for each arm a
     layer x step heat map of ``moe/flip_rate/layer_<i>`` (mean over seeds). None for dense runs."""
     moe = {g: runs for g, runs in groups.items() if any(r.get("moe/flip_rate") is not None for run in runs for r in run.metrics)}
@@ -362,7 +542,7 @@ def fig_moe(plt, groups, colors, out: Path) -> str | None:
         idx, mean, lo, hi = _band(series)
         if not idx:
             continue
-        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), colors[g])
+        _plot_band(axes[0], [steps[i] for i in idx], mean, lo, hi, _label(g, runs), styles[g])
         layers = sorted({int(k.rsplit("_", 1)[1]) for k in runs[0].metrics[-1] if k.startswith("moe/flip_rate/layer_")})
         grid = [[mean_present([run.metrics[i].get(f"moe/flip_rate/layer_{layer}") for run in runs
                                if i < len(run.metrics)]) for i in idx] for layer in layers]
@@ -391,7 +571,7 @@ def length_bins_seen(rows: list[dict[str, Any]]) -> list[str]:
     return sorted(names, key=lambda n: int(n.split("-")[0].rstrip("+")))
 
 
-def fig_minibatch_depth(plt, groups, colors, out: Path) -> str | None:
+def fig_minibatch_depth(plt, groups, styles, out: Path) -> Drawn | None:
     """Off-policy depth: clipped fraction and ratio spread against the minibatch's index in its rollout batch (0 is
     the on-policy step; k is k optimizer steps away from the policy that sampled), mean over steps and seeds. None
     when no run has an off-policy step."""
@@ -399,22 +579,24 @@ def fig_minibatch_depth(plt, groups, colors, out: Path) -> str | None:
     if depth < 1:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    panels = (("clip/token_total", "clipped tokens", True), ("ratio/token_std", "std of token ratios", True),
-              ("ratio/seq_std", "std of sequence ratios", True))
-    for ax, (key, what, log) in zip(axes, panels):
+    panels = (("clip/token_total", "clipped tokens"), ("ratio/token_std", "std of token ratios"),
+              ("ratio/seq_std", "std of sequence ratios"))
+    for ax, (key, what) in zip(axes, panels):
+        lines = []
         for g, runs in groups.items():
-            pts = [(k, y) for k, y in minibatch_means(runs, key).items() if k > 0 and y is not None and (y > 0 or not log)]
+            pts = [(k, y) for k, y in minibatch_means(runs, key).items() if k > 0 and y is not None]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[g], lw=1.4, ms=3, label=_label(g, runs))
-        if log:
-            ax.set_yscale("log")
-        ax.set(xlabel="minibatch index in its rollout batch (optimizer steps off-policy)", ylabel=what, title=what)
+                lines.append(([p[0] for p in pts], [p[1] for p in pts], _label(g, runs),
+                              styles[g]))
+        _draw_log(ax, lines, "minibatches")
+        ax.set(xlabel="minibatch index k in its rollout batch (k steps off-policy)", ylabel=what, title=what)
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3, which="both")
     _legend(axes[0], 7)
     return _save(fig, out / "minibatch_depth.png")
 
 
-def fig_by_length(plt, groups, colors, out: Path) -> str | None:
+def fig_by_length(plt, groups, styles, out: Path) -> Drawn | None:
     """By response length: clipped fraction and ratio spreads of each length bin (``bylen/<bin>/*``), mean over the
     off-policy steps and seeds. None unless responses fell in two or more bins."""
     off = {g: [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0] for g, runs in groups.items()}
@@ -424,26 +606,30 @@ def fig_by_length(plt, groups, colors, out: Path) -> str | None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     for ax, (key, what) in zip(axes, (("clip_token", "clipped tokens"), ("ratio_token_std", "std of token ratios"),
                                       ("ratio_seq_std", "std of sequence ratios"))):
+        lines = []
         for g, runs in groups.items():
             ys = [mean_present([r.get(f"bylen/{n}/{key}") for r in off[g]], empty=None) for n in names]
-            pts = [(i, y) for i, y in enumerate(ys) if y is not None and y > 0]
+            pts = [(i, y) for i, y in enumerate(ys) if y is not None]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[g], lw=1.4, ms=3, label=_label(g, runs))
+                lines.append(([p[0] for p in pts], [p[1] for p in pts], _label(g, runs),
+                              styles[g]))
+        _draw_log(ax, lines, "length bins")
         ax.set_xticks(range(len(names)), names)
-        ax.set_yscale("log")
         ax.set(xlabel="response length (tokens), off-policy steps", ylabel=what, title=f"{what}, by length")
         ax.grid(alpha=0.3, which="both")
     _legend(axes[0], 7)
     return _save(fig, out / "by_length.png")
 
 
-def _save(fig, path: Path) -> str:
+def _save(fig, path: Path) -> Drawn:
+    """Writes the PNG; returns its file name and its titles, which the page repeats as the image's alt text."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    titles = [t for t in [fig.get_suptitle()] + [ax.get_title() for ax in fig.axes] if t]
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    return path.name
+    return path.name, " | ".join(t.replace("\n", " ") for t in titles)
 
 
 # --------------------------------------------------------------------------------------------- page
@@ -488,30 +674,29 @@ def group_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+_LOG_ZERO = ("A log scale cannot draw 0: a zero sits on the dotted floor line as \u25bd, and the legend counts a "
+             "line's zeros.")
 _CAPTIONS = {
     "reward.png": "Mean reward of each rollout batch against optimizer steps and against the training loop's wall-clock; "
                   "the line is the mean over seeds, the band spans the lowest to the highest seed.",
-    "clipping.png": "Fraction of tokens (solid) and of sequences (dashed) clipped in the off-policy steps (minibatches "
-                    "after the first of each rollout batch), log scale. GSPO's sequence ratio and its narrow clip range "
-                    "clip far more than GRPO's token ratios.",
-    "ratios.png": "Distribution of token ratios and of sequence ratios (geometric mean of a sequence's token ratios) over "
-                  "the off-policy steps of the first run of each algorithm, on one log-ratio axis. Averaging over the "
-                  "sequence concentrates the ratio: GSPO's clip band is the thin blue sliver.",
     "token_strip.png": "One response of an off-policy step, each token shaded by its ratio (blue below 1, red above); the "
                        "three most extreme tokens are outlined and labelled. The sequence ratio is their geometric mean.",
-    "noise.png": "From gspo probe noise, on one rollout batch after its minibatch updates: by response length, the "
-                 "variance of the per-token gradient weights (GRPO: token ratios; GSPO: one sequence ratio per "
-                 "response), the per-response gradient norm, and the share of the gradient the importance weights add.",
     "length_entropy.png": "Mean response length and policy entropy per rollout batch (mean over seeds, band over seeds).",
     "minibatch_depth.png": "Off-policy depth: clipped fraction and the spread of token and sequence ratios in each "
                            "minibatch of a rollout batch, against its index (k = k optimizer steps after the policy "
-                           "that sampled), mean over steps and seeds, log scale.",
+                           f"that sampled), mean over steps and seeds, log scale. {_LOG_ZERO}",
     "by_length.png": "By response length: clipped fraction and ratio spreads of the responses in each length bin, mean "
-                     "over the off-policy steps and seeds, log scale. The seeds say token-level noise grows with length.",
+                     f"over the off-policy steps and seeds, log scale. {_LOG_ZERO}",
     "moe_flips.png": "MoE expert volatility: the fraction of (token, layer, top-k slot) whose old-policy expert is not "
                      "among the current policy's top-k, per off-policy optimizer step (left; with Routing Replay, "
                      "measured inside the replay), and per layer (right, one map per arm, mean over seeds).",
 }
+
+def caption(name: str, groups: dict[str, list[Run]]) -> str:
+    """The caption of figure ``name``: fixed text, or for the figures that quote numbers, computed from the runs."""
+    computed = {"clipping.png": clipping_caption, "ratios.png": ratios_caption, "noise.png": noise_caption}
+    return computed[name](groups) if name in computed else _CAPTIONS[name]
+
 
 _LOADED_CHECK = """<script>
 window.addEventListener('load', () => {
@@ -535,18 +720,18 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
-    colors = _colors(groups)
-    figures = [fig_reward(plt, groups, colors, out), fig_clipping(plt, groups, colors, out),
-               fig_ratios(plt, groups, colors, out), fig_token_strip(plt, groups, out),
-               fig_noise(plt, groups, colors, out), fig_length_entropy(plt, groups, colors, out),
-               fig_moe(plt, groups, colors, out), fig_minibatch_depth(plt, groups, colors, out),
-               fig_by_length(plt, groups, colors, out)]
+    styles = _styles(groups)
+    figures = [fig_reward(plt, groups, styles, out), fig_clipping(plt, groups, styles, out),
+               fig_ratios(plt, groups, styles, out), fig_token_strip(plt, groups, out),
+               fig_noise(plt, groups, out), fig_length_entropy(plt, groups, styles, out),
+               fig_moe(plt, groups, styles, out), fig_minibatch_depth(plt, groups, styles, out),
+               fig_by_length(plt, groups, styles, out)]
     rows = [key_metrics(r) for r in runs]
     table_rows = rows + (group_means(rows) if any(len(v) > 1 for v in groups.values()) else [])
     (out / "summary.json").write_text(json.dumps({"runs": rows, "groups": group_means(rows)}, indent=1))
     (out / "table.md").write_text(metrics_table(table_rows, markdown=True))
-    sections = "".join(f"<figure><img src='{f}' alt='{f}'><figcaption>{html.escape(_CAPTIONS[f])}</figcaption></figure>"
-                       for f in figures if f)
+    sections = "".join(f"<figure><img src='{f}' alt='{html.escape(alt, quote=True)}'><figcaption>"
+                       f"{html.escape(caption(f, groups))}</figcaption></figure>" for f, alt in filter(None, figures))
     missing = [] if figures[4] else ["<p class='note'>No gradient-noise figure: run <code>gspo probe noise</code> on a "
                                      "run directory to add it.</p>"]
     page = f"""<!doctype html>
