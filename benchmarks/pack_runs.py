@@ -97,8 +97,8 @@ def pack(run_dirs: list[str], out: str, title: str, keys: set[str] | None = None
         packed.append({"name": run.name, "config": run.config, "rows": len(run.metrics), "columns": columns,
                        "f32": f32, "histograms": hist, "traces": traces})
     doc = {"format": FORMAT, "title": title, "runs": packed}
-    # mtime 0: packing the same runs again gives the same bytes, so git sees no change
-    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
+    # no name and no time in the header: packing the same runs again gives the same bytes
+    with open(out, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
         f.write(json.dumps(doc, separators=(",", ":")).encode())
     return doc
 
