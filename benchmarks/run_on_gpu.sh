@@ -23,8 +23,9 @@
 #   ab            scaling rounds of this tree and of the older tree in directory BASE, alternating (e.g. BASE from
 #                 `git worktree add`) [BASE GPUS ROUNDS BATCHES]
 #   cards         one-GPU runs on every card at once, then the all-GPU job [ROUNDS=2 BATCHES=40]
-#   profile-dist  rollout batch 3 of the scaling run under torch.profiler on every process [GPUS="1 4"]
-#   collectives   the gradient all-reduce's time and bandwidth [GPUS=4], and the gather's pickling on the CPU
+#   profile-dist  rollout batch 3 of the scaling run under torch.profiler on every process [GPUS=1,4]
+#   collectives   the gradient all-reduce's time and bandwidth over every visible GPU, and the gather's pickling on
+#                 the CPU
 #   large         full fine-tuning of random models of real shapes [SPECS="qwen2.5-7b:4 qwen2.5-3b:1"; the tokenizer
 #                 of MODEL's directory, else gspo's embedded one]
 #   lora          LoRA against full fine-tuning: memory and update speed, then reward runs side by side [STEPS=32]
@@ -75,6 +76,7 @@ tests)
     tests/test_rollout.py tests/test_logprobs.py ${K:+-k "$K"}
   ;;
 e2e)
+  mkdir -p "$OUT/e2e"
   if [ -n "${TRL_SCRIPT-}" ]; then
     $PY benchmarks/e2e_reference.py trl --script "$TRL_SCRIPT" --model "$MODEL" --levels "${TRL_LEVELS:-sequence}" \
       --out "$OUT/e2e"
@@ -84,6 +86,7 @@ e2e)
   $PY benchmarks/e2e_reference.py table "$OUT/e2e" | tee "$OUT/e2e/table.md"
   ;;
 startup)
+  mkdir -p "$OUT/e2e"
   for i in 1 2; do /usr/bin/time -f "bare import of torch + transformers + AutoModelForCausalLM: %e s" \
     $PY -c "import torch, transformers; from transformers import AutoModelForCausalLM"; done 2>&1 | tail -1 \
     | tee "$OUT/imports.txt"
@@ -139,6 +142,7 @@ ab)
   ;;
 cards)
   cards=$(nvidia-smi -L | wc -l)
+  [ "$cards" -gt 0 ] || { echo "cards: no GPU visible" >&2; exit 1; }
   for i in $(seq "${ROUNDS:-2}"); do
     # every card at once: the host as loaded as under the all-GPU job
     for k in $(seq 0 $((cards - 1))); do
@@ -151,7 +155,7 @@ cards)
   done
   ;;
 profile-dist)
-  for n in ${GPUS:-1 4}; do
+  for n in $(echo "${GPUS:-1,4}" | tr , ' '); do
     $PY -m gspo.cli train configs/quickstart.toml "$M" rollout.prompts_per_batch=$((32 * n)) train.steps=16 \
       log.checkpoint_every=0 log.progress=false log.profile_batch=3 "$@" --run-dir "$OUT/profile-$n" --nproc "$n"
     # the gradient all-reduce's overlap with compute: only a job of several processes has one
@@ -160,9 +164,10 @@ profile-dist)
   done
   ;;
 collectives)
-  $PY -m torch.distributed.run --standalone --nproc_per_node "${GPUS:-4}" benchmarks/allreduce.py 134.5e6 1e9 \
+  n=$(nvidia-smi -L | wc -l)
+  $PY -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/allreduce.py 134.5e6 1e9 \
     | tee "$OUT/allreduce.txt"
-  $PY benchmarks/gather_pickle.py --world "${GPUS:-4}" --out "$OUT/gather_pickle.json"
+  $PY benchmarks/gather_pickle.py --world "$n" --out "$OUT/gather_pickle.json"
   ;;
 large)
   tok=$(dirname "$MODEL")
