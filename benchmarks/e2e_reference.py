@@ -6,7 +6,7 @@ of configs/quickstart.toml.
 
   python benchmarks/e2e_reference.py run --model /root/smollm2/model.gguf --algos gspo,grpo --out $OUT [--tag _warm]
   python benchmarks/e2e_reference.py trl --script .gpu/b/peer_trl.py --model /root/smollm2/model.gguf --levels sequence,token --out $OUT
-  python benchmarks/e2e_reference.py table benchmarks/results/e2e_reference      # table + JSON from the collected files
+  python benchmarks/e2e_reference.py table $OUT      # table + JSON from the collected files
 
 ``run`` and ``trl`` write, per run, ``<name>/metrics.jsonl`` and ``<name>/timings.json`` (gspo) or ``trl_<level>.json``
 (TRL) and a ``<name>.meta.json`` with the wall-clock and the card; ``table`` prints the comparison and where gspo's

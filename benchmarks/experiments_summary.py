@@ -1,4 +1,4 @@
-"""The numbers of docs/experiments/ from the run directories of `gspo compare` (benchmarks/gpu_experiments.sh):
+"""The numbers of docs/experiments/ from the run directories of `gspo compare` (benchmarks/run_on_gpu.sh experiments):
 per arm (mean over seeds, and the spread), per minibatch index, and per response-length bin. Prints markdown tables
 and writes JSON.
 

@@ -5,7 +5,7 @@ tokens). The gather pickles one share and unpickles every process's. Also: the r
 (before ``Rollout.repeat_prompts``) against one list per prompt shared by its rows (what the engines return now).
 Prints a table and writes JSON.
 
-    python benchmarks/gather_pickle.py --world 4 --out benchmarks/results/scale_out/gather_pickle.json
+    python benchmarks/gather_pickle.py --world 4 --out gather_pickle.json
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from test_trainer import tiny_dir  # noqa: F401
 from gspo.train import Trainer
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def _benchmark(name: str):
@@ -25,6 +26,12 @@ def _benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _runs(packed: Path, out: Path) -> Path:
+    """The run directories that ``benchmarks/pack_runs.py`` packed into ``packed``, written under ``out``."""
+    _benchmark("pack_runs").unpack(packed, out)
+    return out
 
 
 def _summarize(dirs: list[Path], device: str, out: Path) -> tuple[str, list[dict]]:
@@ -253,7 +260,7 @@ def test_moe_runs_get_arm_labels_a_flip_figure_and_summary_numbers(tmp_path, cap
     import json
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "moe_first_runs"
+    root = _runs(FIXTURES / "moe_first_runs.json.gz", tmp_path / "runs")
     runs = [root / n for n in ("gspo", "grpo", "grpo_r2")]
     page = write_report(runs, tmp_path / "report")
     assert (tmp_path / "report" / "moe_flips.png").stat().st_size > 10_000
@@ -322,15 +329,46 @@ def test_by_length_figure_and_experiment_summary_from_length_bins(tmp_path, caps
     assert [r["minibatch"] for r in mod.depth_rows("grpo", arms["grpo"])] == [0, 1]
 
 
+def test_packed_runs_come_back_bit_for_bit(tmp_path):
+    """benchmarks/pack_runs.py keeps the docs' figure data without the raw runs: float32 values written short, a
+    float64 flip rate (3 flips of 2393 x 2 slots) as a fraction, other floats as they are, absent keys absent, ints
+    ints; a second pack of the same runs is the same bytes."""
+    import json
+    import struct
+
+    pack_runs = _benchmark("pack_runs")
+    run = tmp_path / "raw" / "gspo-seed1"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"algorithm": "gspo", "seed": 1}))
+    f32 = struct.unpack("f", struct.pack("f", 0.1))[0]
+    rows = [{"step": 1, "rollout_batch": 0, "minibatch": 0, "reward/mean": 0.25, "entropy": f32, "time/elapsed": 0.1,
+             "moe/flip_rate": 3 / 4786, "samples/text": "dropped"},
+            {"step": 2, "rollout_batch": 0, "minibatch": 1, "reward/mean": 0.5, "entropy": 2 * f32, "time/elapsed": 1 / 3}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "runs.json.gz"
+    pack_runs.pack([str(run)], str(out), "t")
+    stored = pack_runs.load(out)["runs"][0]
+    assert stored["columns"]["entropy"] == [0.1, 0.2] and stored["columns"]["moe/flip_rate"] == [[3, 4786], None]
+    back = pack_runs.unpack(out, tmp_path / "back")[0]
+    got = [json.loads(line) for line in (back / "metrics.jsonl").read_text().splitlines()]
+    assert got == [{k: v for k, v in r.items() if k != "samples/text"} for r in rows]
+    assert json.dumps(got) == json.dumps([{k: v for k, v in r.items() if k != "samples/text"} for r in rows])
+    first = out.read_bytes()
+    pack_runs.pack([str(run)], str(out), "t")
+    assert out.read_bytes() == first
+
+
 def test_committed_scaling_tables_are_what_the_script_computes_from_the_committed_runs(tmp_path):
-    """benchmarks/scaling.py --summarize on the 4 x H200 lease's runs (benchmarks/results/scale_out/ab_h200x4) gives the
-    committed table: the whole-run and median-batch rates, and speed-ups over the faster one-GPU run. By hand for the
-    median batch: 128 prompts x 8 completions over a 0.532 s median batch is ~1925 completions/s."""
+    """benchmarks/scaling.py --summarize on the 4 x H200 lease's runs (benchmarks/README.md#scale-out; the runs' metrics
+    in tests/fixtures/scale_out/ab_h200x4) gives the committed table: the whole-run and median-batch rates, and
+    speed-ups over the faster one-GPU run. By hand for the median batch: 128 prompts x 8 completions over a 0.532 s
+    median batch is ~1925 completions/s."""
     import json
 
-    lease = BENCHMARKS / "results" / "scale_out" / "ab_h200x4"
+    lease = FIXTURES / "scale_out" / "ab_h200x4"
     committed = json.loads((lease / "new.json").read_text())
-    stdout, got = _summarize([lease / "new" / r["run"] for r in committed["results"]], committed["device"],
+    runs = _runs(lease / "new_runs.json.gz", tmp_path / "new")
+    stdout, got = _summarize([runs / r["run"] for r in committed["results"]], committed["device"],
                              tmp_path / "new.json")
     for mine, theirs in zip(got, committed["results"], strict=True):
         for key in ("completions_per_s", "completions_per_s_median_batch", "speedup", "speedup_median_batch"):
@@ -341,7 +379,7 @@ def test_committed_scaling_tables_are_what_the_script_computes_from_the_committe
     assert "3.62x" in stdout
 
 
-def test_speedup_at_equal_longest_response_by_hand():
+def test_speedup_at_equal_longest_response_by_hand(tmp_path):
     """The longest-response decomposition of benchmarks/scaling.py. The line through (1, 2), (2, 4), (3, 7): slope
     Σ(x - 2)(y - 13/3) / Σ(x - 2)² = (7/3 + 8/3) / 2 = 2.5, intercept 13/3 - 5 = -2/3. On the committed 4 x H100 runs:
     a least-squares line passes through the means, so the baseline at its own mean longest response runs at its
@@ -352,7 +390,7 @@ def test_speedup_at_equal_longest_response_by_hand():
     a, b = scaling.fit_line([1, 2, 3], [2, 4, 7])
     assert (a, b) == (pytest.approx(-2 / 3), pytest.approx(2.5))
     assert scaling.fit_line([5, 5], [1, 3]) == (2, 0.0)  # one length: no slope, the mean
-    runs = BENCHMARKS / "results" / "scale_out" / "h100x4_40"
+    runs = _runs(FIXTURES / "scale_out" / "h100x4_40" / "runs.json.gz", tmp_path / "runs")
     one, four = (scaling.summarize(runs / d, n) for d, n in (("gpus1-prompts32", 1), ("gpus4-prompts128", 4)))
     scaling.speedups([one, four])
     assert one["speedup_equal_longest"] == 1.0
@@ -387,19 +425,22 @@ def test_trace_steps_overlap_and_busy_time_by_hand():
 
 @pytest.mark.parametrize("table", ["new_round1", "new_round2", "base_round1", "base_round2", "all"])
 def test_committed_h100x4_tables_are_what_the_script_computes(tmp_path, table):
-    """The 4 x H100 40-batch A/B lease (benchmarks/results/scale_out/ab_h100x4_40): each committed table is
-    benchmarks/scaling.py --summarize of the committed runs it names."""
+    """The 4 x H100 40-batch A/B lease (benchmarks/README.md#scale-out; its tables and runs in
+    tests/fixtures/scale_out/ab_h100x4_40): each committed table is benchmarks/scaling.py --summarize of the committed
+    runs it names."""
     import json
 
-    lease = BENCHMARKS / "results" / "scale_out" / "ab_h100x4_40"
+    lease = FIXTURES / "scale_out" / "ab_h100x4_40"
     committed = json.loads((lease / f"{table}.json").read_text())
-    stdout, got = _summarize([BENCHMARKS.parent / d for d in committed["args"]["summarize"]], committed["device"],
+    for code in ("new", "base"):
+        _runs(lease / f"{code}_runs.json.gz", tmp_path / code)
+    stdout, got = _summarize([tmp_path / d for d in committed["args"]["summarize"]], committed["device"],
                              tmp_path / "t.json")
     assert stdout == (lease / f"{table}.txt").read_text()
     for mine, theirs in zip(got, committed["results"], strict=True):
         for key in ("completions_per_s", "speedup", "speedup_median_batch", "speedup_equal_longest"):
             assert mine[key] == pytest.approx(theirs[key]), key
-    if table == "all":  # by hand, as the results page quotes it: the new 4-GPU runs over the mean one-GPU rate
+    if table == "all":  # as benchmarks/README.md#scale-out quotes it: the new 4-GPU runs over the mean one-GPU rate
         ones = [r["completions_per_s"] for r in got if r["gpus"] == 1]
         fours = [r["completions_per_s"] for r in got if r["gpus"] == 4][:2]  # the new code's, listed first
         assert len(ones) == 4 and [round(f / (sum(ones) / 4), 2) for f in fours] == [3.64, 3.62]

@@ -101,7 +101,7 @@ def limit_cpu_threads(device: torch.device) -> None:
     """One intra-op CPU thread for a run on a GPU, unless ``OMP_NUM_THREADS`` is set. Its CPU work is small tensor ops
     (rollout bookkeeping, metrics, batch assembly), which torch's default of one OpenMP thread per core slows down: on
     a 64-core host with 4 H100s, a one-GPU reference run did 203-285 completions/s while another process used the host
-    and 428.5 with one thread (``benchmarks/results/scale_out/``); on a 16-core H100 machine one thread was 4% faster."""
+    and 428.5 with one thread (``benchmarks/README.md#scale-out``); on a 16-core H100 machine one thread was 4% faster."""
     if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 

@@ -362,7 +362,7 @@ class GraphEngine:
         self.warmup_s = 0.0  # seconds spent capturing graphs, cumulative
         why_not = fused_unsupported(model)
         if fused is None:  # MoE included: on an H100 its fused step gave 62% of the dense fused step's tokens/s
-            # (the module step 49%; benchmarks/results/moe_decode)
+            # (the module step 49%; benchmarks/README.md#mixture-of-experts)
             fused = self.device.type == "cuda" and self.cache_dtype in (torch.float16, torch.bfloat16) and why_not is None
         elif fused and why_not is not None:
             raise UserError(f"The fused decode step cannot run this model: {why_not}; leave fused unset (it falls back "
@@ -629,7 +629,7 @@ class GraphEngine:
 
         A small model's decode step is bound by its kernels' latency more than by its rows, and with a long tail of
         response lengths most steps have few rows left: on one H100 a step of SmolLM2-135M takes 2.38 ms for 256 rows,
-        1.55 for 64 and 1.32 for 8 (``benchmarks/results/rollout/rollout_steps_h100.json``), so the whole bucket's
+        1.55 for 64 and 1.32 for 8 (``benchmarks/README.md#rollout-throughput``), so the whole bucket's
         step would cost the few live rows nearly twice what a step of their own does. Their K/V rows and
         per-row state move (``order`` remembers the request row of each); ended rows left behind keep their outputs.
         The step then samples its Gumbel noise for fewer rows: the same distribution, another random stream."""

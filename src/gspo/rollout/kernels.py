@@ -1,7 +1,7 @@
 """Triton kernels for the graph engine's fused decode step (:class:`gspo.rollout.fused.FusedDecoder`).
 
 Why hand-written: a decode step of a small model at a few hundred rows is bound by the number of kernels, not by
-bytes (``benchmarks/results/rollout/README.md``): HF's Llama layer launches ~33 kernels per layer (RMSNorm alone is
+bytes (``benchmarks/README.md#rollout-throughput``): HF's Llama layer launches ~33 kernels per layer (RMSNorm alone is
 six, rotary ten, each cache write one), each a few microseconds of mostly idle GPU. ``torch.compile`` of the step
 fuses them but takes ~40 s to compile and copies the whole static cache at every write. These kernels fuse exactly
 what a decode step needs -- residual add + RMSNorm, rotary embedding + the K/V cache write, grouped-query attention
