@@ -3,16 +3,18 @@
 Each run below was recorded into ``tests/fixtures/equivalence/<name>.jsonl`` (its metrics.jsonl, then its samples.jsonl
 lines) by ``python tests/test_equivalence.py --record``. A refactor must reproduce every key of every line: integers,
 strings (sampled texts) and token counts exactly, floats to 1e-5 relative or 1e-6 absolute, and the sequences'
-log-ratio sums (``ratio/seq_product_log_*``) to 1e-5 absolute (``time/*`` and ``throughput/*`` excepted: they measure
-the machine). Not tighter: another CPU (AMD's AVX2 kernels instead of Intel's AVX-512, another transformers release)
+log-ratio sums (``ratio/seq_product_log_*``) to 1e-5 absolute (``time/*``, ``throughput/*`` and ``dist/compute_*``
+excepted: they measure the machine). Not tighter: another CPU (AMD's AVX2 kernels instead of Intel's AVX-512, another transformers release)
 sums float32 in another order, which moved those sums by up to 7e-6, other keys by up to 5e-6 relative, and
 near-zero on-policy spreads (~1e-7) by more than their size, with every sampled token the same. A refactor that deals
 rows, denominators or old log-probs differently moves these keys by far more. Re-record only for a change that is
 meant to move the numbers, and say which in the commit message.
 
 The runs cover the update's branches: recomputed and engine old log-probs, a reference model (beta > 0), micro-batches,
-packed sequences, both engines, dynamic sampling with refill and padding, overlong filtering and punishment, and
-checkpoints. Rewards are multiples of 1/128 so that group statistics are exact at any float width.
+packed sequences, both engines, dynamic sampling with refill and padding, overlong filtering and punishment,
+checkpoints, and the ways the policy is held: replicated over two real torchrun processes on gloo (DDP, each process
+sampling its own share) and LoRA adapters. Rewards are multiples of 1/128 so that group statistics are exact at any
+float width.
 """
 from __future__ import annotations
 
@@ -38,8 +40,15 @@ RUNS = {
     "dapo_dynamic_sampling": ["algorithm='dapo'", "train.steps=4", "train.minibatches=2", "dapo.max_resample_rounds=1",
                               "dapo.overlong_cache=4", "loss.mask_truncated=false",
                               "rewards.functions=[{path='trainer_rewards:even_a_dyadic'}]"],
+    "gspo_ddp_two_processes": ["algorithm='gspo'", "train.steps=4", "train.minibatches=2", "dist.strategy='ddp'",
+                               "log.checkpoint_every=1", "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
+    "gspo_lora": ["algorithm='gspo'", "train.steps=4", "train.minibatches=2", "lora.rank=4", "lora.alpha=8",
+                  "train.lr=1e-2", "log.checkpoint_every=1",
+                  "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
 }
-SKIP_PREFIXES = ("time/", "throughput/")
+PROCESSES = {"gspo_ddp_two_processes": 2}  # runs launched as `gspo train --nproc N` (torchrun), the rest in-process
+NEEDS = {"gspo_lora": "peft"}
+SKIP_PREFIXES = ("time/", "throughput/", "dist/compute_")  # seconds: they measure the machine
 SUMS = ("ratio/seq_product_log_",)  # float32 sums of a sequence's token log-ratios: rounding adds up over its tokens
 
 
@@ -56,9 +65,20 @@ def build_tiny_model(folder: Path) -> Path:
 
 def run_lines(name: str, model_dir: Path, run_dir: Path) -> list[dict]:
     """Train run ``name`` through the command line; its metrics lines, then its samples lines (tagged)."""
-    from gspo.cli import main
+    import os
+    import subprocess
 
-    assert main(["train", "--run-dir", str(run_dir), f"model.name='{model_dir}'", *COMMON, *RUNS[name]]) == 0
+    args = ["train", "--run-dir", str(run_dir), f"model.name='{model_dir}'", *COMMON, *RUNS[name]]
+    if name in PROCESSES:  # `gspo train --nproc N` starts torchrun: real processes, which import the test rewards too
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]),
+               "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-m", "gspo.cli", *args, "--nproc", str(PROCESSES[name]),
+                               "dist.timeout_s=120"], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        from gspo.cli import main
+
+        assert main(args) == 0
     metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     samples = [{"sample": True, **json.loads(ln)} for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
     return metrics + samples
@@ -93,19 +113,21 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_fixed_seed_run_reproduces_the_recorded_metrics(name, model_dir, tmp_path):
     """The run writes the recorded metrics and samples: every key of every line (floats to the module's tolerances)."""
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
     expected = [json.loads(ln) for ln in (FIXTURES / f"{name}.jsonl").read_text().splitlines()]
     moved = differences(expected, run_lines(name, model_dir, tmp_path / "run"))
     assert not moved, "\n".join(moved[:40])
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["--record"]:
     import tempfile
 
     sys.path.insert(0, str(HERE))
     FIXTURES.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model")
-        for run in RUNS:
+        for run in sys.argv[2:] or RUNS:  # `--record NAME ...`: only those runs
             lines = run_lines(run, model, Path(tmp) / run)
             (FIXTURES / f"{run}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
             print(f"recorded {run}: {len(lines)} lines")
