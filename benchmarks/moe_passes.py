@@ -30,7 +30,7 @@ def build(experts: int, top_k: int):
 
 
 def time_pass(model, batch, routing, iters: int) -> float:
-    from gspo.logprobs import sequence_logprobs
+    from gspo.train.passes import sequence_logprobs
 
     prompts, ids, mask = batch
     rows = torch.arange(len(prompts))
@@ -99,7 +99,7 @@ def main() -> None:
         routing = Routing(model, replay)
         routing.begin_batch(args.rows, 60 + args.tokens, torch.device("cuda"))
         with routing.recording(), torch.no_grad():  # the old-policy pass records
-            from gspo.logprobs import sequence_logprobs
+            from gspo.train.passes import sequence_logprobs
 
             sequence_logprobs(model, prompts, ids, mask, pad_id=0, autocast_dtype=torch.bfloat16, routing=routing,
                               row_ids=torch.arange(args.rows))

@@ -10,10 +10,10 @@ are shaped like RL rollouts: prompts of ``prompt`` tokens +-25%, completions wit
 
 - ``plain HF``: left-padded batch, ``model(input_ids, attention_mask).logits`` -> fp32 log_softmax over the full
   vocabulary -> gather -> GSPO loss.
-- ``gspo padded``: ``gspo.logprobs.sequence_logprobs`` (the decoder once, the LM head in checkpointed chunks over
+- ``gspo padded``: ``gspo.train.passes.sequence_logprobs`` (the decoder once, the LM head in checkpointed chunks over
   completion tokens only) -> ``gspo.policy_loss``.
 - ``gspo packed``: the same on packed sequences (no padding; flash attention's variable-length kernel).
-- ``+ CUDA graphs``: the packed decoder forward and backward replayed from CUDA graphs (``gspo.logprobs.PackedGraphs``;
+- ``+ CUDA graphs``: the packed decoder forward and backward replayed from CUDA graphs (``gspo.train.passes.PackedGraphs``;
   capture happens in the warm-up calls and is not timed).
 - ``gspo logprob pass``: the no-grad old-policy pass alone, padded and packed.
 
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gspo import policy_loss  # noqa: E402
-from gspo.logprobs import PackedGraphs, packing_available, sequence_logprobs  # noqa: E402
+from gspo.train.passes import PackedGraphs, packing_available, sequence_logprobs  # noqa: E402
 from gspo.models import pad_prompts  # noqa: E402
 from gspo.models import attention_context, autocast_context  # noqa: E402
 from shapes import bench_model  # noqa: E402

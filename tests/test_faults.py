@@ -226,9 +226,9 @@ def test_a_failed_background_checkpoint_ends_the_run_at_once(tiny_dir, tmp_path,
     one line naming the intact checkpoint, even with a sentinel that only warns: it is neither lost nor swallowed."""
     import errno
 
-    import gspo.train.state
+    import gspo.train.checkpoint
 
-    real = gspo.train.state.save_checkpoint
+    real = gspo.train.checkpoint.save_checkpoint
     calls = []
 
     def fail_second(*args, **kwargs):
@@ -237,7 +237,7 @@ def test_a_failed_background_checkpoint_ends_the_run_at_once(tiny_dir, tmp_path,
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gspo.train.state, "save_checkpoint", fail_second)
+    monkeypatch.setattr(gspo.train.checkpoint, "save_checkpoint", fail_second)
     # Checkpoints every 3 batches (steps 6, 12, 18): the one of step 12 fails; the next write would only come at
     # step 18, so the run must notice the failure by itself, after the batch in flight.
     t = Trainer(tiny_config(tiny_dir, "train.steps=20", "log.checkpoint_every=3"), tmp_path / "run")
@@ -263,16 +263,16 @@ def test_a_signal_during_the_final_checkpoint_lets_it_complete(tiny_dir, tmp_pat
     completes (it used to be lost with the process), and a run that had finished ends as finished."""
     import threading
 
-    import gspo.train.state
+    import gspo.train.checkpoint
 
-    real = gspo.train.state.save_checkpoint
+    real = gspo.train.checkpoint.save_checkpoint
 
     def slow(*args, **kwargs):
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
         time.sleep(1.0)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gspo.train.state, "save_checkpoint", slow)
+    monkeypatch.setattr(gspo.train.checkpoint, "save_checkpoint", slow)
     t = Trainer(tiny_config(tiny_dir, "log.checkpoint_every=0"), tmp_path / "run")
     t.train()
     assert t.stop_signal is None  # the run had finished: the signal stopped nothing, and it is not reported as a stop
@@ -741,3 +741,15 @@ def test_a_second_ctrl_c_between_native_calls_raises_keyboard_interrupt():
             for _ in range(1000):
                 time.sleep(0.01)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the guard put the handlers back
+
+
+def test_the_signal_watcher_is_gone_when_the_guard_is():
+    """Leaving the guard ends its watcher thread: one still running at interpreter exit was ended by pthread_exit,
+    which aborted about one `gspo train` in three (exit 134, 'terminate called without an active exception')."""
+    import threading
+
+    from gspo.train.guards import StopSignals
+
+    with StopSignals():
+        assert any(t.name == "gspo-signals" for t in threading.enumerate())
+    assert not any(t.name == "gspo-signals" for t in threading.enumerate())

@@ -111,7 +111,7 @@ def test_graph_engine_sees_synced_updates_under_bf16(tokenizer):
 def _engine_vs_trainer(model, tokenizer, **engine_kwargs):
     """A bf16 graph engine (``engine_kwargs`` pick its paths) samples 4 completions of 3 prompts; returns the engine and
     |engine log-prob - trainer's recomputation| per completion token."""
-    from gspo.logprobs import sequence_logprobs
+    from gspo.train.passes import sequence_logprobs
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams
 
@@ -140,7 +140,7 @@ def test_flash_decode_agrees_with_the_trainer(tokenizer):
 def test_packed_logprobs_on_cuda_match_padded(tokenizer):
     """Under bf16 on CUDA, packed log-probs (flash attention, variable length) agree with the padded layout to bf16
     noise, and their gradients are finite."""
-    from gspo.logprobs import packing_available, sequence_logprobs
+    from gspo.train.passes import packing_available, sequence_logprobs
 
     cuda = torch.device("cuda")
     assert packing_available(cuda, torch.bfloat16)
@@ -165,7 +165,7 @@ def test_cuda_graphed_packed_passes_match_eager(tokenizer):
     """The CUDA-graphed packed decoder gives the eager packed log-probs and gradients (bf16 noise) at every call, sees
     in-place weight updates, and accumulates two backward passes (a second graphed backward added to a .grad that
     aliased the graph's buffer would come out doubled)."""
-    from gspo.logprobs import PackedGraphs, sequence_logprobs
+    from gspo.train.passes import PackedGraphs, sequence_logprobs
 
     model = tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).cuda()
     g = torch.Generator().manual_seed(0)
@@ -229,7 +229,7 @@ def test_compacted_graph_steps_agree_with_the_trainer(tokenizer, fused, monkeypa
     the HF modules' step with flash attention over live slots; the engine's log-probs stay as close to the trainer's
     as the uncompacted engine's, and every row keeps its prompt (a moved row scored under another prompt, or attending
     another row's slots, would miss by far)."""
-    from gspo.logprobs import sequence_logprobs
+    from gspo.train.passes import sequence_logprobs
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams
     from test_graph_engine import _count_compactions

@@ -5,7 +5,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from gspo.errors import UserError
-from gspo.logprobs import sequence_logprobs
+from gspo.train.passes import sequence_logprobs
 from gspo.models import named_weights
 from gspo.rollout import graph
 from gspo.rollout.graph import GraphEngine

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from gspo.errors import UserError
-from gspo.logprobs import sequence_logprobs
+from gspo.train.passes import sequence_logprobs
 from gspo.models import final_logits
 from gspo.rollout import HFEngine
 from gspo.types import SamplingParams
@@ -177,7 +177,7 @@ def test_packing_refuses_sliding_window_models():
     """The packed attention is causal over whole sequences: sliding-window models are reported as unsupported."""
     from transformers import MistralConfig, Qwen2Config
 
-    from gspo.logprobs import packing_unsupported
+    from gspo.train.passes import packing_unsupported
 
     assert packing_unsupported(Qwen2Config(use_sliding_window=False)) is None
     assert "sliding" in packing_unsupported(Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))
@@ -188,7 +188,7 @@ def test_graph_budget_refuses_what_would_not_fit():
     """A packed CUDA graph keeps its activations for the run: one more is captured only under the shape and token caps
     and with twice its estimated memory (measured bytes per token x bucket) free; before any measurement, only the
     caps apply."""
-    from gspo.logprobs import graph_fits
+    from gspo.train.passes import graph_fits
 
     GiB = 1 << 30
     assert graph_fits(8192, 0, 8, 65536, 0.0, 1 * GiB)  # first capture: nothing measured yet
@@ -205,7 +205,7 @@ def test_fused_norms_compute_hf_rmsnorm(make_tiny_model, model_kind):
     (fp32, 1e-5), every norm restored afterwards; Qwen3's per-head norms on other dtypes keep HF's code."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from gspo.logprobs import fused_norms
+    from gspo.train.passes import fused_norms
 
     if model_kind == "llama":
         model = make_tiny_model(seed=0, vocab_size=128)

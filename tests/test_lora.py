@@ -86,7 +86,7 @@ def test_the_reference_policy_is_the_policy_with_adapters_off(tiny_dir, tmp_path
     plan = trainer.actor.plan(batch.rollout.completion_ids.shape[0])
     trainer.actor.prepare(batch, plan)
     base, _ = load_model(str(tiny_dir))
-    from gspo.logprobs import sequence_logprobs
+    from gspo.train.passes import sequence_logprobs
 
     r = batch.rollout
     expected, _ = sequence_logprobs(base, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=1.0,

@@ -9,7 +9,7 @@ import torch
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers import AutoModelForCausalLM
 
-from gspo.logprobs import sequence_logprobs
+from gspo.train.passes import sequence_logprobs
 from gspo.moe import Routing, check_router, find_routers, gate_weights
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

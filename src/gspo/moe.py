@@ -215,7 +215,7 @@ class Routing:
             self._mode, self._layout = None, None
 
     def set_layout(self, layout: Layout) -> None:
-        """Called by the log-prob pass before its decoder forward (see ``gspo.logprobs.sequence_logprobs``)."""
+        """Called by the log-prob pass before its decoder forward (see ``gspo.train.passes.sequence_logprobs``)."""
         self._layout = layout if self._mode is not None else None
 
     # ------------------------------------------------------------------------------------------ results

@@ -1,7 +1,10 @@
-"""Training: the loop (only the stages), the collect stage, the actor, checkpoint state, the sentinel and guards."""
-from gspo.train.actor import Actor, Plan, StepOutput
+"""Training: the loop (only the stages), the parts it sequences (built in parts), the collect stage, the actor and its
+log-prob passes, checkpoints, the run directory, the sentinel and guards."""
+from gspo.parallel.plan import Plan
+from gspo.train.actor import Actor, StepOutput
 from gspo.train.collect import Collector
-from gspo.train.loop import Parts, Trainer, build
-from gspo.train.state import TrainState
+from gspo.train.loop import Trainer
+from gspo.train.parts import Parts, build
+from gspo.train.checkpoint import TrainState
 
 __all__ = ["Actor", "Collector", "Parts", "Plan", "StepOutput", "TrainState", "Trainer", "build"]

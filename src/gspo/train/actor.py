@@ -30,7 +30,7 @@ import torch
 from gspo.algorithms import logprob_gap, policy_loss
 from gspo.config import Config
 from gspo.errors import UserError
-from gspo.logprobs import PackedGraphs, as_fsdp_forward, packing_available, packing_unsupported, sequence_logprobs
+from gspo.train.passes import PackedGraphs, as_fsdp_forward, packing_available, packing_unsupported, sequence_logprobs
 from gspo.models import attention_context, disable_dropout
 from gspo.moe import Routing, disable_router_noise, is_moe
 from gspo.parallel import comm

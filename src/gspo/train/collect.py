@@ -63,6 +63,16 @@ class Collector:
         self.credit_path = TASK_STEP_CREDIT[cfg.data.task] if cfg.loss.step_credit == "task" else cfg.loss.step_credit
         self.step_credit = load_step_credit(self.credit_path) if self.credit_path else None
 
+    def state_dict(self) -> dict:
+        """What a checkpoint holds of the collect stage: the sampling stream, the data position, the prompts skipped."""
+        return {"generator": self.generator.get_state(), "data": self.stream.state_dict(),
+                "skipped_prompts": self.skipped_prompts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.stream.load_state_dict(state["data"])
+        self.skipped_prompts = state.get("skipped_prompts", 0)
+
     # ------------------------------------------------------------------------------------------ stages
 
     def prompts(self, k: int) -> tuple[list[Example], list[list[int]]]:

@@ -40,6 +40,7 @@ class StopSignals:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._pipe: tuple[int, int] | None = None
+        self._watcher: threading.Thread | None = None
         self._old_wakeup = -1
 
     def _handler(self, signum, frame):
@@ -92,7 +93,8 @@ class StopSignals:
             os.set_blocking(w, False)  # the C handler must never block on a full pipe
             self._pipe = (r, w)
             self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-            threading.Thread(target=self._watch, args=(r,), name="gspo-signals", daemon=True).start()
+            self._watcher = threading.Thread(target=self._watch, args=(r,), name="gspo-signals", daemon=True)
+            self._watcher.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -101,6 +103,10 @@ class StopSignals:
             signal.set_wakeup_fd(self._old_wakeup)
             os.close(self._pipe[1])  # the watcher's read returns empty: it closes the read end and ends
             self._pipe = None
+            # Gone before the guard is: a daemon thread still running when the interpreter finalises is ended with
+            # pthread_exit, whose forced unwinding aborted the process ("terminate called without an active
+            # exception", exit 134) in about one run in three.
+            self._watcher.join(timeout=5)
         for sig, old in self._previous.items():
             signal.signal(sig, old)
         self._previous.clear()

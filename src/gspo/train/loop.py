@@ -18,33 +18,26 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import RANK_FILE, checkpoint_step, complete_checkpoints, seed_everything, set_rng_state
-from gspo.config import SOURCE_KEYS, Config, resume_changes, source_fingerprints
-from gspo.data import DataStream, build_dataset, dataset_args, default_reward
+from gspo.checkpoint import checkpoint_step
+from gspo.config import Config
 from gspo.errors import UserError
 from gspo.metrics import read_jsonl
-from gspo.models import load_model, stop_token_ids
-from gspo.logprobs import as_fsdp_forward
 from gspo.parallel import comm
-from gspo.parallel.holding import hold
-from gspo.parallel.strategy import check_layout, choose as choose_strategy
+from gspo.parallel.strategy import check_layout
 from gspo.profiler import BatchProfiler, stage
-from gspo.rewards.runner import RewardRunner, RewardSpec
-from gspo.rollout import RolloutEngine, make_engine, rounded_weights
+from gspo.rollout import rounded_weights
 from gspo.runlog import RunLog
-from gspo.runtime import Runtime, finite, precision_name, seconds_since
-from gspo.train.actor import Actor, prepare_model
-from gspo.train.collect import Collector
-from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, lock_run_dir, out_of_memory
+from gspo.runtime import Runtime, finite, seconds_since
+from gspo.train.checkpoint import Checkpoints, TrainState, checkpoint_batch
+from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, out_of_memory
+from gspo.train.parts import build, describe_run
+from gspo.train.run_dir import RunDir
 from gspo.train.sentinel import (best_window_end, collapse_findings, response, reward_drop, rollback_limit,
                                  stop_reason)
-from gspo.train.state import (CheckpointWriter, TrainState, checkpoint_batch, checkpoints_through, load as load_state,
-                              newest_checkpoint)
 from gspo.types import Batch
 
 log = logging.getLogger("gspo")
@@ -53,95 +46,6 @@ log = logging.getLogger("gspo")
 # GPU's, the time to the gradient the slowest and the fastest process's. (Rollout counters are already the job's:
 # Collector.gather sums the tokens and takes the slowest time.)
 REDUCE = {"memory/peak_gib": "max", "dist/compute_max_s": "max", "dist/compute_min_s": "min"}
-
-
-def _has_lines(path: Path) -> bool:
-    return path.is_file() and path.stat().st_size > 0
-
-
-@dataclass
-class Parts:
-    """The components of a run, built from its config: what the loop sequences (the probe uses them too)."""
-
-    runtime: Runtime
-    actor: Actor
-    tokenizer: object
-    engine: RolloutEngine
-    collector: Collector
-    rewards: RewardRunner
-
-
-def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None) -> Parts:
-    """Model, actor, engine, reward workers and collect stage for ``cfg``; ``timings`` gets the seconds of each."""
-    timings = {} if timings is None else timings
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[name] = round(now - clock, 3)
-        clock = now
-
-    seed_everything(cfg.seed)
-    specs = ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions]
-             or [RewardSpec(default_reward(cfg.data.task))])
-    rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s)  # starts in the background
-    lap("reward_functions")
-    try:
-        if runtime.device.type == "cuda":
-            torch.cuda.init()
-            torch.empty(1, device=runtime.device)  # the CUDA context, on its own line of the timings
-        lap("cuda_init")
-        model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
-        lap("model_load")
-        ref_model, routing = prepare_model(cfg, runtime, model)
-        strategy = choose_strategy(cfg, model, runtime.device, runtime.world_size)
-        lap("actor")
-        # Under FSDP, with LoRA, and with rounded engine weights, the engine takes its own copy of the plain weights
-        # before the holding shards or adapts the policy; it is fed the gathered, merged or rounded weights after every
-        # optimizer step.
-        engine = make_engine(cfg.rollout.engine, model, tokenizer, stop_ids=stop_token_ids(tokenizer, model),
-                             device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
-                             compact_rows=cfg.rollout.compact_rows,
-                             replica=strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0,
-                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
-        if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
-            if not hasattr(engine, "routing") or routing is None:
-                raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
-                                f"({type(engine).__name__} does not); set rollout.engine = 'hf' or 'graph'.")
-            if getattr(engine, "replica", False):
-                why, fix = (("with LoRA", "") if cfg.lora.rank else
-                            ("with rollout.engine_weight_bits", "") if cfg.rollout.engine_weight_bits else
-                            ("under FSDP", "dist.strategy = 'ddp', "))
-                raise UserError(f"moe.routing_replay = 'rollout' {why} needs the graph engine (the hf engine's own copy "
-                                f"of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, {fix}or "
-                                "moe.routing_replay = 'old'.")
-            engine.routing = routing
-        holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
-        actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
-        lap("engine")
-        stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
-        lap("data")
-    except BaseException:
-        rewards.close()
-        raise
-    # Each process samples with its own stream (the first one's is the one-process run's).
-    generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed + runtime.rank)
-    return Parts(runtime, actor, tokenizer, engine, Collector(cfg, tokenizer, stream, rewards, engine, generator), rewards)
-
-
-def describe_run(cfg: Config, runtime: Runtime, run_dir: Path, resume: bool) -> str:
-    """The start-up line: algorithm, task, model, device, precision (and why, on a CPU), batch shape and length."""
-    r, t = cfg.rollout, cfg.train
-    where = runtime.device.type if runtime.world_size == 1 else f"{runtime.world_size} x {runtime.device.type}"
-    precision = precision_name(runtime.autocast)
-    if runtime.device.type == "cpu" and cfg.model.precision == "auto":
-        precision += " (this CPU has native bf16)" if runtime.autocast else " (this CPU has no native bf16)"
-    batches = -(-t.steps // t.minibatches)
-    return (f"{'resuming' if resume else 'training'} {cfg.algorithm} on {cfg.data.task} with {cfg.model.name} on "
-            f"{where}, {precision}; {r.prompts_per_batch * runtime.world_size} prompts x {r.group_size} completions "
-            f"of up to {r.max_new_tokens} tokens a rollout batch, {t.steps} optimizer steps ({batches} rollout "
-            f"batch{'es' if batches != 1 else ''} x {t.minibatches} minibatches); run directory {run_dir}")
 
 
 class Trainer:
@@ -159,7 +63,8 @@ class Trainer:
         check_layout(cfg, self.runtime.world_size)
         comm.init(self.runtime.device, cfg.dist.timeout_s)
         self.timings: dict[str, float] = {"process_start_to_trainer": self.since_start()}
-        self._prepare_run_dir(resume)
+        self.dir = RunDir(self.run_dir, cfg, self.runtime.is_main)
+        self.dir.open(resume)
         if self.runtime.is_main:  # before the model loads (seconds to minutes): what this run is, at once
             log.info("%s", describe_run(cfg, self.runtime, self.run_dir, resume))
         try:
@@ -167,7 +72,8 @@ class Trainer:
             self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
             self.collector, self.rewards = parts.collector, parts.rewards
             self.state = TrainState()
-            self.writer = CheckpointWriter(self.run_dir)
+            self.checkpoints = Checkpoints(self.run_dir, cfg, self.runtime, self.actor, self.collector, self.tokenizer)
+            self.writer = self.checkpoints.writer
             self.profiler = BatchProfiler(cfg.log.profile_batch, self.run_dir, self.runtime.rank, self.runtime.device)
             self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps)
             self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
@@ -176,7 +82,7 @@ class Trainer:
             if resume:
                 self.restore()
             if self.runtime.is_main:
-                self._record_config()
+                self.dir.record(self.state.step)
             self.timings["trainer_ready_at"] = self.since_start()
         except BaseException:
             if hasattr(self, "rewards"):
@@ -347,7 +253,7 @@ class Trainer:
             return False
         self.collapse = "; ".join(found)
         self.writer.wait()  # a failed checkpoint write ends the run here, before anything relies on the directory
-        newest = self.newest_checkpoint()
+        newest = self.checkpoints.newest()
         if sc.action == "warn":
             log.warning("collapse sentinel at step %d: %s", state.step, self.collapse)
             return False
@@ -356,8 +262,8 @@ class Trainer:
         # the batch before the trigger, as for the other detectors.
         trigger = state.rollout_batch - 1
         peak = best_window_end(sc, self.rewards_seen, before_newest=True) if reward_drop(sc, self.rewards_seen) else None
-        older = (checkpoints_through(self.run_dir, rollback_limit(trigger, peak))
-                 or checkpoints_through(self.run_dir, rollback_limit(trigger, None)))
+        older = (self.checkpoints.through(rollback_limit(trigger, peak))
+                 or self.checkpoints.through(rollback_limit(trigger, None)))
         action = response(sc, state.rollbacks, bool(older))
         if action == "rollback":
             rollbacks = state.rollbacks + 1
@@ -367,7 +273,7 @@ class Trainer:
             state.rollbacks = rollbacks
             self.restore(before_batch=checkpoint_batch(older[-1]) + 1)
             if self.runtime.is_main:
-                self._abandon_checkpoints_after(state.step)
+                self.checkpoints.abandon_after(state.step)
             comm.barrier()
             return True
         last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
@@ -377,121 +283,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ run directory
 
-    def _prepare_run_dir(self, resume: bool) -> None:
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise UserError(f"The run directory {str(self.run_dir)!r} is a file; choose another log.run_dir (or --run-dir).")
-        # A directory without a checkpoint or a metrics line (a start that failed before its first step) has nothing to
-        # lose or continue: a plain start takes it over.
-        exists = self.run_dir.exists() and (bool(complete_checkpoints(self.run_dir / "checkpoints"))
-                                            or _has_lines(self.run_dir / "metrics.jsonl"))
-        if exists and not resume:
-            raise UserError(f"Run directory {str(self.run_dir)!r} already exists; pass --resume to continue it, "
-                            "or choose another log.run_dir.")
-        if self.runtime.is_main:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                self._lock = lock_run_dir(self.run_dir)
-            except OSError as e:
-                raise UserError(f"The run directory {str(self.run_dir)!r} cannot be written ({e.strerror or e}); fix "
-                                "its permissions or choose another log.run_dir.") from None
-            try:
-                self._config_changes = self._check_resumed_config() if resume and exists else {}
-                (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
-            except OSError as e:
-                self.release()
-                raise UserError(f"Writing {str(self.run_dir / 'config.json')!r} failed ({e.strerror or e}); free disk "
-                                "space or fix the directory.") from None
-            except BaseException:
-                self.release()
-                raise
-
-    def _check_resumed_config(self) -> dict[str, list]:
-        """What this session changes against the config the run was trained with; a change ``--resume`` may not make
-        (see ``gspo.config.RESUMABLE``) is refused in one line, before anything is written."""
-        path = self.run_dir / "config.json"
-        try:
-            old = json.loads(path.read_text())
-        except (OSError, ValueError):
-            log.warning("%s cannot be read; the resumed run's settings are not checked against it", path)
-            return {}
-        changed, refused = resume_changes(old, self.cfg.to_dict(), self._recorded_sources())
-        if refused:
-            shown = "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused[:5])
-            moved = " (a path may change only to a copy of the same file)" if set(refused) & set(SOURCE_KEYS) else ""
-            raise UserError(f"--resume cannot change {', '.join(refused)} ({shown}){moved}: the run was trained with the "
-                            f"old values; resume with them, or start a new run in another log.run_dir.")
-        return changed
-
-    def _recorded_sources(self) -> dict[str, str]:
-        """The fingerprints of the model and data files the latest session of this run recorded (none for runs older
-        than the record: then a moved file is refused like any other change)."""
-        path = self.run_dir / "config_history.jsonl"
-        entries = read_jsonl(path) if path.exists() else []
-        return entries[-1].get("sources", {}) if entries else {}
-
-    def _record_config(self) -> None:
-        """Append what this session trains with, from which step, to config_history.jsonl (config.json holds the
-        latest): one line per session that started or resumed the run."""
-        config = self.cfg.to_dict()
-        entry = {"step": self.state.step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                 "changed": self._config_changes, "config": config, "sources": source_fingerprints(config)}
-        try:
-            with open(self.run_dir / "config_history.jsonl", "a") as f:
-                f.write(json.dumps(entry) + "\n")
-        except OSError as e:
-            raise UserError(f"Writing {str(self.run_dir / 'config_history.jsonl')!r} failed ({e.strerror or e}); free "
-                            "disk space or fix the directory.") from None
-        if self._config_changes:
-            log.info("resumed with changed settings: %s", ", ".join(f"{k} {v[0]!r} -> {v[1]!r}"
-                                                                   for k, v in self._config_changes.items()))
-
-    def release(self) -> None:
-        """Let another process use the run directory (done at the end of ``train()``)."""
-        lock, self._lock = getattr(self, "_lock", None), None
-        if lock is not None:
-            lock.close()
-
-    def _restore_process_rng(self, ckpt: Path, payload: dict, step: int) -> None:
-        """Each process's own RNGs and sampling stream, from the checkpoint's ``rank-NNNNN.pt`` when the same number of
-        processes wrote it. At another number of processes the streams cannot be mapped: every process is seeded
-        afresh from (seed, step, rank); weights, optimizer, data position and minibatch shuffles are still exact."""
-        rank, world = self.runtime.rank, self.runtime.world_size
-        saved = payload.get("world_size", 1)
-        if saved == world:
-            if world > 1:
-                own = torch.load(ckpt / RANK_FILE.format(rank), weights_only=False)
-                set_rng_state(own["rng"])
-                self.collector.generator.set_state(own["generator"])
-            return
-        seed = self.cfg.seed + 1_000_003 * step + rank
-        seed_everything(seed)
-        self.collector.generator.manual_seed(seed)
-        if self.runtime.is_main:
-            log.warning("resumed on %d process(es) from a checkpoint written by %d: weights, optimizer, data position "
-                        "and minibatch shuffles are exact; the sampling streams are new (seeded from seed, step and "
-                        "rank), so the rollouts differ from those of an uninterrupted run", world, saved)
-
-    def _abandon_checkpoints_after(self, step: int) -> None:
-        """A rollback abandons the timeline after ``step``: its checkpoints are renamed out of the way (to
-        ``rolled-back-step-N``, never taken for a checkpoint), so neither --resume nor a message can pick them."""
-        for ckpt in complete_checkpoints(self.run_dir / "checkpoints"):
-            if checkpoint_step(ckpt) > step:
-                ckpt.rename(ckpt.with_name(f"rolled-back-{ckpt.name}-{int(time.time())}"))
-
-    def newest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint, once the write in flight (if any) has finished (a failed write stays
-        pending: the next ``wait`` raises it)."""
-        self.writer.wait(raise_error=False)
-        return newest_checkpoint(self.run_dir)
+    # ------------------------------------------------------------------------------------------ checkpoints
 
     def checkpoint(self) -> None:
-        """Start writing a checkpoint of the run as it is now (in the background; see CheckpointWriter)."""
-        self.writer.pinned = self.rollback_target_pin()
-        c = self.collector
-        parts = {**self.actor.state_dict(), "generator": c.generator.get_state(), "data": c.stream.state_dict(),
-                 "skipped_prompts": c.skipped_prompts, "world_size": self.runtime.world_size}
-        self.actor.holding.save(self.writer, self.state, parts, self.tokenizer, self.cfg.log.keep_checkpoints,
-                                self.t_start)
+        """Start writing a checkpoint of the run as it is now (see :meth:`Checkpoints.save`)."""
+        self.checkpoints.save(self.state, self.t_start, self.rollback_target_pin())
 
     def rollback_target_pin(self) -> int | None:
         """The step of the checkpoint a reward drop would roll back to (the newest holding a policy no later than the
@@ -499,22 +295,14 @@ class Trainer:
         however old it gets; None unless the sentinel rolls back on reward drops."""
         sc = self.cfg.sentinel
         peak = best_window_end(sc, self.rewards_seen) if sc.action == "rollback" else None
-        if peak is None:
-            return None
-        self.writer.wait()  # the write in flight may be the one to pin
-        kept = checkpoints_through(self.run_dir, peak)
+        kept = self.checkpoints.through(peak) if peak is not None else []  # waits for the write in flight: maybe it
         return checkpoint_step(kept[-1]) if kept else None
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""
         path = self.run_dir / "metrics.jsonl"
         metrics = read_jsonl(path) if path.exists() else None  # read once: for the checkpoint choice and the sentinel
-        ckpt, state, payload = load_state(self.run_dir, self.actor.holding.load_weights, before_batch, metrics)
-        self.actor.load_state_dict(payload)
-        self.collector.generator.set_state(payload["generator"])
-        self._restore_process_rng(ckpt, payload, state.step)
-        self.collector.stream.load_state_dict(payload["data"])
-        self.collector.skipped_prompts = payload.get("skipped_prompts", 0)
+        ckpt, state = self.checkpoints.restore(before_batch, metrics)
         state.rollbacks = max(state.rollbacks, self.state.rollbacks)
         vars(self.state).update(vars(state))  # in place: the loop holds this object
         self.actor.set_lr(state.step)
@@ -523,3 +311,11 @@ class Trainer:
         self.rewards_seen = {r["rollout_batch"]: r.get("reward/mean") for r in metrics or []
                              if r.get("minibatch", 0) == 0 and r["rollout_batch"] < state.rollout_batch}
         log.info("resumed from %s at optimizer step %d", ckpt, state.step)
+
+    def newest_checkpoint(self) -> str | None:
+        """The newest complete checkpoint (see :meth:`Checkpoints.newest`)."""
+        return self.checkpoints.newest()
+
+    def release(self) -> None:
+        """Let another process use the run directory (done at the end of ``train()``)."""
+        self.dir.release()

@@ -1,4 +1,6 @@
-"""What a checkpoint holds and how a run comes back from one.
+"""What a checkpoint holds and how a run comes back from one: the file format's trainer side (:class:`TrainState`,
+:class:`CheckpointWriter`, :func:`load`) and the trainer's checkpoints (:class:`Checkpoints`: each part's
+``state_dict()`` collected into one, the newest restored into each part, the rollback pin, the process RNGs).
 
 A checkpoint (written atomically by :mod:`gspo.checkpoint`, in the background by :class:`CheckpointWriter`) is a loadable HF model directory plus
 ``trainer_state.pt``: the counters of :class:`TrainState`, the optimizer, every RNG (Python, NumPy, torch, CUDA, the
@@ -20,8 +22,8 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import (checkpoint_step, complete_checkpoints, rng_state, save_checkpoint, save_replicated,
-                             save_sharded, set_rng_state, to_cpu)
+from gspo.checkpoint import (RANK_FILE, checkpoint_step, complete_checkpoints, rng_state, save_checkpoint,
+                             save_replicated, save_sharded, seed_everything, set_rng_state, to_cpu)
 from gspo.errors import UserError
 
 log = logging.getLogger("gspo")
@@ -211,3 +213,68 @@ def load(run_dir: Path, load_weights, before_batch: int | None = None,
     set_rng_state(payload["rng"])
     state = TrainState(**{f.name: payload.get(f.name, getattr(TrainState, f.name)) for f in fields(TrainState)})
     return ckpt, state, payload
+
+
+class Checkpoints:
+    """The checkpoints of one training job in ``run_dir``: :meth:`save` collects the actor's and the collector's
+    ``state_dict()`` (and the counters) into one checkpoint, which the policy's holding writes (in the background, or
+    with every process); :meth:`restore` loads the newest (or one written before a rollout batch) back into each."""
+
+    def __init__(self, run_dir: Path, cfg, runtime, actor, collector, tokenizer):
+        self.run_dir, self.cfg, self.runtime = run_dir, cfg, runtime
+        self.actor, self.collector, self.tokenizer = actor, collector, tokenizer
+        self.writer = CheckpointWriter(run_dir)
+
+    def save(self, state: TrainState, t_start: float, pinned: int | None) -> None:
+        """Start writing a checkpoint of the run as it is now; pruning keeps checkpoint ``pinned`` (a step) however old
+        it gets."""
+        self.writer.pinned = pinned
+        parts = {**self.actor.state_dict(), **self.collector.state_dict(), "world_size": self.runtime.world_size}
+        self.actor.holding.save(self.writer, state, parts, self.tokenizer, self.cfg.log.keep_checkpoints, t_start)
+
+    def restore(self, before_batch: int | None, metrics: list[dict] | None) -> tuple[Path, TrainState]:
+        """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)
+        into the actor and the collector, with this process's RNGs; returns it and its counters."""
+        ckpt, state, payload = load(self.run_dir, self.actor.holding.load_weights, before_batch, metrics)
+        self.actor.load_state_dict(payload)
+        self.collector.load_state_dict(payload)
+        self._restore_process_rng(ckpt, payload, state.step)
+        return ckpt, state
+
+    def _restore_process_rng(self, ckpt: Path, payload: dict, step: int) -> None:
+        """Each process's own RNGs and sampling stream, from the checkpoint's ``rank-NNNNN.pt`` when the same number of
+        processes wrote it. At another number of processes the streams cannot be mapped: every process is seeded
+        afresh from (seed, step, rank); weights, optimizer, data position and minibatch shuffles are still exact."""
+        rank, world = self.runtime.rank, self.runtime.world_size
+        saved = payload.get("world_size", 1)
+        if saved == world:
+            if world > 1:
+                own = torch.load(ckpt / RANK_FILE.format(rank), weights_only=False)
+                set_rng_state(own["rng"])
+                self.collector.generator.set_state(own["generator"])
+            return
+        seed = self.cfg.seed + 1_000_003 * step + rank
+        seed_everything(seed)
+        self.collector.generator.manual_seed(seed)
+        if self.runtime.is_main:
+            log.warning("resumed on %d process(es) from a checkpoint written by %d: weights, optimizer, data position "
+                        "and minibatch shuffles are exact; the sampling streams are new (seeded from seed, step and "
+                        "rank), so the rollouts differ from those of an uninterrupted run", world, saved)
+
+    def newest(self) -> str | None:
+        """The newest complete checkpoint, once the write in flight (if any) has finished (a failed write stays
+        pending: the next ``wait`` raises it)."""
+        self.writer.wait(raise_error=False)
+        return newest_checkpoint(self.run_dir)
+
+    def through(self, batch: int) -> list[Path]:
+        """The complete checkpoints written before rollout batch ``batch + 1``, once the write in flight finished."""
+        self.writer.wait()
+        return checkpoints_through(self.run_dir, batch)
+
+    def abandon_after(self, step: int) -> None:
+        """A rollback abandons the timeline after ``step``: its checkpoints are renamed out of the way (to
+        ``rolled-back-step-N``, never taken for a checkpoint), so neither --resume nor a message can pick them."""
+        for ckpt in complete_checkpoints(self.run_dir / "checkpoints"):
+            if checkpoint_step(ckpt) > step:
+                ckpt.rename(ckpt.with_name(f"rolled-back-{ckpt.name}-{int(time.time())}"))

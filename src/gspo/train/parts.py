@@ -1,0 +1,114 @@
+"""The components of a run, built from its config in the order the weights require: the model loaded and prepared,
+the rollout engine's copy of it, then the holding (which may shard or adapt the policy in place), the actor, the
+reward workers (started first, in the background) and the collect stage. The loop sequences them; the probe builds
+them too.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gspo.checkpoint import seed_everything
+from gspo.config import Config
+from gspo.data import DataStream, build_dataset, dataset_args, default_reward
+from gspo.errors import UserError
+from gspo.models import load_model, stop_token_ids
+from gspo.parallel.holding import hold
+from gspo.parallel.strategy import choose as choose_strategy
+from gspo.rewards.runner import RewardRunner, RewardSpec
+from gspo.rollout import RolloutEngine, make_engine
+from gspo.runtime import Runtime, precision_name
+from gspo.train.actor import Actor, prepare_model
+from gspo.train.collect import Collector
+from gspo.train.passes import as_fsdp_forward
+
+log = logging.getLogger("gspo")
+
+
+@dataclass
+class Parts:
+    """The components of a run, built from its config: what the loop sequences (the probe uses them too)."""
+
+    runtime: Runtime
+    actor: Actor
+    tokenizer: object
+    engine: RolloutEngine
+    collector: Collector
+    rewards: RewardRunner
+
+
+def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None) -> Parts:
+    """Model, actor, engine, reward workers and collect stage for ``cfg``; ``timings`` gets the seconds of each."""
+    timings = {} if timings is None else timings
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = round(now - clock, 3)
+        clock = now
+
+    seed_everything(cfg.seed)
+    specs = ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions]
+             or [RewardSpec(default_reward(cfg.data.task))])
+    rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s)  # starts in the background
+    lap("reward_functions")
+    try:
+        if runtime.device.type == "cuda":
+            torch.cuda.init()
+            torch.empty(1, device=runtime.device)  # the CUDA context, on its own line of the timings
+        lap("cuda_init")
+        model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
+        lap("model_load")
+        ref_model, routing = prepare_model(cfg, runtime, model)
+        strategy = choose_strategy(cfg, model, runtime.device, runtime.world_size)
+        lap("actor")
+        # Under FSDP, with LoRA, and with rounded engine weights, the engine takes its own copy of the plain weights
+        # before the holding shards or adapts the policy; it is fed the gathered, merged or rounded weights after every
+        # optimizer step.
+        engine = make_engine(cfg.rollout.engine, model, tokenizer, stop_ids=stop_token_ids(tokenizer, model),
+                             device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
+                             compact_rows=cfg.rollout.compact_rows,
+                             replica=strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0,
+                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
+        if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
+            if not hasattr(engine, "routing") or routing is None:
+                raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
+                                f"({type(engine).__name__} does not); set rollout.engine = 'hf' or 'graph'.")
+            if getattr(engine, "replica", False):
+                why, fix = (("with LoRA", "") if cfg.lora.rank else
+                            ("with rollout.engine_weight_bits", "") if cfg.rollout.engine_weight_bits else
+                            ("under FSDP", "dist.strategy = 'ddp', "))
+                raise UserError(f"moe.routing_replay = 'rollout' {why} needs the graph engine (the hf engine's own copy "
+                                f"of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, {fix}or "
+                                "moe.routing_replay = 'old'.")
+            engine.routing = routing
+        holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
+        actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
+        lap("engine")
+        stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
+        lap("data")
+    except BaseException:
+        rewards.close()
+        raise
+    # Each process samples with its own stream (the first one's is the one-process run's).
+    generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed + runtime.rank)
+    return Parts(runtime, actor, tokenizer, engine, Collector(cfg, tokenizer, stream, rewards, engine, generator), rewards)
+
+
+def describe_run(cfg: Config, runtime: Runtime, run_dir: Path, resume: bool) -> str:
+    """The start-up line: algorithm, task, model, device, precision (and why, on a CPU), batch shape and length."""
+    r, t = cfg.rollout, cfg.train
+    where = runtime.device.type if runtime.world_size == 1 else f"{runtime.world_size} x {runtime.device.type}"
+    precision = precision_name(runtime.autocast)
+    if runtime.device.type == "cpu" and cfg.model.precision == "auto":
+        precision += " (this CPU has native bf16)" if runtime.autocast else " (this CPU has no native bf16)"
+    batches = -(-t.steps // t.minibatches)
+    return (f"{'resuming' if resume else 'training'} {cfg.algorithm} on {cfg.data.task} with {cfg.model.name} on "
+            f"{where}, {precision}; {r.prompts_per_batch * runtime.world_size} prompts x {r.group_size} completions "
+            f"of up to {r.max_new_tokens} tokens a rollout batch, {t.steps} optimizer steps ({batches} rollout "
+            f"batch{'es' if batches != 1 else ''} x {t.minibatches} minibatches); run directory {run_dir}")
