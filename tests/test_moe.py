@@ -232,7 +232,7 @@ def test_training_an_moe_with_replay_logs_flips_and_resumes_exactly(moe_dir, tmp
     checkpoint is the MoE, and 2 + --resume 2 steps equal 4 straight (replay state lives in the batch, rebuilt on
     resume from the same rollouts)."""
     from gspo.config import build_config
-    from gspo.metrics import read_jsonl
+    from gspo.runlog.metrics import read_jsonl
     from gspo.train import Trainer
 
     def cfg(*extra):
@@ -305,7 +305,7 @@ def test_training_with_r3_and_dapo_refill_logs_engine_and_update_flips(moe_dir, 
     moe/engine_flip_rate; the graph engine is refused for R3 in one line."""
     from gspo.config import build_config
     from gspo.errors import UserError
-    from gspo.metrics import read_jsonl
+    from gspo.runlog.metrics import read_jsonl
     from gspo.train import Trainer
 
     base = [f"model.name='{moe_dir}'", "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
@@ -370,7 +370,7 @@ def test_the_aux_loss_knob_trains_with_transformers_loss(moe_dir, tmp_path):
     """moe.router_aux_loss_coef > 0: a training run adds it, and every step logs moe/aux_loss (>= k x coef, the
     minimum of transformers' Switch loss for top-k routing)."""
     from gspo.config import build_config
-    from gspo.metrics import read_jsonl
+    from gspo.runlog.metrics import read_jsonl
     from gspo.train import Trainer
 
     cfg = build_config({}, [f"model.name='{moe_dir}'", "rollout.prompts_per_batch=2", "rollout.group_size=4",

@@ -35,7 +35,7 @@ from gspo.errors import UserError
 from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
 from gspo.models import attention_context, disable_dropout, named_weights
 from gspo.moe import Routing, disable_router_noise, is_moe
-from gspo.profiler import stage
+from gspo.runlog.profiler import stage
 from gspo.runtime import Runtime, to_device
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout

@@ -28,9 +28,9 @@ from gspo.checkpoint import RANK_FILE, checkpoint_step, complete_checkpoints, se
 from gspo.config import SOURCE_KEYS, Config, resume_changes, source_fingerprints
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.errors import UserError
-from gspo.metrics import read_jsonl
+from gspo.runlog.metrics import read_jsonl
 from gspo.models import load_model, stop_token_ids
-from gspo.profiler import BatchProfiler, stage
+from gspo.runlog.profiler import BatchProfiler, stage
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import RolloutEngine, make_engine, rounded_weights
 from gspo.runlog import RunLog
