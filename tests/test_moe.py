@@ -10,7 +10,7 @@ from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeCon
 from transformers import AutoModelForCausalLM
 
 from gspo.logprobs import sequence_logprobs
-from gspo.moe import Routing, check_router, find_routers, gate_weights
+from gspo.models.moe import Routing, check_router, find_routers, gate_weights
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=2, initializer_range=0.3,

@@ -37,9 +37,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gspo.errors import UserError
-from gspo.moe import find_routers
 from gspo.models import (attention_context, attention_implementation, autocast_context, cache_kwarg, final_logits,
                          head_dim, kv_heads, named_weights, pad_prompts, pad_token_id, stop_token_ids)
+from gspo.models.moe import find_routers
 from gspo.rollout.fused import FusedDecoder, fused_unsupported
 from gspo.rollout.hf import check_request, filter_logits
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
@@ -380,7 +380,7 @@ class GraphEngine:
         if flash_decode is None:
             flash_decode = self.device.type == "cuda" and _flash_decode_works(self.device, self.cache_dtype, model.config)
         self.flash_decode = flash_decode
-        self._routing = None  # the trainer's gspo.moe.Routing when the engine records routes (R3)
+        self._routing = None  # the trainer's gspo.models.moe.Routing when the engine records routes (R3)
         self._route_layout: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of the forward
         self._route_buffer: torch.Tensor | None = None  # (Lr, B+1, L, k) of the bucket in use
         self._route_hooks: list = []

@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from gspo.errors import UserError
 from gspo.models import (attention_context, autocast_context, cache_kwarg, eval_mode, pad_prompts, pad_token_id,
                          positions_from_mask, stop_token_ids)
-from gspo.moe import Layout, padded_layout
+from gspo.models.moe import Layout, padded_layout
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
 
@@ -119,8 +119,8 @@ class HFEngine:
         self.autocast_dtype = autocast_dtype
         self._keeps_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_arg = cache_kwarg(model.forward)
-        # An MoE policy's gspo.moe.Routing, set by the trainer for moe.routing_replay = "rollout" (R3): each generate
-        # call then records every fed token's experts by (row, position) into Rollout.routes.
+        # An MoE policy's gspo.models.moe.Routing, set by the trainer for moe.routing_replay = "rollout" (R3): each
+        # generate call then records every fed token's experts by (row, position) into Rollout.routes.
         self.routing = None
         self._recording = None
 

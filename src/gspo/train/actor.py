@@ -34,7 +34,7 @@ from gspo.dist import slice_of
 from gspo.errors import UserError
 from gspo.logprobs import PackedGraphs, packing_available, packing_unsupported, sequence_logprobs
 from gspo.models import attention_context, disable_dropout, named_weights
-from gspo.moe import Routing, disable_router_noise, is_moe
+from gspo.models.moe import Routing, disable_router_noise, is_moe
 from gspo.runlog.profiler import stage
 from gspo.runtime import Runtime, to_device
 from gspo.train.schedule import lr_factor
@@ -108,7 +108,7 @@ class Actor:
         passes and an optimizer over the adapters alone. Nothing to do otherwise."""
         if not self.cfg.lora.rank or self.peft is not None:
             return
-        from gspo import lora
+        from gspo.models import lora
 
         self.peft = lora.apply(self.model, self.cfg.lora, self.cfg.model.name)
         if self.replicated:  # every process starts from rank 0's random adapters
@@ -244,7 +244,7 @@ class Actor:
         """The policy's ``(name, tensor)`` pairs for an engine's ``sync_weights`` (under FSDP each full tensor is
         gathered as it is read: every process must read them all)."""
         if self.peft is not None:
-            from gspo.lora import merged_weights
+            from gspo.models.lora import merged_weights
 
             return merged_weights(self.model)
         return dist.full_weights(self.model) if self.sharded else named_weights(self.model)
@@ -494,7 +494,7 @@ class Actor:
         """The policy's weights from checkpoint ``ckpt`` (and the optimizer too, from a sharded checkpoint's DCP
         files), whichever number of processes wrote it."""
         if self.peft is not None:  # the base weights are model.name's; the checkpoint holds the adapter
-            from gspo import lora
+            from gspo.models import lora
 
             if not lora.is_adapter(ckpt):
                 raise UserError(f"Checkpoint {ckpt} holds full weights, not a LoRA adapter; resume it with lora.rank = "
