@@ -30,10 +30,10 @@ from collections.abc import Iterable
 
 import torch
 
-from gspo.checkpoint import rng_state, set_rng_state
 from gspo.errors import UserError
 from gspo.models import pad_token_id
 from gspo.rollout.hf import check_request
+from gspo.runtime import rng_state, set_rng_state
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")

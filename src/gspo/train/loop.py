@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from gspo import dist
-from gspo.checkpoint import RANK_FILE, checkpoint_step, complete_checkpoints, seed_everything, set_rng_state
+from gspo.checkpoint import RANK_FILE, checkpoint_step, complete_checkpoints
 from gspo.config import SOURCE_KEYS, Config, resume_changes, source_fingerprints
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.errors import UserError
@@ -34,7 +34,7 @@ from gspo.runlog.profiler import BatchProfiler, stage
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import RolloutEngine, make_engine, rounded_weights
 from gspo.runlog import RunLog
-from gspo.runtime import Runtime, finite, precision_name, seconds_since
+from gspo.runtime import Runtime, finite, precision_name, seconds_since, seed_everything, set_rng_state
 from gspo.train.actor import Actor
 from gspo.train.collect import Collector
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, lock_run_dir, out_of_memory

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import (checkpoint_step, complete_checkpoints, rng_state, save_checkpoint, save_replicated,
-                             save_sharded, set_rng_state, to_cpu)
+from gspo.checkpoint import (checkpoint_step, complete_checkpoints, save_checkpoint, save_replicated, save_sharded,
+                             to_cpu)
 from gspo.errors import UserError
+from gspo.runtime import rng_state, set_rng_state
 
 log = logging.getLogger("gspo")
 
