@@ -281,8 +281,7 @@ def test_the_hf_engine_records_every_fed_token_and_agrees_with_the_trainer():
 
     model = tiny_moe("qwen3_moe")
     routing = Routing(model, "rollout")
-    engine = HFEngine(model, Tok(), stop_ids=[2], device="cpu")
-    engine.routing = routing
+    engine = HFEngine(model, Tok(), stop_ids=[2], device="cpu", routing=routing)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     r = engine.generate(prompts, 3, SamplingParams(max_new_tokens=7), generator=torch.Generator().manual_seed(0))
     assert r.routes.shape[:2] == r.routes_mask.shape and r.routes.dtype == torch.uint8
@@ -297,6 +296,30 @@ def test_the_hf_engine_records_every_fed_token_and_agrees_with_the_trainer():
                           row_ids=torch.arange(6))
     assert routing._slots.sum() > 0 and routing.flip_metrics()["moe/flip_rate"].item() <= 0.01
     routing.close()
+
+
+def test_engines_that_record_routes_get_the_routing_as_they_are_built_and_the_others_are_refused(tokenizer):
+    """R3 through make_engine: the hf and graph engines take the routing as they are built; the vLLM engine (which
+    declares it cannot record) and the hf engine's own copy (no routing hooks) are refused in one line before anything
+    is built, so no vLLM is needed here."""
+    from gspo.errors import UserError
+    from gspo.rollout import make_engine
+    from gspo.rollout.vllm_engine import VLLMEngine
+
+    model = tiny_moe("qwen3_moe")
+    routing = Routing(model, "rollout")
+    build = dict(stop_ids=[2], device=torch.device("cpu"), routing=routing)
+    try:
+        for kind in ("hf", "graph"):
+            assert make_engine(kind, model, tokenizer, **build).routing is routing
+        assert not VLLMEngine.records_routing
+        with pytest.raises(UserError, match=r"needs an MoE model and an engine that records routing \(VLLMEngine does "
+                                            r"not\); set rollout.engine = 'hf' or 'graph'\.$"):
+            make_engine("vllm", model, tokenizer, **build)
+        with pytest.raises(UserError, match="hf engine's own copy of the model has no routing hooks"):
+            make_engine("hf", model, tokenizer, replica=True, **build)
+    finally:
+        routing.close()
 
 
 def test_training_with_r3_and_dapo_refill_logs_engine_and_update_flips(moe_dir, tmp_path):
@@ -339,9 +362,8 @@ def test_the_graph_engine_records_the_same_routes_as_the_hf_engine(tokenizer):
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat."]]
     params = SamplingParams(max_new_tokens=9, greedy=True)
     out = []
-    for engine in (HFEngine(model, tokenizer, stop_ids=[2]), GraphEngine(model, tokenizer, stop_ids=[2])):
-        engine.routing = routing
-        out.append(engine.generate(prompts, 2, params))
+    for Engine in (HFEngine, GraphEngine):
+        out.append(Engine(model, tokenizer, stop_ids=[2], routing=routing).generate(prompts, 2, params))
     hf, graph = out
     assert torch.equal(hf.completion_ids, graph.completion_ids)
     width = min(hf.routes_mask.shape[1], graph.routes_mask.shape[1])

@@ -103,19 +103,9 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
                              compact_rows=cfg.rollout.compact_rows,
                              replica=strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0,
-                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
-        if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
-            if not hasattr(engine, "routing") or actor.routing is None:
-                raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
-                                f"({type(engine).__name__} does not); set rollout.engine = 'hf' or 'graph'.")
-            if getattr(engine, "replica", False):
-                why, fix = (("with LoRA", "") if cfg.lora.rank else
-                            ("with rollout.engine_weight_bits", "") if cfg.rollout.engine_weight_bits else
-                            ("under FSDP", "dist.strategy = 'ddp', "))
-                raise UserError(f"moe.routing_replay = 'rollout' {why} needs the graph engine (the hf engine's own copy "
-                                f"of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, {fix}or "
-                                "moe.routing_replay = 'old'.")
-            engine.routing = actor.routing
+                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
+                             # R3 replays the experts that sampled each token: the engine records them
+                             routing=actor.routing if cfg.moe.routing_replay == "rollout" else None)
         actor.shard(strategy)
         actor.adapt()
         lap("engine")
