@@ -1,5 +1,5 @@
 """What one process's share of the rollout-batch gather costs to pickle and unpickle under torchrun: torch's own
-tensor pickling (each storage through torch.save / torch.load) against gspo.dist's (CPU tensors as numpy arrays),
+tensor pickling (each storage through torch.save / torch.load) against gspo.parallel.comm's (CPU tensors as numpy arrays),
 on a Groups of the reference run's size per process (32 prompts x 8 completions, 128 completion tokens, ~60 prompt
 tokens). The gather pickles one share and unpickles every process's. Also: the rows' prompt ids as one list per row
 (before ``Rollout.repeat_prompts``) against one list per prompt shared by its rows (what the engines return now).
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from gspo.dist import dumps as array_pickle  # noqa: E402  (what gather_objects sends)
+from gspo.parallel.comm import dumps as array_pickle  # noqa: E402  (what gather_objects sends)
 from gspo.train.collect import Groups, Scores  # noqa: E402
 from gspo.types import Example, Rollout  # noqa: E402
 

@@ -89,7 +89,7 @@ def test_two_processes_train_a_batch_as_one_does(one_process_steps, tmp_path, st
 def test_auto_strategy_replicates_what_fits_half_a_device_and_shards_the_rest(monkeypatch):
     """dist.strategy = 'auto': DDP while 18 bytes a parameter (22 with a reference model) take at most half of the
     device's memory -- here the host's, shared by its processes -- FSDP beyond; an explicit choice is kept."""
-    from gspo import dist
+    from gspo.parallel import strategy
     from conftest import tiny_llama
 
     model = tiny_llama(vocab_size=512, seed=0)
@@ -101,19 +101,19 @@ def test_auto_strategy_replicates_what_fits_half_a_device_and_shards_the_rest(mo
     for pages, reference, expected in [(fits, False, "ddp"), (fits - 1, False, "fsdp"), (fits, True, "fsdp"),
                                        (fits_ref, True, "ddp")]:
         monkeypatch.setattr(os, "sysconf", lambda key, pages=pages: page if key == "SC_PAGE_SIZE" else pages)
-        assert dist.choose_strategy("auto", model, cpu, reference=reference) == expected, (pages, reference)
-        assert dist.choose_strategy("fsdp", model, cpu, reference=reference) == "fsdp"
-        assert dist.choose_strategy("ddp", model, cpu, reference=reference) == "ddp"
+        assert strategy.choose_strategy("auto", model, cpu, reference=reference) == expected, (pages, reference)
+        assert strategy.choose_strategy("fsdp", model, cpu, reference=reference) == "fsdp"
+        assert strategy.choose_strategy("ddp", model, cpu, reference=reference) == "ddp"
 
 
 def test_gather_pickling_round_trips_every_tensor_kind():
-    """What gather_objects sends (dist.dumps, tensors as numpy arrays) loads back equal, with dtype and shape: bool,
+    """What gather_objects sends (comm.dumps, tensors as numpy arrays) loads back equal, with dtype and shape: bool,
     int64, float32 and 0-dim tensors, a strided view (only the view travels), bfloat16 (as its int16 bits), nested
     in dataclasses, lists and dicts; the loaded tensors are writable and share nothing with the sender's. A tensor
     that requires grad keeps torch's pickling."""
     import pickle
 
-    from gspo.dist import dumps
+    from gspo.parallel.comm import dumps
     from gspo.train.collect import Scores
 
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
@@ -136,26 +136,26 @@ def test_largest_micro_batches_by_hand():
     """Rows 0..7 with 100, 90, 1, 1, 1, 1, 80, 70 tokens, 2 processes, micro-batches of 2: process 0 holds rows 0-3
     (micro-batches of 190 and 2 tokens), process 1 rows 4-7 (2 and 150); each pads its j-th micro-batch to the larger:
     190, then 150. A second minibatch in reverse order gives 150 then 190. One process's plan has no such lengths."""
-    from gspo import dist
+    from gspo.parallel import plan
 
     tokens = torch.tensor([100, 90, 1, 1, 1, 1, 80, 70])
     rows = torch.arange(8)
-    assert dist.largest_micro_batches([rows, rows.flip(0)], tokens, 2, 2) == [[190, 150], [150, 190]]
-    assert dist.largest_micro_batches([rows], tokens, 2, 4) == [[192]]
-    assert [c.tolist() for c in dist.micro_batches(rows, 1, 2, 2)] == [[4, 5], [6, 7]]
+    assert plan.largest_micro_batches([rows, rows.flip(0)], tokens, 2, 2) == [[190, 150], [150, 190]]
+    assert plan.largest_micro_batches([rows], tokens, 2, 4) == [[192]]
+    assert [c.tolist() for c in plan.micro_batches(rows, 1, 2, 2)] == [[4, 5], [6, 7]]
 
 
 def test_flat_gradients_stay_views_that_backward_accumulates_into():
     """DDP's gradients as views of one flat buffer (what the all-reduce sums in place): every trainable parameter's
     .grad is its slice of the buffer, two backwards accumulate into it in place (the buffer holds their sum), zeroing
     the buffer zeroes every .grad, and a frozen parameter gets none."""
-    from gspo import dist
+    from gspo.parallel import ddp
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     model[1].bias.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-    (flat,) = dist.flat_gradients(params)
+    (flat,) = ddp.flat_gradients(params)
     assert flat.numel() == sum(p.numel() for p in params) and model[1].bias.grad is None
     x = torch.randn(5, 3)
     expected = [torch.autograd.grad(model(x).square().sum(), p)[0] * 2 for p in params]  # two equal backwards
@@ -174,13 +174,13 @@ def test_balanced_slices_hold_near_equal_tokens_by_hand():
     """Rows 0..7 with 100, 90, 1, 1, 1, 1, 80, 70 tokens on 2 processes: contiguous halves would hold 192 and 152
     tokens. Longest first to the lighter slice with room: 0 -> a (100), 1 -> b (90), 6 -> b (170), 7 -> a (170),
     then the ones alternate (ties to the first slice): a = [0, 7, 2, 4], b = [1, 6, 3, 5], 172 tokens each."""
-    from gspo import dist
+    from gspo.parallel import plan
 
     tokens = torch.tensor([100, 90, 1, 1, 1, 1, 80, 70])
-    assert dist.balance(torch.arange(8), tokens, 2).tolist() == [0, 7, 2, 4, 1, 6, 3, 5]
+    assert plan.balance(torch.arange(8), tokens, 2).tolist() == [0, 7, 2, 4, 1, 6, 3, 5]
     rows = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     lengths = torch.randint(1, 300, (64,), generator=torch.Generator().manual_seed(1))
-    out = dist.balance(rows, lengths, 4)
+    out = plan.balance(rows, lengths, 4)
     assert sorted(out.tolist()) == sorted(rows.tolist())  # the same rows, reordered
     loads = [int(lengths[out[i * 16:(i + 1) * 16]].sum()) for i in range(4)]
     assert max(loads) - min(loads) <= int(lengths.max())
@@ -190,7 +190,7 @@ def test_balance_matches_the_plain_greedy_on_random_batches():
     """``dist.balance`` keeps its open slices in a heap; on random batches (many ties among short rows) it deals
     exactly what the plain rule deals: longest row first, to the open slice with the fewest tokens, lowest index on a
     tie."""
-    from gspo import dist
+    from gspo.parallel import plan
 
     def plain(rows, tokens, world):
         cap, count = len(rows) // world, tokens.tolist()
@@ -207,7 +207,7 @@ def test_balance_matches_the_plain_greedy_on_random_batches():
         n = world * int(torch.randint(1, 20, (1,), generator=g))
         tokens = torch.randint(1, 1 + int(torch.randint(1, 400, (1,), generator=g)), (n + 5,), generator=g)
         rows = torch.randperm(n + 5, generator=g)[:n]
-        assert dist.balance(rows, tokens, world).tolist() == plain(rows, tokens, world), trial
+        assert plan.balance(rows, tokens, world).tolist() == plain(rows, tokens, world), trial
 
 
 def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path):  # noqa: F811
@@ -389,9 +389,9 @@ def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  
     (["rollout.engine='vllm'"], "rollout.engine = 'vllm' under torchrun is not built"),
 ])
 def test_a_setting_the_processes_cannot_share_is_refused_in_one_line(overrides, match):
-    """Checked before any process group or model exists (gspo.dist.check_layout), with the key and the fix."""
+    """Checked before any process group or model exists (gspo.parallel.strategy.check_layout), with the key and the fix."""
     from gspo.config import build_config
-    from gspo.dist import check_layout
+    from gspo.parallel.strategy import check_layout
     from gspo.errors import UserError
 
     cfg = build_config({}, ["rollout.prompts_per_batch=6", "rollout.group_size=2", "train.minibatches=2",

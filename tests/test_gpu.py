@@ -302,12 +302,12 @@ def test_non_finite_step_is_skipped_on_the_device(tmp_path, tokenizer, monkeypat
 
     monkeypatch.setattr(gspo.train.actor, "policy_loss", nan_once)
     trainer = Trainer(_tiny_cuda_config(tmp_path, tokenizer), tmp_path / "run")
-    assert trainer.actor.fused_optimizer
+    assert trainer.actor.holding.fused_optimizer
     before = {k: v.detach().clone() for k, v in trainer.actor.model.named_parameters()}
     trainer.train()
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["nonfinite_steps"] for r in rows] == [1.0, 1.0]
-    steps = {int(s["step"]) for s in trainer.actor.optimizer.state_dict()["state"].values()}
+    steps = {int(s["step"]) for s in trainer.actor.holding.optimizer.state_dict()["state"].values()}
     assert steps == {1}  # the skipped step did not count
     assert any(not torch.equal(before[k], v) for k, v in trainer.actor.model.named_parameters())
 
@@ -336,7 +336,7 @@ def test_gather_pickling_sends_gpu_tensors_as_their_cpu_values():
     values, loaded on the CPU of whichever process reads it."""
     import pickle
 
-    from gspo.dist import dumps
+    from gspo.parallel.comm import dumps
 
     sent = {"f": torch.randn(3, 5, device="cuda"), "bf16": torch.randn(6, device="cuda", dtype=torch.bfloat16)[::2],
             "ids": torch.arange(12, device="cuda").reshape(3, 4)[:, 1:]}

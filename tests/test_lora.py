@@ -29,7 +29,7 @@ def test_only_the_adapters_train_and_the_engine_samples_the_merged_weights(tiny_
     changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
     assert changed and all(".lora_" in n for n in changed)  # the base weights never move
     assert any(".lora_B." in n for n in changed)  # B starts at zero: a trained adapter changes the policy
-    trained = [p for group in trainer.actor.optimizer.param_groups for p in group["params"]]
+    trained = [p for group in trainer.actor.holding.optimizer.param_groups for p in group["params"]]
     assert {id(p) for p in trained} == {id(p) for p in model.parameters() if p.requires_grad}
 
     # The engine's own plain copy holds W + (alpha / r) B A once synced (the loop syncs before every rollout batch):
@@ -137,8 +137,8 @@ def test_adapters_on_modules_the_model_lacks_and_under_fsdp_are_refused(tiny_dir
         Trainer(_lora(tiny_dir, "lora.target_parameters=['experts.gate_up_proj']"), tmp_path / "dense")
     with pytest.raises(UserError, match="ties to its input embeddings"):  # the tiny Llama ties them, as SmolLM2 does
         Trainer(_lora(tiny_dir, "lora.target_modules=['q_proj', 'lm_head']"), tmp_path / "tied")
-    from gspo import dist
+    from gspo.parallel.strategy import check_layout
 
     with pytest.raises(UserError, match="with dist.strategy = 'fsdp'.*set dist.strategy = 'ddp' or 'auto'"):
-        dist.check_layout(_lora(tiny_dir, "dist.strategy='fsdp'"), 2)
-    dist.check_layout(_lora(tiny_dir), 2)  # auto: replicated
+        check_layout(_lora(tiny_dir, "dist.strategy='fsdp'"), 2)
+    check_layout(_lora(tiny_dir), 2)  # auto: replicated

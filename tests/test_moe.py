@@ -259,11 +259,11 @@ def test_moe_settings_on_a_dense_model_are_refused():
     from gspo.config import build_config
     from gspo.errors import UserError
     from gspo.runtime import Runtime
-    from gspo.train.actor import Actor
+    from gspo.train.actor import build_actor
 
     cfg = build_config({}, ["moe.routing_replay='old'", "model.device='cpu'"], device="cpu")
     with pytest.raises(UserError, match="dense model"):
-        Actor(cfg, Runtime.from_config(cfg.model), tiny_llama())
+        build_actor(cfg, Runtime.from_config(cfg.model), tiny_llama())
 
 
 def test_the_hf_engine_records_every_fed_token_and_agrees_with_the_trainer():

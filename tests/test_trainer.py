@@ -523,7 +523,7 @@ def test_resume_with_a_lower_lr_uses_it(tiny_dir, tmp_path):
     """The config's train.lr wins over the checkpoint's on --resume (and is what the metrics log)."""
     Trainer(tiny_config(tiny_dir, "train.steps=2"), tmp_path / "run").train()
     t = Trainer(tiny_config(tiny_dir, "train.steps=4", "train.lr=1e-4"), tmp_path / "run", resume=True)
-    assert t.actor.optimizer.param_groups[0]["lr"] == 1e-4
+    assert t.actor.holding.optimizer.param_groups[0]["lr"] == 1e-4
     t.train()
     assert [r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1e-3, 1e-3, 1e-4, 1e-4]
 

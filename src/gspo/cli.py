@@ -47,7 +47,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gspo import dist
+    from gspo.parallel import comm
     from gspo.train import Trainer
 
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
@@ -58,7 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = Trainer(cfg, run_dir, resume=args.resume)
         out = trainer.train()
     finally:
-        dist.close()
+        comm.close()
     if not trainer.runtime.is_main:
         return 0 if trainer.stop_signal is None else (130 if trainer.stop_signal == "SIGINT" else 143)
     if trainer.stop_signal is not None:

@@ -34,7 +34,7 @@ from gspo.runtime import to_device
 
 
 def sequence_logprobs(model, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # The arguments and docstring are _sequence_logprobs's (copied below); a model sharded by gspo.dist.shard runs it
+    # The arguments and docstring are _sequence_logprobs's (copied below); a model sharded by gspo.parallel.fsdp.shard runs it
     # as a forward of its root FSDP unit (see as_fsdp_forward).
     entry = getattr(model, _FSDP_ENTRY, None)
     if entry is not None:

@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from gspo import dist as gd
+from gspo.parallel import comm as gd
 from gspo.config import ModelConfig
 from gspo.runtime import Runtime
 

@@ -10,10 +10,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import tiny_llama  # noqa: E402
 from test_moe import tiny_moe  # noqa: E402
 
-from gspo import dist  # noqa: E402
+from gspo.parallel import comm  # noqa: E402
+from gspo.parallel.fsdp import full_value  # noqa: E402
 from gspo.config import build_config  # noqa: E402
 from gspo.runtime import Runtime  # noqa: E402
-from gspo.train.actor import Actor  # noqa: E402
+from gspo.train.actor import build_actor  # noqa: E402
 from gspo.types import Batch, Rollout  # noqa: E402
 
 CASES = {
@@ -50,11 +51,12 @@ def run(name: str, extra: list[str], strategy: str) -> dict:
     runtime = Runtime.from_config(cfg.model)
     family = name.split("-")[0]
     moe = family in ("mixtral", "qwen3_moe")
-    actor = Actor(cfg, runtime, tiny_moe(family) if moe else tiny_llama(vocab_size=512, seed=0))
-    actor.shard("ddp" if cfg.lora.rank else strategy)  # LoRA trains replicated whatever the strategy of the others
     if cfg.lora.rank:
-        torch.manual_seed(100 + dist.rank_world()[0])  # different random adapters in every process, until replicated
-        actor.adapt()
+        torch.manual_seed(100 + comm.rank_world()[0])  # different random adapters in every process, until replicated
+    world = comm.rank_world()[1]
+    # LoRA trains replicated whatever the strategy of the others
+    held = "single" if world == 1 else "ddp" if cfg.lora.rank else strategy
+    actor = build_actor(cfg, runtime, tiny_moe(family) if moe else tiny_llama(vocab_size=512, seed=0), held)
     batch = fixed_batch(vocab=256 if moe else 512)
     tokens = torch.tensor([len(p) for p in batch.rollout.prompt_ids]) + batch.rollout.lengths
     plan = actor.plan(16, tokens)  # under torchrun: slices balanced by tokens
@@ -64,16 +66,16 @@ def run(name: str, extra: list[str], strategy: str) -> dict:
         out = actor.step(batch, plan, k, k)
         steps.append({key: float(v) for key, v in out.metrics.items()})
         if k == 0:  # gradients stay in .grad after the optimizer step
-            grads = {n: dist.full_value(p.grad).clone() for n, p in actor.model.named_parameters()
+            grads = {n: full_value(p.grad).clone() for n, p in actor.model.named_parameters()
                      if p.grad is not None}
     return {"steps": steps, "grads": grads, "grad_scale": max(float(g.abs().max()) for g in grads.values()),
             "weights": {n: t.clone() for n, t in actor.weights()}, "old_logprobs": batch.old_logprobs.clone()}
 
 
 if __name__ == "__main__":
-    dist.init(torch.device("cpu"), 120)
+    comm.init(torch.device("cpu"), 120)
     strategy = sys.argv[2] if len(sys.argv) > 2 else "fsdp"
     results = {name: run(name, extra, strategy) for name, extra in CASES.items()}
-    if dist.rank_world()[0] == 0:
+    if comm.rank_world()[0] == 0:
         torch.save(results, sys.argv[1])
-    dist.close()
+    comm.close()

@@ -23,7 +23,7 @@ import torch
 from gspo.algorithms import group_advantages, overlong_penalty, zero_variance_groups
 from gspo.config import TASK_STEP_CREDIT, Config
 from gspo.data import DataStream
-from gspo.dist import active, barrier, gather_objects, rank_world, split_work
+from gspo.parallel.comm import active, barrier, gather_objects, rank_world, split_work
 from gspo.errors import UserError
 from gspo.runlog.profiler import stage
 from gspo.prompts import encode_prompts
@@ -139,7 +139,7 @@ class Collector:
     def fill(self, timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, Any]]:
         """This process's groups for the update (all ``P`` in one process, ``P / W`` of a ``torchrun`` job); with DAPO
         dynamic sampling, zero-variance groups are dropped and refilled. Sampling rounds are taken by all processes
-        together (see :mod:`gspo.dist`): each round every one says how many groups it lacks (under dynamic sampling; else
+        together (see :mod:`gspo.parallel`): each round every one says how many groups it lacks (under dynamic sampling; else
         each lacks P / W, then none), all draw that many prompts from the one data stream, and each samples its own
         share.
 
@@ -202,7 +202,7 @@ class Collector:
             with stage("gather_wait"):
                 barrier()  # the wait for the slowest process's rollout, timed apart from the transfer
             wait = time.perf_counter() - t0
-            with stage("gather_objects"):  # tensors travel as their CPU values (dist.dumps): no copy made here first
+            with stage("gather_objects"):  # tensors travel as their CPU values (comm.dumps): no copy made here first
                 parts = gather_objects((groups, scores, counts, dict(timing), self._first_error))
             with stage("gather_merge"):
                 groups = Groups.concat([p[0] for p in parts])

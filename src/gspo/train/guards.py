@@ -187,13 +187,13 @@ def dist_failures(trainer):
     """Under ``torchrun``: a collective that failed because another process is gone (crashed, killed: its connection
     closed) or hangs (no answer within ``dist.timeout_s``) ends the run in one line that names the last complete
     checkpoint, instead of a traceback from deep inside torch.distributed."""
-    from gspo import dist
+    from gspo.parallel import comm
 
     try:
         yield
     except RuntimeError as e:
         text = str(e).lower()
-        if not dist.active() or not (isinstance(e, torch.distributed.DistError)
+        if not comm.active() or not (isinstance(e, torch.distributed.DistError)
                                      or any(s in text for s in _COLLECTIVE_SIGNS)):
             raise
         newest = trainer.newest_checkpoint()

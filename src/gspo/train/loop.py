@@ -23,19 +23,22 @@ from pathlib import Path
 
 import torch
 
-from gspo import dist
 from gspo.checkpoint import RANK_FILE, checkpoint_step, complete_checkpoints
 from gspo.config import SOURCE_KEYS, Config, resume_changes, source_fingerprints
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.errors import UserError
 from gspo.runlog.metrics import read_jsonl
 from gspo.models import load_model, stop_token_ids
+from gspo.logprobs import as_fsdp_forward
+from gspo.parallel import comm
+from gspo.parallel.holding import hold
+from gspo.parallel.strategy import check_layout, choose as choose_strategy
 from gspo.runlog.profiler import BatchProfiler, stage
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import RolloutEngine, make_engine, rounded_weights
 from gspo.runlog import RunLog
 from gspo.runtime import Runtime, finite, precision_name, seconds_since, seed_everything, set_rng_state
-from gspo.train.actor import Actor
+from gspo.train.actor import Actor, prepare_model
 from gspo.train.collect import Collector
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, lock_run_dir, out_of_memory
 from gspo.train.sentinel import (best_window_end, collapse_findings, response, reward_drop, rollback_limit,
@@ -91,23 +94,21 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         lap("cuda_init")
         model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
         lap("model_load")
-        actor = Actor(cfg, runtime, model)
+        ref_model, routing = prepare_model(cfg, runtime, model)
+        strategy = choose_strategy(cfg, model, runtime.device, runtime.world_size)
         lap("actor")
-        strategy = (dist.choose_strategy(cfg.dist.strategy, model, runtime.device, reference=cfg.loss.beta > 0,
-                                         lora=cfg.lora.rank > 0)
-                    if runtime.world_size > 1 else None)
         # Under FSDP, with LoRA, and with rounded engine weights, the engine takes its own copy of the plain weights
-        # before the policy is sharded or adapted; it is fed the gathered, merged or rounded weights after every
+        # before the holding shards or adapts the policy; it is fed the gathered, merged or rounded weights after every
         # optimizer step.
-        engine = make_engine(cfg.rollout.engine, actor.model, tokenizer, stop_ids=stop_token_ids(tokenizer, actor.model),
+        engine = make_engine(cfg.rollout.engine, model, tokenizer, stop_ids=stop_token_ids(tokenizer, model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
                              compact_rows=cfg.rollout.compact_rows,
                              replica=strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0,
                              vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
                              # R3 replays the experts that sampled each token: the engine records them
-                             routing=actor.routing if cfg.moe.routing_replay == "rollout" else None)
-        actor.shard(strategy)
-        actor.adapt()
+                             routing=routing if cfg.moe.routing_replay == "rollout" else None)
+        holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
+        actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
         lap("engine")
         stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
         lap("data")
@@ -145,8 +146,8 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.runtime = runtime or Runtime.from_config(cfg.model)
-        dist.check_layout(cfg, self.runtime.world_size)
-        dist.init(self.runtime.device, cfg.dist.timeout_s)
+        check_layout(cfg, self.runtime.world_size)
+        comm.init(self.runtime.device, cfg.dist.timeout_s)
         self.timings: dict[str, float] = {"process_start_to_trainer": self.since_start()}
         self._prepare_run_dir(resume)
         if self.runtime.is_main:  # before the model loads (seconds to minutes): what this run is, at once
@@ -195,12 +196,12 @@ class Trainer:
                                 enabled=self.runtime.is_main)
                 # Under torchrun the processes stop together, at the first rollout-batch boundary after any of them
                 # got a signal (one that went on alone would wait in a collective for the others).
-                stopping = dist.any_rank(stop.received is not None)
+                stopping = comm.any_rank(stop.received is not None)
                 while state.step < cfg.train.steps and not stopping:
                     with self.profiler.around(state.rollout_batch):
                         self.rollout_batch_once(runlog)
                     self.writer.poll()  # a background checkpoint that failed ends the run now, in one line
-                    stopping = dist.any_rank(stop.received is not None)
+                    stopping = comm.any_rank(stop.received is not None)
                     if self.check_collapse(self.last_rows):  # rolled back to an earlier checkpoint: replay from there
                         runlog.rewind(state.step, state.rollout_batch)
                         continue
@@ -357,7 +358,7 @@ class Trainer:
             self.restore(before_batch=checkpoint_batch(older[-1]) + 1)
             if self.runtime.is_main:
                 self._abandon_checkpoints_after(state.step)
-            dist.barrier()
+            comm.barrier()
             return True
         last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
         last += stop_reason(sc, state.rollbacks, bool(older))
@@ -479,16 +480,8 @@ class Trainer:
         c = self.collector
         parts = {**self.actor.state_dict(), "generator": c.generator.get_state(), "data": c.stream.state_dict(),
                  "skipped_prompts": c.skipped_prompts, "world_size": self.runtime.world_size}
-        if self.actor.collective_checkpoint:  # every process writes its shards; synchronous
-            self.writer.write_sharded(self.state, parts, self.actor, self.tokenizer, self.cfg.log.keep_checkpoints,
-                                      self.t_start)
-            return
-        if self.actor.distributed:  # LoRA under torchrun: rank 0 writes the adapter, every process its RNGs
-            self.writer.write_replicated(self.state, parts, self.actor.peft, self.tokenizer, self.cfg.log.keep_checkpoints,
-                                         self.t_start)
-            return
-        self.writer.submit(self.state, parts, self.actor.peft or self.actor.model, self.tokenizer,
-                           self.cfg.log.keep_checkpoints, self.t_start)
+        self.actor.holding.save(self.writer, self.state, parts, self.tokenizer, self.cfg.log.keep_checkpoints,
+                                self.t_start)
 
     def rollback_target_pin(self) -> int | None:
         """The step of the checkpoint a reward drop would roll back to (the newest holding a policy no later than the
@@ -506,7 +499,7 @@ class Trainer:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""
         path = self.run_dir / "metrics.jsonl"
         metrics = read_jsonl(path) if path.exists() else None  # read once: for the checkpoint choice and the sentinel
-        ckpt, state, payload = load_state(self.run_dir, self.actor.load_weights, before_batch, metrics)
+        ckpt, state, payload = load_state(self.run_dir, self.actor.holding.load_weights, before_batch, metrics)
         self.actor.load_state_dict(payload)
         self.collector.generator.set_state(payload["generator"])
         self._restore_process_rng(ckpt, payload, state.step)

@@ -128,12 +128,12 @@ class CheckpointWriter:
         error.__cause__ = e
         return error
 
-    def write_sharded(self, state: TrainState, parts: dict[str, Any], actor, tokenizer, keep: int,
+    def write_sharded(self, state: TrainState, parts: dict[str, Any], model, optimizer, tokenizer, keep: int,
                       t_start: float) -> None:
         """Write checkpoint ``step-<state.step>`` of a sharded policy now, with every process (a collective; see
         :func:`gspo.checkpoint.save_sharded`)."""
         self._write_collectively(state, parts, t_start, lambda payload, own: save_sharded(
-            self.run_dir / "checkpoints", state.step, actor.model, actor.optimizer, tokenizer, payload, own, keep,
+            self.run_dir / "checkpoints", state.step, model, optimizer, tokenizer, payload, own, keep,
             self.pinned))
 
     def write_replicated(self, state: TrainState, parts: dict[str, Any], model, tokenizer, keep: int,

@@ -1,0 +1,171 @@
+"""The collectives the loop adds across the processes of a ``torchrun`` job: joining and leaving it, gathering objects
+and rows, sums, agreement and barriers. One process (no ``torchrun``, or ``WORLD_SIZE`` 1) calls none of them: every
+function here is the identity there. Imports nothing of gspo above ``errors``.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+
+
+def active() -> bool:
+    """Whether this process is one of several in an initialised process group."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
+def init(device: torch.device, timeout_s: float) -> None:
+    """Join the ``torchrun`` job (NCCL on GPUs, gloo on CPUs); a collective that waits longer than ``timeout_s``
+    (a rank that crashed or hangs) fails instead of waiting forever."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    global _OWN_GROUP
+    _OWN_GROUP = True
+
+
+_OWN_GROUP = False  # whether init() made the default process group (a colocated vLLM makes one of its own)
+
+
+def close() -> None:
+    """Leave the job: destroy the process group init() made, and no other (vLLM in this process owns its own)."""
+    global _OWN_GROUP
+    if _OWN_GROUP and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    _OWN_GROUP = False
+
+
+def rank_world() -> tuple[int, int]:
+    return (torch.distributed.get_rank(), torch.distributed.get_world_size()) if active() else (0, 1)
+
+
+def _comm_device(device: torch.device | None = None) -> torch.device:
+    """Where a collective's tensors must be: this process's GPU under NCCL, the CPU under gloo."""
+    if torch.distributed.get_backend() != "nccl":
+        return torch.device("cpu")
+    return device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+
+
+def _tensor_from_array(array) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+def _bfloat16_from_array(array) -> torch.Tensor:
+    return torch.from_numpy(array).view(torch.bfloat16)
+
+
+class _ArrayPickler(pickle.Pickler):
+    """Pickles tensors as numpy arrays of their CPU values: torch's own reduction writes each storage through
+    ``torch.save`` and reads it back through ``torch.load``, ~20x slower to load than an array's bytes; a process's
+    share of a rollout batch's gather (its Python lists included) unpickles ~2.5x faster this way
+    (``benchmarks/gather_pickle.py``). A GPU tensor travels as its CPU copy (what a receiver on another device can
+    load), bfloat16 (which numpy lacks) as its int16 bits; a tensor that requires grad or a subclass keeps torch's
+    reduction."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and not obj.requires_grad and type(obj) is torch.Tensor:
+            cpu = obj.detach().cpu()
+            if cpu.dtype == torch.bfloat16:
+                return _bfloat16_from_array, (cpu.view(torch.int16).numpy(),)
+            return _tensor_from_array, (cpu.numpy(),)
+        return NotImplemented
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled as :func:`gather_objects` sends it (tensors as numpy arrays on the CPU); ``pickle.loads`` reads
+    it."""
+    buf = io.BytesIO()
+    _ArrayPickler(buf, protocol=4).dump(obj)  # protocol 4: unpickled arrays own writable memory
+    return buf.getvalue()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` in one process), pickled by :func:`dumps`.
+
+    Written here rather than with ``all_gather_object``, which pickles the pickle again and brings each rank's bytes to
+    the host with a copy and a synchronisation of its own: here one exchange of sizes, one all-gather of the padded
+    bytes and one copy to the host."""
+    if not active():
+        return [obj]
+    data = dumps(obj)
+    dev = _comm_device()
+    world = torch.distributed.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = torch.empty(world, dtype=torch.int64, device=dev)
+    torch.distributed.all_gather_into_tensor(sizes, size)
+    sizes = sizes.tolist()
+    width = max(sizes)
+    send = torch.zeros(width, dtype=torch.uint8)
+    send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a pickle is never empty
+    every = torch.empty(world * width, dtype=torch.uint8, device=dev)
+    torch.distributed.all_gather_into_tensor(every, send.to(dev))
+    host = memoryview(every.cpu().numpy())
+    return [pickle.loads(host[r * width:r * width + n]) for r, n in enumerate(sizes)]
+
+
+def split_work(items: list, fn) -> list:
+    """``fn(items)`` (a list with one result per item) computed by the processes together: each applies ``fn`` to its
+    1/W of ``items`` (every W-th one) and every process receives all results in order. Every process must call it with
+    the same items. For host work that every process needs whole, such as encoding a sampling round's prompts."""
+    if not active() or len(items) < 2:
+        return fn(items)
+    rank, world = rank_world()
+    parts = gather_objects(fn(items[rank::world]))
+    out = [None] * len(items)
+    for r, part in enumerate(parts):
+        out[r::world] = part
+    return out
+
+
+def gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``local`` (same shape on all), concatenated on dimension 0 in rank order."""
+    if not active():
+        return local
+    dev = _comm_device(local.device)
+    parts = [torch.empty_like(local, device=dev) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, local.to(dev).contiguous())
+    return torch.cat(parts).to(local.device)
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t`` over ranks (a new tensor on ``t``'s device)."""
+    if not active():
+        return t
+    dev = _comm_device(t.device)
+    out = t.detach().to(dev, copy=True)
+    torch.distributed.all_reduce(out)
+    return out.to(t.device)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: how ranks agree to stop together."""
+    if not active():
+        return flag
+    t = torch.tensor([float(flag)], device=_comm_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if active():
+        torch.distributed.barrier()
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
