@@ -89,7 +89,7 @@ def _trl_summary(path: Path) -> dict:
 
 def cmd_table(a: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "src"))
-    from gspo.metrics import summarize
+    from gspo.runlog.metrics import summarize
 
     res = Path(a.results)
     rows = []

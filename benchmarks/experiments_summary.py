@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from gspo.metrics import mean_present
+from gspo.runlog.metrics import mean_present
 from gspo.report import key_metrics, length_bins_seen, load_run, minibatch_means
 
 

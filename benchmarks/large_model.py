@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from gspo.metrics import read_jsonl  # noqa: E402
+from gspo.runlog.metrics import read_jsonl  # noqa: E402
 
 # Public config.json values of the Qwen2.5 models (hub: Qwen/Qwen2.5-*), the parts that set the compute and memory.
 SHAPES = {

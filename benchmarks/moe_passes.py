@@ -68,7 +68,7 @@ class _null:
 
 
 def main() -> None:
-    from gspo.moe import Routing
+    from gspo.models.moe import Routing
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64)

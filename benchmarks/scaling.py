@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from gspo.metrics import read_jsonl  # noqa: E402
+from gspo.runlog.metrics import read_jsonl  # noqa: E402
 
 
 def run(n_gpus: int, args, out_dir: Path, prompts: int | None = None) -> dict:

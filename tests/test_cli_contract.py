@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from gspo.metrics import read_jsonl
+from gspo.runlog.metrics import read_jsonl
 
 from test_trainer import tiny_dir  # noqa: F401,E402  (the module fixture)
 

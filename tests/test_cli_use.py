@@ -16,7 +16,7 @@ import pytest
 
 from gspo import cli
 from gspo.cli import main
-from gspo.metrics import summarize
+from gspo.runlog.metrics import summarize
 
 from test_trainer import tiny_dir  # noqa: F401  (the module fixture)
 

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from gspo.diagnostics import LOG_RATIO_EDGES, bin_counts, pick_trace_rows, ratio_histograms, token_trace
+from gspo.runlog.diagnostics import LOG_RATIO_EDGES, bin_counts, pick_trace_rows, ratio_histograms, token_trace
 
 
 def _bin(x: float) -> int:

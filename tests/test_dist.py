@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo.metrics import read_jsonl
+from gspo.runlog.metrics import read_jsonl
 
 from test_faults import check_run_dir
 from test_trainer import tiny_dir  # noqa: F401  (the module fixture)

@@ -15,7 +15,7 @@ import pytest
 
 from gspo.config import build_config
 from gspo.errors import UserError
-from gspo.metrics import JsonlWriter, read_jsonl
+from gspo.runlog.metrics import JsonlWriter, read_jsonl
 from gspo.train import Trainer
 
 from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module fixture)
@@ -24,7 +24,7 @@ REWIND = """
 import os, signal, sys
 sys.path.insert(0, {src!r})
 from pathlib import Path
-from gspo.metrics import JsonlWriter
+from gspo.runlog.metrics import JsonlWriter
 mode = {mode!r}
 if mode == "fsync":  # die with the kept lines fully written to the temporary file, before the rename
     os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)

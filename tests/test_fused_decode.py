@@ -114,7 +114,7 @@ def _graphs(arch: str, dtype) -> bool:
 
 def _moe(config):
     """A tiny MoE whose routers have opinions (some families start them at zero)."""
-    from gspo.moe import find_routers
+    from gspo.models.moe import find_routers
 
     model = AutoModelForCausalLM.from_config(config).float().eval()
     for router in find_routers(model):
@@ -184,7 +184,7 @@ def test_fused_step_refuses_what_it_does_not_cover(tokenizer):
 def test_fused_step_records_the_module_steps_routes(kernels, tokenizer):
     """R3 in the fused step: the router hooks fire inside the fused layers (on a GPU as kernels of its graph), and the
     records equal the module step's, position for position, on the same greedy completions."""
-    from gspo.moe import Routing
+    from gspo.models.moe import Routing
 
     model = _models(len(tokenizer))["qwen2_moe (shared expert, a dense layer)"].to(DEV)
     routing = Routing(model, "rollout")
@@ -206,7 +206,7 @@ def test_fused_step_records_the_module_steps_routes(kernels, tokenizer):
 def test_fused_step_compacts_rows_like_the_whole_bucket(kernels, tokenizer, monkeypatch, arch):
     """The fused step on compacted rows (8 -> 4 -> 2 -> 1 here): the attention kernels find each moved row's live
     slots, and greedy tokens, log-probs (1e-5) and, under MoE, R3's route records equal the uncompacted step's."""
-    from gspo.moe import Routing
+    from gspo.models.moe import Routing
     from gspo.rollout import graph
 
     monkeypatch.setattr(graph, "_COMPACT_MIN", 1)

@@ -4,7 +4,7 @@ import torch
 
 from gspo.config import build_config
 from gspo.errors import UserError
-from gspo.metrics import read_jsonl
+from gspo.runlog.metrics import read_jsonl
 from gspo.train import Trainer
 
 from conftest import tiny_llama
@@ -270,7 +270,7 @@ def test_fused_moe_step_agrees_with_the_trainer_as_the_module_step_does(tokenize
     so they are compared on the mean, the 90th percentile and the count of gaps above 0.1."""
     from transformers import AutoModelForCausalLM
 
-    from gspo.moe import find_routers
+    from gspo.models.moe import find_routers
     from test_moe import _configs
 
     cfg = _configs()["mixtral"]
@@ -352,7 +352,7 @@ def test_r3_records_inside_the_captured_decode_graph(tmp_path, tokenizer):
     a bf16 MoE training run with R3 on the graph engine logs the flip rates."""
     from transformers import AutoModelForCausalLM
 
-    from gspo.moe import Routing, find_routers
+    from gspo.models.moe import Routing, find_routers
     from gspo.rollout import HFEngine
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams

@@ -143,7 +143,7 @@ def test_moe_families_decode_like_generate(family, tokenizer, prompts):
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
-    from gspo.moe import Routing, find_routers
+    from gspo.models.moe import Routing, find_routers
 
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     for router in find_routers(model):

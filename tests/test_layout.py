@@ -1,5 +1,6 @@
-"""The package's shape holds: no module reaches into another's private names, and module-level imports form no cycle
-(a refactor that adds one fails here, not at some user's first import)."""
+"""The package's shape holds: no module reaches into another's private names, module-level imports form no cycle
+(a refactor that adds one fails here, not at some user's first import), and the packages that own one concern each
+import nothing of the concerns kept out of them (issue 27: one home per concern)."""
 from __future__ import annotations
 
 import ast
@@ -81,3 +82,67 @@ def test_module_level_imports_have_no_cycle():
         if m not in state:
             cycle = visit(m, [])
             assert cycle is None, " -> ".join(cycle)
+
+
+# ---------------------------------------------------------------------------------------------- one home per concern
+
+
+def _imports_anywhere(source: str, package: str) -> set[str]:
+    """Every module a file's source imports, wherever the statement is (module level, functions, TYPE_CHECKING
+    blocks) or through ``importlib.import_module("...")``; relative imports are resolved against ``package`` (the
+    package the file is in), and ``from a import b`` counts as importing both ``a`` and ``a.b``."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("importlib.import_module", "import_module") \
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            out.add(node.args[0].value)
+    return out
+
+
+def _forbidden_imports(owner: str, forbidden: tuple[str, ...]) -> list[str]:
+    """``module imports target`` for each import of a ``forbidden`` module (or one below it) by ``owner`` or a module
+    below it."""
+    found, scanned = [], 0
+    for name, path in _modules().items():
+        if name != owner and not name.startswith(owner + "."):
+            continue
+        scanned += 1
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found += [f"{name} imports {m}" for m in sorted(_imports_anywhere(path.read_text(), package))
+                  if any(m == f or m.startswith(f + ".") for f in forbidden)]
+    assert scanned, f"{owner} is gone: move this rule with it"  # a rule over nothing would pass forever
+    return found
+
+
+def test_the_import_finder_sees_imports_in_functions_relative_ones_and_from_the_package():
+    source = ("def f():\n    from gspo import dist\n"
+              "class C:\n    def g(self):\n        import gspo.train.loop\n"
+              "from ..rollout import hf\n"
+              "importlib.import_module('gspo.parallel')\n")
+    found = _imports_anywhere(source, "gspo.models")
+    assert {"gspo.dist", "gspo.train.loop", "gspo.rollout", "gspo.parallel"} <= found
+
+
+def test_the_run_log_never_imports_the_trainer():
+    """runlog/ records what the trainer hands it: importing gspo.train from it (even inside a function) would tie the
+    run's files to the loop's internals and make a cycle waiting to happen."""
+    assert not _forbidden_imports("gspo.runlog", ("gspo.train",))
+
+
+def test_models_never_import_the_process_layout_or_the_engines():
+    """models/ acts on one Hugging Face model (loading, forward helpers, LoRA, MoE routing); how it is sharded across
+    processes or sampled from is its callers' business."""
+    assert not _forbidden_imports("gspo.models", ("gspo.parallel", "gspo.dist", "gspo.rollout"))
+
+
+def test_the_vllm_engine_never_imports_the_checkpoint_module():
+    """It needs the RNG capture only (gspo.runtime), not the checkpoint file format."""
+    assert not _forbidden_imports("gspo.rollout.vllm_engine", ("gspo.checkpoint",))

@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("peft")
 
 from gspo.errors import UserError  # noqa: E402
-from gspo.metrics import read_jsonl  # noqa: E402
+from gspo.runlog.metrics import read_jsonl  # noqa: E402
 from gspo.models import load_model  # noqa: E402
 from gspo.train import Trainer  # noqa: E402
 from gspo.types import SamplingParams  # noqa: E402

@@ -10,7 +10,7 @@ from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeCon
 from transformers import AutoModelForCausalLM
 
 from gspo.train.passes import sequence_logprobs
-from gspo.moe import Routing, check_router, find_routers, gate_weights
+from gspo.models.moe import Routing, check_router, find_routers, gate_weights
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=2, initializer_range=0.3,
@@ -232,7 +232,7 @@ def test_training_an_moe_with_replay_logs_flips_and_resumes_exactly(moe_dir, tmp
     checkpoint is the MoE, and 2 + --resume 2 steps equal 4 straight (replay state lives in the batch, rebuilt on
     resume from the same rollouts)."""
     from gspo.config import build_config
-    from gspo.metrics import read_jsonl
+    from gspo.runlog.metrics import read_jsonl
     from gspo.train import Trainer
 
     def cfg(*extra):
@@ -281,8 +281,7 @@ def test_the_hf_engine_records_every_fed_token_and_agrees_with_the_trainer():
 
     model = tiny_moe("qwen3_moe")
     routing = Routing(model, "rollout")
-    engine = HFEngine(model, Tok(), stop_ids=[2], device="cpu")
-    engine.routing = routing
+    engine = HFEngine(model, Tok(), stop_ids=[2], device="cpu", routing=routing)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     r = engine.generate(prompts, 3, SamplingParams(max_new_tokens=7), generator=torch.Generator().manual_seed(0))
     assert r.routes.shape[:2] == r.routes_mask.shape and r.routes.dtype == torch.uint8
@@ -299,13 +298,37 @@ def test_the_hf_engine_records_every_fed_token_and_agrees_with_the_trainer():
     routing.close()
 
 
+def test_engines_that_record_routes_get_the_routing_as_they_are_built_and_the_others_are_refused(tokenizer):
+    """R3 through make_engine: the hf and graph engines take the routing as they are built; the vLLM engine (which
+    declares it cannot record) and the hf engine's own copy (no routing hooks) are refused in one line before anything
+    is built, so no vLLM is needed here."""
+    from gspo.errors import UserError
+    from gspo.rollout import make_engine
+    from gspo.rollout.vllm_engine import VLLMEngine
+
+    model = tiny_moe("qwen3_moe")
+    routing = Routing(model, "rollout")
+    build = dict(stop_ids=[2], device=torch.device("cpu"), routing=routing)
+    try:
+        for kind in ("hf", "graph"):
+            assert make_engine(kind, model, tokenizer, **build).routing is routing
+        assert not VLLMEngine.records_routing
+        with pytest.raises(UserError, match=r"needs an MoE model and an engine that records routing \(VLLMEngine does "
+                                            r"not\); set rollout.engine = 'hf' or 'graph'\.$"):
+            make_engine("vllm", model, tokenizer, **build)
+        with pytest.raises(UserError, match="hf engine's own copy of the model has no routing hooks"):
+            make_engine("hf", model, tokenizer, replica=True, **build)
+    finally:
+        routing.close()
+
+
 def test_training_with_r3_and_dapo_refill_logs_engine_and_update_flips(moe_dir, tmp_path):
     """moe.routing_replay = 'rollout' with DAPO's dynamic sampling (rounds of rollouts concatenated, routes padded by
     position): every step logs moe/flip_rate (minibatch 0 too: it compares with the engine), the batch logs
     moe/engine_flip_rate; the graph engine is refused for R3 in one line."""
     from gspo.config import build_config
     from gspo.errors import UserError
-    from gspo.metrics import read_jsonl
+    from gspo.runlog.metrics import read_jsonl
     from gspo.train import Trainer
 
     base = [f"model.name='{moe_dir}'", "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
@@ -339,9 +362,8 @@ def test_the_graph_engine_records_the_same_routes_as_the_hf_engine(tokenizer):
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat."]]
     params = SamplingParams(max_new_tokens=9, greedy=True)
     out = []
-    for engine in (HFEngine(model, tokenizer, stop_ids=[2]), GraphEngine(model, tokenizer, stop_ids=[2])):
-        engine.routing = routing
-        out.append(engine.generate(prompts, 2, params))
+    for Engine in (HFEngine, GraphEngine):
+        out.append(Engine(model, tokenizer, stop_ids=[2], routing=routing).generate(prompts, 2, params))
     hf, graph = out
     assert torch.equal(hf.completion_ids, graph.completion_ids)
     width = min(hf.routes_mask.shape[1], graph.routes_mask.shape[1])
@@ -370,7 +392,7 @@ def test_the_aux_loss_knob_trains_with_transformers_loss(moe_dir, tmp_path):
     """moe.router_aux_loss_coef > 0: a training run adds it, and every step logs moe/aux_loss (>= k x coef, the
     minimum of transformers' Switch loss for top-k routing)."""
     from gspo.config import build_config
-    from gspo.metrics import read_jsonl
+    from gspo.runlog.metrics import read_jsonl
     from gspo.train import Trainer
 
     cfg = build_config({}, [f"model.name='{moe_dir}'", "rollout.prompts_per_batch=2", "rollout.group_size=4",

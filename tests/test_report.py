@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gspo.cli import main
-from gspo.metrics import read_jsonl
+from gspo.runlog.metrics import read_jsonl
 from gspo.report import Run, key_metrics, write_report
 
 from test_trainer import tiny_config  # noqa: F401  (the tiny model fixture lives there too)
@@ -59,7 +59,7 @@ def _synthetic_run(d: Path, algorithm: str, clip: list[float], loss: dict | None
     clipped ``clip[b]`` of its tokens and sequences and logged a ratio histogram; ``loss`` goes into config.json."""
     import json
 
-    from gspo.diagnostics import LOG_RATIO_EDGES
+    from gspo.runlog.diagnostics import LOG_RATIO_EDGES
 
     d.mkdir(parents=True)
     config = {"algorithm": algorithm, "seed": 1, "model": {"name": "tiny-base"}, **({"loss": loss} if loss else {})}

@@ -1,5 +1,5 @@
-"""The runtime: the one precision rule, the device rule, and the one reduce of metrics (in one process and across
-real torchrun processes on gloo)."""
+"""The runtime: the one precision rule, the device rule, the one reduce of metrics (in one process and across
+real torchrun processes on gloo), and the global random streams."""
 import json
 import math
 import os
@@ -116,3 +116,30 @@ def test_gpu_runs_use_one_cpu_thread_unless_omp_num_threads_says_otherwise(tmp_p
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == ["2", "2", "2"]
+
+
+def test_every_global_stream_is_seeded_captured_and_put_back_together():
+    """seed_everything seeds Python's, NumPy's and torch's generators alike each time; set_rng_state(rng_state())
+    rewinds all three to the capture (what a checkpoint and the vLLM engine's start-up rely on)."""
+    import random
+
+    import numpy as np
+
+    from gspo.runtime import rng_state, seed_everything, set_rng_state
+
+    def draw():
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    outer = rng_state()  # the tests after this one keep their streams
+    try:
+        seed_everything(7)
+        first = draw()
+        seed_everything(7)
+        assert draw() == first
+        saved = rng_state()
+        after = draw()
+        seed_everything(8)
+        set_rng_state(saved)
+        assert draw() == after
+    finally:
+        set_rng_state(outer)

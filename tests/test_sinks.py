@@ -9,8 +9,8 @@ import pytest
 
 from gspo.config import build_config
 from gspo.errors import UserError
-from gspo.metrics import read_jsonl
-from gspo.sinks import TensorBoardSink
+from gspo.runlog.metrics import read_jsonl
+from gspo.runlog.sinks import TensorBoardSink
 from gspo.train import Trainer
 
 from test_trainer import tiny_config  # noqa: F401  (the tiny model fixture lives there too)

@@ -54,7 +54,7 @@ def test_a_gspo_token_run_trains_on_per_token_advantages(tiny_dir, tmp_path):  #
         varies += len({round(float(v), 6) for v in adv[i, :last]}) > 1
     assert varies  # the process term moves advantages within completions
     trainer.train()
-    from gspo.metrics import read_jsonl
+    from gspo.runlog.metrics import read_jsonl
 
     assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
 

@@ -7,7 +7,7 @@ import torch
 from gspo.cli import main
 from gspo.config import build_config
 from gspo.errors import UserError
-from gspo.metrics import read_jsonl
+from gspo.runlog.metrics import read_jsonl
 from gspo.train import Trainer
 
 from conftest import tiny_llama

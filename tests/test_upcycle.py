@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from gspo.moe import find_routers
+from gspo.models.moe import find_routers
 from gspo.upcycle import distill, expert_report, upcycle
 
 

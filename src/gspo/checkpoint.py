@@ -1,4 +1,5 @@
 """Checkpoints of a run: model (as a loadable HF directory), optimizer, scheduler, every RNG and the data position.
+This module owns the files and their format; the RNG states in them are captured and restored by :mod:`gspo.runtime`.
 
 A checkpoint is written into ``step-NNNNNN.tmp``, fsynced, renamed to ``step-NNNNNN`` and marked complete by a
 ``COMPLETE`` file written last, so a crash mid-write never leaves something that looks like a checkpoint; old
@@ -10,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import re
 import shutil
 import time
@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 MARKER = "COMPLETE"
@@ -34,27 +33,6 @@ def _discard(path: Path) -> None:
     shutil.rmtree(gone, ignore_errors=True)
     os.replace(path, gone)
     shutil.rmtree(gone, ignore_errors=True)
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def fsync_tree(path: Path) -> None:

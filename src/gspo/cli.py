@@ -206,7 +206,7 @@ def _compare_concurrently(args: argparse.Namespace, todo: list) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     """Train the same config under each algorithm and seed, then write the report and the key-metrics table."""
     from gspo.checkpoint import complete_checkpoints
-    from gspo.metrics import read_jsonl
+    from gspo.runlog.metrics import read_jsonl
     from gspo.report import group_means, key_metrics, load_run, metrics_table, write_report
 
     seeds, out = args.seeds, Path(args.out)
@@ -444,7 +444,7 @@ def _new_dir(text: str) -> str:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from gspo.metrics import summarize
+    from gspo.runlog.metrics import summarize
     from gspo.tables import summary_table
 
     summaries = [summarize(run) for run in args.run_dirs]

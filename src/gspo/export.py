@@ -35,7 +35,7 @@ def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = F
     """Write the model of checkpoint (or run directory) ``source`` to the new directory ``out`` (with ``gguf``, also
     as ``out/model.gguf``); returns the checkpoint exported. Written to ``out.tmp`` first and renamed, so ``out`` is
     whole or absent."""
-    from gspo import lora
+    from gspo.models import lora
     from gspo.models import load_model, load_tokenizer, stop_token_ids
 
     ckpt = checkpoint_of(source)

@@ -25,7 +25,7 @@ from typing import Any
 
 from gspo.config import arm_label
 from gspo.errors import UserError
-from gspo.metrics import mean_present, read_jsonl
+from gspo.runlog.metrics import mean_present, read_jsonl
 
 Drawn = tuple[str, str]  # a figure written: its file name and its titles
 

@@ -1,5 +1,6 @@
-"""Where a run executes: the device, the precision rule, this process's rank in the job, and the one reduce of metrics
-per optimizer step. Training, evaluation and the probe all ask this module; nothing else decides these.
+"""Where a run executes: the device, the precision rule, this process's rank in the job, the one reduce of metrics
+per optimizer step, and the process's global random streams. Training, evaluation and the probe all ask this module;
+nothing else decides these.
 
 Precision (``model.precision``):
     auto            fp32 master weights with bf16 autocast on CUDA and on a CPU with native bf16 matmuls
@@ -18,6 +19,10 @@ Rank and world size come from the ``torchrun`` environment (``RANK``, ``WORLD_SI
 
 CPU threads: on a GPU, torch's own CPU work is one OpenMP thread unless ``OMP_NUM_THREADS`` says otherwise (what
 ``torchrun`` does for several processes, here for one too).
+
+Random streams: Python's, NumPy's, torch's and every CUDA device's global generators are seeded together
+(:func:`seed_everything`), and captured and put back together (:func:`rng_state`, :func:`set_rng_state`): a checkpoint
+stores them, and the vLLM engine restores them after vLLM reseeds them as it starts.
 """
 from __future__ import annotations
 
@@ -25,10 +30,13 @@ import functools
 import logging
 import math
 import os
+import random
 import subprocess
 import time
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from gspo.errors import UserError
@@ -104,6 +112,30 @@ def limit_cpu_threads(device: torch.device) -> None:
     and 428.5 with one thread (``benchmarks/README.md#scale-out``); on a 16-core H100 machine one thread was 4% faster."""
     if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (torch's seeds every CUDA device too)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # NumPy takes 32-bit seeds only
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every global generator's state, for :func:`set_rng_state`."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back the generators :func:`rng_state` captured (the CUDA ones only where both sides have CUDA)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @dataclass(frozen=True)

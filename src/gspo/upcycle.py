@@ -132,7 +132,7 @@ def expert_report(moe: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     """Expert diversity: mean pairwise relative distance of the experts' weights ``||W_a - W_b|| / ||W_a||`` per layer,
     mean routing entropy (nats; uniform over E is ln E), and the share of top-k slots each expert gets per layer
     (from the tokens of ``input_ids``)."""
-    from gspo.moe import find_routers
+    from gspo.models.moe import find_routers
     from gspo.models import positions_from_mask
 
     routers = find_routers(moe)

@@ -1,4 +1,9 @@
-"""Models: loading (alias, GGUF, directory, hub id) and the forward helpers every pass shares."""
+"""Models: loading (alias, GGUF, directory, hub id), the forward helpers every pass shares, and what acts on a loaded
+Hugging Face model: LoRA adapters (:mod:`gspo.models.lora`), MoE routers and Routing Replay (:mod:`gspo.models.moe`).
+
+Nothing here imports :mod:`gspo.parallel`, :mod:`gspo.dist` or :mod:`gspo.rollout` (``tests/test_layout.py``): how a
+model is sharded or sampled from is decided by their callers.
+"""
 from gspo.models.forward import (
     attention_context, attention_implementation, autocast_context, cache_kwarg, disable_dropout, eval_mode,
     final_logits, head_dim, kv_heads, named_weights, pad_prompts, pad_sequences, pad_token_id, positions_from_mask,

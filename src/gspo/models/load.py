@@ -60,7 +60,7 @@ def load_model(
     pad token (the EOS token when it had none). A LoRA checkpoint (an adapter directory gspo wrote) loads as its base
     model with the adapter merged in.
     """
-    from gspo import lora
+    from gspo.models import lora
 
     folder = Path(name).expanduser()
     if lora.is_adapter(folder):

@@ -49,7 +49,7 @@ class Holding:
 
     def _adapt(self, lora_cfg, model_name: str):
         """Inject the LoRA adapters (the engine already copied the plain model)."""
-        from gspo import lora
+        from gspo.models import lora
 
         peft = lora.apply(self.model, lora_cfg, model_name)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -74,7 +74,7 @@ class Holding:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's ``(name, tensor)`` pairs for an engine's ``sync_weights`` (with LoRA: merged)."""
         if self.peft is not None:
-            from gspo.lora import merged_weights
+            from gspo.models.lora import merged_weights
 
             return merged_weights(self.model)
         return named_weights(self.model)
@@ -127,7 +127,7 @@ class Holding:
         """The policy's weights from checkpoint ``ckpt`` (and the optimizer too, from a sharded checkpoint's DCP
         files), whichever number of processes wrote it."""
         if self.peft is not None:  # the base weights are model.name's; the checkpoint holds the adapter
-            from gspo import lora
+            from gspo.models import lora
 
             if not lora.is_adapter(ckpt):
                 raise UserError(f"Checkpoint {ckpt} holds full weights, not a LoRA adapter; resume it with lora.rank = "

@@ -5,6 +5,10 @@ policy's ``(name, tensor)`` pairs. What an engine does with them is its own busi
 the trainer's model object and ignores them; the graph engine copies them into its own low-precision buffers (which
 its captured CUDA graphs read in place); an engine in another process or library loads them. No engine may rely on
 reading the trainer's parameters between two calls of ``sync_weights``.
+
+The routing seam (Routing Replay R3, ``moe.routing_replay = "rollout"``): an engine declares ``records_routing``; one
+that does is given the MoE policy's :class:`gspo.models.moe.Routing` as it is built (``make_engine(..., routing=)``)
+and records every fed token's experts into ``Rollout.routes``; one that does not is refused before it is built.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from gspo.errors import UserError
+from gspo.models.moe import Routing
 from gspo.rollout.hf import HFEngine, sample_next
 from gspo.types import Rollout, SamplingParams
 
@@ -26,6 +32,8 @@ FUSED_STEPS = ("auto", "off")
 class RolloutEngine(Protocol):
     """What the trainer needs from an engine: ``n`` completions per token-id prompt, row ``i`` for prompt ``i // n``,
     sampled from the weights last given to ``sync_weights``."""
+
+    records_routing: bool  # whether it can record an MoE policy's routes (R3): make_engine refuses routing otherwise
 
     def generate(
         self,
@@ -58,30 +66,51 @@ def rounded_weights(weights: Iterable[tuple[str, torch.Tensor]], bits: int) -> I
 
 def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: torch.device,
                 autocast_dtype: torch.dtype | None = None, fused_step: str = "auto", compact_rows: str = "auto",
-                replica: bool = False, vllm_gpu_memory: float = 0.3) -> RolloutEngine:
+                replica: bool = False, vllm_gpu_memory: float = 0.3,
+                routing: Routing | None = None) -> RolloutEngine:
     """The engine ``rollout.engine`` names: ``graph``, ``hf``, ``vllm`` (:mod:`gspo.rollout.vllm_engine`, imported only
     then), or ``auto`` (graph on CUDA when the model is supported); ``fused_step = "off"`` keeps the graph engine on the
     HF modules' decode step, ``compact_rows = "off"`` runs its steps on the whole batch. ``model`` gives the
     architecture and the first weights; ``replica``: the hf engine keeps its own copy of them instead of sampling from
-    ``model`` (the graph and vLLM engines always do), for a policy that will be sharded across processes."""
+    ``model`` (the graph and vLLM engines always do), for a policy that will be sharded across processes.
+    ``routing``: an MoE policy's :class:`gspo.models.moe.Routing` for the engine to record routes into (R3); an
+    engine that cannot record them is refused, in one line, before it is built."""
     from gspo.rollout import graph
-
-    if kind == "vllm":
-        from gspo.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
-                          gpu_memory=vllm_gpu_memory)
 
     if kind == "auto":
         why_not = graph.unsupported(model, autocast_dtype)
         kind = "graph" if device.type == "cuda" and why_not is None else "hf"
         if device.type == "cuda" and kind == "hf":
             log.info("rollout engine: hf (the simple engine); the graph engine cannot run this model: %s", why_not)
+    if kind == "vllm":
+        from gspo.rollout.vllm_engine import VLLMEngine
+
+        _refuse_unrecorded_routing(VLLMEngine, routing)
+        return VLLMEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
+                          gpu_memory=vllm_gpu_memory)
     if kind == "graph":
+        _refuse_unrecorded_routing(graph.GraphEngine, routing)
         return graph.GraphEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
                                  fused=False if fused_step == "off" else None,
-                                 compact=False if compact_rows == "off" else None)
-    return HFEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype, replica=replica)
+                                 compact=False if compact_rows == "off" else None, routing=routing)
+    _refuse_unrecorded_routing(HFEngine, routing, hookless_copy=replica)
+    return HFEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype, replica=replica,
+                    routing=routing)
+
+
+def _refuse_unrecorded_routing(engine: type, routing: Routing | None, hookless_copy: bool = False) -> None:
+    """R3 with an engine that would sample without recording the routes: refused before the engine is built (vLLM
+    would take its share of the GPU first). ``hookless_copy``: the hf engine is to sample from a copy of its own, which
+    the routing hooks on the trainer's model do not reach."""
+    if routing is None:
+        return
+    if not engine.records_routing:
+        raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
+                        f"({engine.__name__} does not); set rollout.engine = 'hf' or 'graph'.")
+    if hookless_copy:
+        raise UserError("moe.routing_replay = 'rollout' with LoRA, rollout.engine_weight_bits or FSDP needs the graph "
+                        "engine (the hf engine's own copy of the model has no routing hooks); set rollout.engine = "
+                        "'graph' on GPUs, dist.strategy = 'ddp' under FSDP, or moe.routing_replay = 'old'.")
 
 
 __all__ = ["ENGINES", "FUSED_STEPS", "HFEngine", "RolloutEngine", "make_engine", "sample_next"]

@@ -34,7 +34,7 @@ def _dense_mlp(mlp) -> bool:
 
 def _sparse_block(mlp) -> bool:
     """An MoE block the fused step calls as a module: a top-k router at ``mlp.gate`` and stacked experts."""
-    from gspo.moe import find_routers
+    from gspo.models.moe import find_routers
 
     return hasattr(mlp, "experts") and find_routers(mlp) == [getattr(mlp, "gate", None)]
 

@@ -37,9 +37,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gspo.errors import UserError
-from gspo.moe import find_routers
 from gspo.models import (attention_context, attention_implementation, autocast_context, cache_kwarg, final_logits,
                          head_dim, kv_heads, named_weights, pad_prompts, pad_token_id, stop_token_ids)
+from gspo.models.moe import Routing, find_routers
 from gspo.rollout.fused import FusedDecoder, fused_unsupported
 from gspo.rollout.hf import check_request, filter_logits
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
@@ -331,13 +331,17 @@ class GraphEngine:
     (default: on for CUDA, 16-bit caches and the models :func:`gspo.rollout.fused.fused_unsupported` accepts) runs each
     decode layer as 4 GEMMs and 5 Triton kernels (:mod:`gspo.rollout.fused`) instead of the HF modules;
     ``compact`` (default: on with CUDA graphs) moves the rows still sampling to a smaller step once half of them have
-    ended (see ``_compact``).
+    ended (see ``_compact``). ``routing`` (an MoE policy's :class:`gspo.models.moe.Routing`, R3): every fed token's
+    experts are recorded into ``Rollout.routes`` (see the ``routing`` setter).
     """
+
+    records_routing = True
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, device=None,
                  autocast_dtype: torch.dtype | None = None, sync_every: int = 4, use_graphs: bool | None = None,
                  max_batch: int | None = None, low_precision_weights: bool | None = None,
-                 flash_decode: bool | None = None, fused: bool | None = None, compact: bool | None = None):
+                 flash_decode: bool | None = None, fused: bool | None = None, compact: bool | None = None,
+                 routing: Routing | None = None):
         if not supports(model):
             raise UserError(f"The graph rollout engine does not support model_type {model.config.model_type!r} "
                             f"(supported: {', '.join(SUPPORTED)}); set rollout.engine = 'hf'.")
@@ -380,10 +384,11 @@ class GraphEngine:
         if flash_decode is None:
             flash_decode = self.device.type == "cuda" and _flash_decode_works(self.device, self.cache_dtype, model.config)
         self.flash_decode = flash_decode
-        self._routing = None  # the trainer's gspo.moe.Routing when the engine records routes (R3)
+        self._routing = None  # the trainer's gspo.models.moe.Routing when the engine records routes (R3)
         self._route_layout: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of the forward
         self._route_buffer: torch.Tensor | None = None  # (Lr, B+1, L, k) of the bucket in use
         self._route_hooks: list = []
+        self.routing = routing
 
     @property
     def routing(self):

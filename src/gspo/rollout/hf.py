@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from gspo.errors import UserError
 from gspo.models import (attention_context, autocast_context, cache_kwarg, eval_mode, pad_prompts, pad_token_id,
                          positions_from_mask, stop_token_ids)
-from gspo.moe import Layout, padded_layout
+from gspo.models.moe import Layout, Routing, padded_layout
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
 
@@ -91,7 +91,13 @@ def check_request(model, prompts: list[list[int]], n: int, params: SamplingParam
 
 
 class HFEngine:
-    """Samples completions from a Hugging Face causal LM, sharing the model object (and its weights) in place."""
+    """Samples completions from a Hugging Face causal LM, sharing the model object (and its weights) in place.
+
+    ``routing`` (an MoE policy's :class:`gspo.models.moe.Routing`, for ``moe.routing_replay = "rollout"``, R3): each
+    generate call records every fed token's experts by (row, position) into ``Rollout.routes``, through the hooks the
+    routing has on the model it samples from (so not from a ``replica``, whose copy has none)."""
+
+    records_routing = True
 
     def __init__(
         self,
@@ -102,6 +108,7 @@ class HFEngine:
         device: str | torch.device | None = None,
         autocast_dtype: torch.dtype | None = None,
         replica: bool = False,
+        routing: Routing | None = None,
     ):
         if replica:  # its own copy, for a policy sharded across processes (sync_weights fills it)
             model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -119,9 +126,7 @@ class HFEngine:
         self.autocast_dtype = autocast_dtype
         self._keeps_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_arg = cache_kwarg(model.forward)
-        # An MoE policy's gspo.moe.Routing, set by the trainer for moe.routing_replay = "rollout" (R3): each generate
-        # call then records every fed token's experts by (row, position) into Rollout.routes.
-        self.routing = None
+        self.routing = routing
         self._recording = None
 
     @torch.no_grad()

@@ -30,10 +30,10 @@ from collections.abc import Iterable
 
 import torch
 
-from gspo.checkpoint import rng_state, set_rng_state
 from gspo.errors import UserError
 from gspo.models import pad_token_id
 from gspo.rollout.hf import check_request
+from gspo.runtime import rng_state, set_rng_state
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
@@ -51,6 +51,8 @@ def _import_vllm():
 
 class VLLMEngine:
     """Rollouts from a colocated ``vllm.LLM`` holding its own copy of the policy (see the module docstring)."""
+
+    records_routing = False  # vLLM's own model runs no hooks of gspo's: Routing Replay R3 cannot record through it
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int], device: torch.device,
                  autocast_dtype: torch.dtype | None = None, gpu_memory: float = 0.3, max_len: int | None = None):

@@ -32,12 +32,12 @@ from gspo.config import Config
 from gspo.errors import UserError
 from gspo.train.passes import PackedGraphs, as_fsdp_forward, packing_available, packing_unsupported, sequence_logprobs
 from gspo.models import attention_context, disable_dropout
-from gspo.moe import Routing, disable_router_noise, is_moe
+from gspo.models.moe import Routing, disable_router_noise, is_moe
 from gspo.parallel import comm
 from gspo.parallel.holding import Holding, hold
 from gspo.parallel.plan import Plan, make_plan
 from gspo.parallel.strategy import choose as choose_strategy
-from gspo.profiler import stage
+from gspo.runlog.profiler import stage
 from gspo.runtime import Runtime, to_device
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import (RANK_FILE, checkpoint_step, complete_checkpoints, rng_state, save_checkpoint,
-                             save_replicated, save_sharded, seed_everything, set_rng_state, to_cpu)
+from gspo.checkpoint import (RANK_FILE, checkpoint_step, complete_checkpoints, save_checkpoint, save_replicated,
+                             save_sharded, to_cpu)
 from gspo.errors import UserError
+from gspo.runtime import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("gspo")
 

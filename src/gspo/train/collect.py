@@ -25,7 +25,7 @@ from gspo.config import TASK_STEP_CREDIT, Config
 from gspo.data import DataStream
 from gspo.parallel.comm import active, barrier, gather_objects, rank_world, split_work
 from gspo.errors import UserError
-from gspo.profiler import stage
+from gspo.runlog.profiler import stage
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner
 from gspo.rewards.steps import load_step_credit, token_advantages

@@ -25,10 +25,10 @@ import torch
 from gspo.checkpoint import checkpoint_step
 from gspo.config import Config
 from gspo.errors import UserError
-from gspo.metrics import read_jsonl
+from gspo.runlog.metrics import read_jsonl
 from gspo.parallel import comm
 from gspo.parallel.strategy import check_layout
-from gspo.profiler import BatchProfiler, stage
+from gspo.runlog.profiler import BatchProfiler, stage
 from gspo.rollout import rounded_weights
 from gspo.runlog import RunLog
 from gspo.runtime import Runtime, finite, seconds_since

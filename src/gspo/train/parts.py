@@ -12,16 +12,14 @@ from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import seed_everything
 from gspo.config import Config
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
-from gspo.errors import UserError
 from gspo.models import load_model, stop_token_ids
 from gspo.parallel.holding import hold
 from gspo.parallel.strategy import choose as choose_strategy
 from gspo.rewards.runner import RewardRunner, RewardSpec
 from gspo.rollout import RolloutEngine, make_engine
-from gspo.runtime import Runtime, precision_name
+from gspo.runtime import Runtime, precision_name, seed_everything
 from gspo.train.actor import Actor, prepare_model
 from gspo.train.collect import Collector
 from gspo.train.passes import as_fsdp_forward
@@ -74,19 +72,9 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
                              compact_rows=cfg.rollout.compact_rows,
                              replica=strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0,
-                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
-        if cfg.moe.routing_replay == "rollout":  # R3: the engine records the experts of every token it feeds
-            if not hasattr(engine, "routing") or routing is None:
-                raise UserError(f"moe.routing_replay = 'rollout' needs an MoE model and an engine that records routing "
-                                f"({type(engine).__name__} does not); set rollout.engine = 'hf' or 'graph'.")
-            if getattr(engine, "replica", False):
-                why, fix = (("with LoRA", "") if cfg.lora.rank else
-                            ("with rollout.engine_weight_bits", "") if cfg.rollout.engine_weight_bits else
-                            ("under FSDP", "dist.strategy = 'ddp', "))
-                raise UserError(f"moe.routing_replay = 'rollout' {why} needs the graph engine (the hf engine's own copy "
-                                f"of the model has no routing hooks); set rollout.engine = 'graph' on GPUs, {fix}or "
-                                "moe.routing_replay = 'old'.")
-            engine.routing = routing
+                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
+                             # R3 replays the experts that sampled each token: the engine records them
+                             routing=routing if cfg.moe.routing_replay == "rollout" else None)
         holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
         actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
         lap("engine")

@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from gspo.errors import UserError
 from gspo.models import (attention_context, attention_implementation, autocast_context, final_logits, pad_sequences,
                          positions_from_mask)
-from gspo.moe import Routing, packed_layout, padded_layout
+from gspo.models.moe import Routing, packed_layout, padded_layout
 from gspo.runtime import to_device
 
 
@@ -82,7 +82,7 @@ def _sequence_logprobs(
     ``softmax(logits / temperature)``, differentiable w.r.t. the model, 0 where ``completion_mask`` is False;
     and the per-token entropies ``(N, T)`` float32 (no grad) when ``with_entropy``, else ``None``.
 
-    With ``routing`` (an MoE model's :class:`gspo.moe.Routing`), the forward's token layout is handed to it first:
+    With ``routing`` (an MoE model's :class:`gspo.models.moe.Routing`), the forward's token layout goes to it first:
     row ``i`` here is row ``row_ids[i]`` of the rollout batch, so routing records follow rows whatever the layout.
     ``pack_tokens``: with CUDA graphs, the packed row is padded to the bucket of at least this many tokens (see
     :meth:`PackedGraphs.hidden`)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from gspo.checkpoint import complete_checkpoints
 from gspo.config import SOURCE_KEYS, Config, resume_changes, source_fingerprints
 from gspo.errors import UserError
-from gspo.metrics import read_jsonl
+from gspo.runlog.metrics import read_jsonl
 from gspo.train.guards import lock_run_dir
 
 log = logging.getLogger("gspo")

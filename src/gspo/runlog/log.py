@@ -1,4 +1,4 @@
-"""The run log: everything a run writes beside its checkpoints, in one place.
+"""The run log of one ``train()`` call: everything a run writes beside its checkpoints, in one object.
 
 - ``metrics.jsonl``: one line per optimizer step (the source of truth; names documented in the README);
 - ``samples.jsonl``: a few completions per rollout batch;
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from gspo.diagnostics import LOG_RATIO_EDGES, pick_trace_rows, ratio_histograms, token_trace
-from gspo.metrics import Console, JsonlWriter
-from gspo.profiler import watch_stages
-from gspo.sinks import MetricSinks, open_sinks
+from gspo.runlog.diagnostics import LOG_RATIO_EDGES, pick_trace_rows, ratio_histograms, token_trace
+from gspo.runlog.metrics import Console, JsonlWriter
+from gspo.runlog.profiler import watch_stages
+from gspo.runlog.sinks import MetricSinks, open_sinks
 from gspo.types import Batch
 
 

@@ -1,5 +1,5 @@
 """Metric sinks: ``metrics.jsonl`` (the source of truth, one line per optimizer step), ``samples.jsonl`` and the console.
-The optional TensorBoard and W&B sinks are in :mod:`gspo.sinks`.
+The optional TensorBoard and W&B sinks are in :mod:`gspo.runlog.sinks`.
 
 The metric names are a public interface documented in the README; keep them stable.
 """
@@ -143,7 +143,8 @@ class Console:
                 self._rerouted.append((handler, handler.setStream(sys.stderr)))  # rich's proxy, while the bar is live
 
     def phase(self, stage: str) -> None:
-        """The loop entered ``stage`` (a :func:`gspo.profiler.stage` name); the bar shows the phases users know."""
+        """The loop entered ``stage`` (a :func:`gspo.runlog.profiler.stage` name); the bar shows the phases users
+        know."""
         name = self.PHASES.get(stage)
         if name is None or self._bar is None:
             return
