@@ -72,8 +72,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from gspo.evaluate import evaluate
-    from gspo.tables import eval_table
+    from gspo.commands.evaluate import evaluate
+    from gspo.commands.tables import eval_table
 
     cfg = _config(args.config, args.overrides)
     result = evaluate(cfg, model_name=args.model, n=args.n, samples=args.samples, batch_size=args.batch_size)
@@ -207,7 +207,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Train the same config under each algorithm and seed, then write the report and the key-metrics table."""
     from gspo.checkpoint import complete_checkpoints
     from gspo.metrics import read_jsonl
-    from gspo.report import group_means, key_metrics, load_run, metrics_table, write_report
+    from gspo.commands.report import group_means, key_metrics, load_run, metrics_table, write_report
 
     seeds, out = args.seeds, Path(args.out)
     algos = [arm for arm, _, _ in args.algos]
@@ -243,7 +243,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from gspo.report import write_report
+    from gspo.commands.report import write_report
 
     page = write_report(args.run_dirs, args.out, title=args.title)
     print(f"report: {page}")
@@ -251,8 +251,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from gspo.probe import noise_table, probe_noise
-    from gspo.report import noise_figure
+    from gspo.commands.probe import noise_table, probe_noise
+    from gspo.commands.report import noise_figure
 
     cfg = _config(args.config, args.overrides)
     out = Path(args.out)
@@ -387,7 +387,7 @@ CHECKED_DOWNSTREAM = {
 
 
 def cmd_upcycle(args: argparse.Namespace) -> int:
-    from gspo.upcycle import run_upcycle
+    from gspo.commands.upcycle import run_upcycle
 
     cfg = _config(args.config, args.overrides)
     result = run_upcycle(cfg, args.out, experts=args.experts, top_k=args.top_k, drop=args.drop,
@@ -418,7 +418,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from gspo.export import export
+    from gspo.commands.export import export
 
     ckpt = export(Path(args.checkpoint), Path(args.out), dtype=args.dtype, merge_lora=args.merge_lora, gguf=args.gguf)
     print(f"exported {ckpt} to {args.out}")
@@ -445,7 +445,7 @@ def _new_dir(text: str) -> str:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     from gspo.metrics import summarize
-    from gspo.tables import summary_table
+    from gspo.commands.tables import summary_table
 
     summaries = [summarize(run) for run in args.run_dirs]
     for s in summaries:
