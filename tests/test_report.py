@@ -273,10 +273,9 @@ def test_moe_runs_get_arm_labels_a_flip_figure_and_summary_numbers(tmp_path, cap
 
 
 def test_compare_arms_parse_and_refuse_unknown_suffixes():
-    from gspo.config import parse_arm
+    from gspo.commands.compare import arm_label, parse_arm
+    from gspo.config import Config, build_config
     from gspo.errors import UserError
-
-    from gspo.config import Config, arm_label, build_config
 
     assert parse_arm("grpo+r2") == ("grpo", {"moe.routing_replay": "old"})
     assert parse_arm("gspo") == ("gspo", {})
