@@ -22,6 +22,7 @@ from gspo.config.checks import validate
 from gspo.config.presets import apply_preset
 from gspo.config.schema import Config, flatten, unknown_key
 from gspo.errors import UserError
+from gspo.runtime import resolve_device
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -142,6 +143,14 @@ def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None
     apply_preset(cfg)
     validate(cfg)
     return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str]) -> Config:
+    """The config a command runs with: built twice, first to learn model.device, then with that device's
+    ``[overrides.<type>]`` table."""
+    data = load_toml(path) if path else {}
+    device = resolve_device(build_config(data, overrides).model.device).type
+    return build_config(data, overrides, device=device)
 
 
 def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
