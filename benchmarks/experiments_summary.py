@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from gspo.runlog.metrics import mean_present
-from gspo.report import key_metrics, length_bins_seen, load_run, minibatch_means
+from gspo.commands.report import key_metrics, length_bins_seen, load_run, minibatch_means
 
 
 def _mean(xs: list) -> float | None:

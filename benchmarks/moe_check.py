@@ -11,7 +11,7 @@ from gspo.data import build_dataset, dataset_args
 from gspo.config import build_config
 from gspo.models import load_model, pad_prompts
 from gspo.prompts import encode_prompts
-from gspo.upcycle import upcycle
+from gspo.commands.upcycle import upcycle
 
 
 def main(model: str, out: str) -> None:

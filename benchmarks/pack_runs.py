@@ -73,7 +73,7 @@ def _decode(values: list, f32: bool) -> list:
 
 
 def pack(run_dirs: list[str], out: str, title: str, keys: set[str] | None = None) -> dict:
-    from gspo.report import _pick_trace, group_runs, load_run
+    from gspo.commands.report import _pick_trace, group_runs, load_run
 
     runs = [load_run(d) for d in run_dirs]
     names = [r.name for r in runs]
@@ -153,7 +153,7 @@ def main() -> None:
         for d in unpack(args.packed, args.out_dir):
             print(d)
     else:
-        from gspo.report import write_report
+        from gspo.commands.report import write_report
 
         dirs = unpack(args.packed, Path(args.out) / "runs")
         print(f"report: {write_report(dirs, args.out, title=load(args.packed)['title'])}")

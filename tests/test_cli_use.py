@@ -2,7 +2,6 @@
 trust."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import pytest
 
 from gspo import cli
 from gspo.cli import main
+from gspo.commands.compare import train_in_process
 from gspo.runlog.metrics import summarize
 
 from test_trainer import tiny_dir  # noqa: F401  (the module fixture)
@@ -126,7 +126,7 @@ def test_each_in_process_compare_arm_times_its_own_start_up(tiny_dir, tmp_path):
                  "log.progress=false", "log.checkpoint_every=0", "rewards.functions=[{path='trainer_rewards:text_length'}]"]
     todo = [([*overrides, f"algorithm='{algo}'"], tmp_path / algo, False) for algo in ("gspo", "grpo")]
     start = time.perf_counter()
-    assert cli._compare_in_process(argparse.Namespace(config=None), todo) == 0
+    assert train_in_process(None, todo) == 0
     total = time.perf_counter() - start
     first, second = (json.loads((tmp_path / algo / "timings.json").read_text()) for algo in ("gspo", "grpo"))
     assert 0 < second["process_start_to_trainer"] <= second["process_s"] <= total - first["loop_s"], (first, second)

@@ -97,7 +97,7 @@ def test_gguf_of_an_unmerged_adapter_is_refused(tiny_dir, tmp_path):  # noqa: F8
     trainer = Trainer(tiny_config(tiny_dir, "lora.rank=4"), tmp_path / "run")
     trainer.train()
     from gspo.errors import UserError
-    from gspo.export import export
+    from gspo.commands.export import export
 
     with pytest.raises(UserError, match="add --merge-lora"):
         export(tmp_path / "run", tmp_path / "out", gguf=True)

@@ -1,6 +1,11 @@
 """The package's shape holds: no module reaches into another's private names, module-level imports form no cycle
 (a refactor that adds one fails here, not at some user's first import), and the packages that own one concern each
 import nothing of the concerns kept out of them (issue 27: one home per concern)."""
+
+
+"""The package's shape holds: no module reaches into another's private names, module-level imports form no cycle (a
+refactor that adds one fails here, not at some user's first import), the config loads no trainer, engine or command,
+only the command line uses the commands, and their functions stay short."""
 from __future__ import annotations
 
 import ast
@@ -57,15 +62,26 @@ def test_no_module_imports_another_modules_private_names():
     assert not found, found
 
 
-def test_module_level_imports_have_no_cycle():
-    """Following every module-level `import gspo...` from every module never comes back to where it started."""
+def _targets(node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set[str]:
+    """The gspo modules an import statement names (``from gspo import dist`` names gspo.dist)."""
+    targets = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+        [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
+    return {t for t in targets if t in modules}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the gspo modules its module-level imports name."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         for node in _module_level_imports(ast.parse(path.read_text())):
-            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
-            graph[name] |= {t for t in targets if t in modules and t != name}
+            graph[name] |= _targets(node, modules) - {name}
+    return graph
+
+
+def test_module_level_imports_have_no_cycle():
+    """Following every module-level `import gspo...` from every module never comes back to where it started."""
+    graph = _import_graph()
     state: dict[str, int] = {}
 
     def visit(m: str, trail: list[str]) -> list[str] | None:
@@ -146,3 +162,56 @@ def test_models_never_import_the_process_layout_or_the_engines():
 def test_the_vllm_engine_never_imports_the_checkpoint_module():
     """It needs the RNG capture only (gspo.runtime), not the checkpoint file format."""
     assert not _forbidden_imports("gspo.rollout.vllm_engine", ("gspo.checkpoint",))
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_config_loads_no_trainer_engine_or_command():
+    """Importing any module of gspo.config (the reward workers' and `gspo config`'s path) runs no module of gspo.train,
+    gspo.rollout or gspo.commands, directly or through the modules it imports (with their packages' __init__)."""
+    graph = _import_graph()
+    found = []
+    for start in sorted(m for m in graph if _under(m, "gspo.config")):
+        seen, trail = {start: None}, [start]
+        while trail:
+            m = trail.pop()
+            parents = {".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)}
+            for n in sorted((graph[m] | parents) & set(graph)):
+                if n not in seen:
+                    seen[n] = m
+                    trail.append(n)
+        for m in seen:
+            if any(_under(m, p) for p in ("gspo.train", "gspo.rollout", "gspo.commands")):
+                chain = [m]
+                while seen[chain[-1]] is not None:
+                    chain.append(seen[chain[-1]])
+                found.append(" <- ".join(chain))
+    assert not found, found
+
+
+def test_only_the_command_line_imports_the_commands():
+    """gspo.commands is the top of the package: the command line (and the commands among themselves) import it, the
+    library never does, not even inside a function."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        if name == "gspo.cli" or _under(name, "gspo.commands"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found += [f"{name} imports {t}" for t in _targets(node, modules) if _under(t, "gspo.commands")]
+    assert not found, found
+
+
+def test_no_function_of_the_config_the_commands_or_the_command_line_is_over_100_lines():
+    """Counted from its `def` line to its last line, nested functions inside the one that holds them."""
+    long = []
+    for name, path in _modules().items():
+        if not (name == "gspo.cli" or _under(name, "gspo.config") or _under(name, "gspo.commands")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long

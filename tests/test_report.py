@@ -8,7 +8,7 @@ import pytest
 
 from gspo.cli import main
 from gspo.runlog.metrics import read_jsonl
-from gspo.report import Run, key_metrics, write_report
+from gspo.commands.report import Run, key_metrics, write_report
 
 from test_trainer import tiny_config  # noqa: F401  (the tiny model fixture lives there too)
 from test_trainer import tiny_dir  # noqa: F401
@@ -171,7 +171,7 @@ def test_a_bad_arm_is_one_line_naming_it(tmp_path, capsys):
 
 def test_length_bins_and_bin_summary_hand_worked():
     """Lengths 1..6 in 3 bins -> [1,2], [3,4], [5,6]; GRPO weights (1, 3) and GSPO (2, 2) in one bin: variances 1 and 0."""
-    from gspo.probe import length_bins, summarize_bins
+    from gspo.commands.probe import length_bins, summarize_bins
 
     assert length_bins([6, 1, 2, 5, 3, 4], 3) == [(1, 2), (3, 4), (5, 6)]
     rec = {"length": 2, "grpo_weights": [1.0, 3.0], "gspo_weights": [2.0, 2.0], "grpo_grad_norm": 1.0,
@@ -273,10 +273,9 @@ def test_moe_runs_get_arm_labels_a_flip_figure_and_summary_numbers(tmp_path, cap
 
 
 def test_compare_arms_parse_and_refuse_unknown_suffixes():
-    from gspo.config import parse_arm
+    from gspo.commands.compare import arm_label, parse_arm
+    from gspo.config import Config, build_config
     from gspo.errors import UserError
-
-    from gspo.config import Config, arm_label, build_config
 
     assert parse_arm("grpo+r2") == ("grpo", {"moe.routing_replay": "old"})
     assert parse_arm("gspo") == ("gspo", {})
@@ -501,7 +500,7 @@ def test_a_zero_on_a_log_axis_sits_on_a_floor_and_its_legend_counts_it():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gspo.report import _draw_log
+    from gspo.commands.report import _draw_log
 
     fig, ax = plt.subplots()
     _draw_log(ax, [([1, 2, 3], [0.1, 0.0, 0.02], "grpo", {"color": "red"}), ([1, 2, 3], [0.5, 0.4, 0.3], "gspo", {})],
@@ -528,7 +527,7 @@ def test_the_noise_figure_says_it_measured_the_base_model_on_one_batch_moved_off
 
 def test_arms_with_the_same_curve_stay_apart(tmp_path, monkeypatch):
     """Two arms with identical numbers differ in line style, marker and colour, the later one thinner and on top."""
-    import gspo.report as report
+    import gspo.commands.report as report
 
     drawn, save = {}, report._save
 

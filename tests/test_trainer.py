@@ -202,7 +202,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(tiny_dir, tmp_p
 
 def test_eval_reports_greedy_accuracy_and_pass_at_1(tiny_dir):
     """`evaluate` scores greedy and sampled completions and reports both as fractions."""
-    from gspo.evaluate import evaluate
+    from gspo.commands.evaluate import evaluate
 
     cfg = tiny_config(tiny_dir)
     out = evaluate(cfg, n=6, samples=2, batch_size=4)

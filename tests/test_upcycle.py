@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_llama
 from gspo.models.moe import find_routers
-from gspo.upcycle import distill, expert_report, upcycle
+from gspo.commands.upcycle import distill, expert_report, upcycle
 
 
 def _inputs(n=4, length=12, vocab=512, seed=0):

@@ -7,7 +7,6 @@ import logging
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 
 from gspo.errors import UserError
@@ -26,13 +25,10 @@ EPILOG = """examples:
 
 
 def _config(path: str | None, overrides: list[str]):
-    """Build the config twice: first to learn model.device, then with that device's ``[overrides.<type>]`` table."""
-    from gspo.config import build_config, load_toml
-    from gspo.runtime import resolve_device
+    """The config a command runs with; imported here, not at the top, so that `gspo --help` loads no torch."""
+    from gspo.config import load_config
 
-    data = load_toml(path) if path else {}
-    device = resolve_device(build_config(data, overrides).model.device).type
-    return build_config(data, overrides, device=device)
+    return load_config(path, overrides)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -72,8 +68,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from gspo.evaluate import evaluate
-    from gspo.tables import eval_table
+    from gspo.commands.evaluate import evaluate
+    from gspo.commands.tables import eval_table
 
     cfg = _config(args.config, args.overrides)
     result = evaluate(cfg, model_name=args.model, n=args.n, samples=args.samples, batch_size=args.batch_size)
@@ -90,160 +86,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare_in_process(args: argparse.Namespace, todo: list) -> int:
-    """The runs of ``gspo compare`` one after another in this process."""
-    import gc
-
-    import torch
-
-    from gspo.train import Trainer
-
-    for i, (overrides, run_dir, resume) in enumerate(todo):
-        # The first run pays this process's start-up (imports), as a `gspo train` would; a later one shares it, so its
-        # timings count from its own start, not from the command's (which would add the earlier runs' training).
-        started = time.perf_counter() if i else None
-        print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}", file=sys.stderr)
-        trainer = Trainer(_config(args.config, overrides), run_dir, resume=resume, started=started)
-        trainer.train()
-        if trainer.stop_signal is not None:
-            print(f"[compare] stopped by {trainer.stop_signal}; run the same command again to continue", file=sys.stderr)
-            return 130 if trainer.stop_signal == "SIGINT" else 143
-        del trainer
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return 0
-
-
-def _visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (none without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    named = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return named or [str(i) for i in range(torch.cuda.device_count())]
-
-
-def _compare_concurrently(args: argparse.Namespace, todo: list) -> int:
-    """``gspo compare --jobs N``: up to N runs at a time, each a ``gspo train`` process of its own, each started on the
-    visible GPU running the fewest of them (several on one GPU when N exceeds them: small models leave a GPU idle
-    between kernels, which another process's kernels fill). Each run's output goes to ``<out>/logs/<run>.log``. A stop
-    signal is passed to every run, which checkpoints and stops; the same command continues them."""
-    import signal
-    import subprocess
-
-    gpus = _visible_gpus()
-    logs = Path(args.out) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    pending, running = list(todo), {}  # running: Popen -> (run_dir, log path, GPU or None)
-    failed, halted, stopped = [], [], None  # halted: runs that stopped on a signal (they resume)
-    stop_codes = (130, 143, -signal.SIGINT, -signal.SIGTERM)  # a run stopped by a signal, before or after it trapped it
-
-    def forward(signum, _frame):
-        nonlocal stopped
-        stopped = signal.Signals(signum).name
-        pending.clear()
-        for proc in running:
-            proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while pending or running:
-            while pending and len(running) < args.jobs:
-                overrides, run_dir, resume = pending.pop(0)
-                env = dict(os.environ)
-                gpu = None
-                if gpus:  # the GPU with the fewest runs of this command on it
-                    load = {g: 0 for g in gpus}
-                    for _, _, g in running.values():
-                        load[g] += 1
-                    gpu = min(gpus, key=lambda g: load[g])
-                    env["CUDA_VISIBLE_DEVICES"] = gpu
-                # As torchrun does for its processes: one CPU thread on a GPU (see gspo.runtime.limit_cpu_threads);
-                # CPU runs share the host's cores (each would otherwise start as many OpenMP threads as it has)
-                env.setdefault("OMP_NUM_THREADS", "1" if gpus else str(max(1, (os.cpu_count() or 1) // args.jobs)))
-                cmd = [sys.executable, "-m", "gspo.cli", "train", *([args.config] if args.config else []), *overrides,
-                       "--run-dir", str(run_dir), *(["--resume"] if resume else [])]
-                log_path = logs / f"{run_dir.name}.log"
-                where = f" on GPU {gpu}" if gpu is not None else ""
-                print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}{where}; output: "
-                      f"{log_path}", file=sys.stderr)
-                with open(log_path, "a") as log_file:  # the child holds its own descriptor
-                    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
-                running[proc] = (run_dir, log_path, gpu)
-                if stopped:  # the signal came while it was being started
-                    proc.send_signal(signal.SIGINT if stopped == "SIGINT" else signal.SIGTERM)
-            time.sleep(0.5)
-            for proc in [p for p in running if p.poll() is not None]:
-                run_dir, log_path, _ = running.pop(proc)
-                if proc.returncode in stop_codes:
-                    halted.append(run_dir.name)
-                elif proc.returncode != 0:
-                    lines = log_path.read_text(errors="replace").strip().splitlines()
-                    failed.append(f"{run_dir.name} (exit {proc.returncode}: {lines[-1] if lines else 'no output'})")
-    except BaseException:
-        for proc in running:  # nothing is left training on the GPUs, holding its run directory's lock
-            proc.terminate()
-        for proc in running:
-            proc.wait()
-        raise
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if failed:
-        print(f"[compare] {len(failed)} run(s) failed: {'; '.join(failed)}. Their output is in {logs}; fix the cause "
-              "and run the same command again (finished runs are kept, stopped ones resume).", file=sys.stderr)
-        return 1
-    if stopped or halted:
-        print(f"[compare] stopped by {stopped or 'a signal to ' + ', '.join(halted)}; run the same command again to "
-              "continue", file=sys.stderr)
-        return 130 if stopped == "SIGINT" else 143
-    return 0
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     """Train the same config under each algorithm and seed, then write the report and the key-metrics table."""
-    from gspo.checkpoint import complete_checkpoints
-    from gspo.runlog.metrics import read_jsonl
-    from gspo.report import group_means, key_metrics, load_run, metrics_table, write_report
+    from gspo.commands.compare import compare
 
-    seeds, out = args.seeds, Path(args.out)
-    algos = [arm for arm, _, _ in args.algos]
-    run_dirs, todo = [], []  # todo: (overrides, run_dir, resume) of the runs still to train
-    for algo, preset, extra in args.algos:
-        for seed in seeds:
-            overrides = [*args.overrides, f"algorithm={preset!r}", f"seed={seed}", f"log.label={algo!r}",
-                         *(f"{k}={v!r}" for k, v in extra.items())]
-            try:  # every arm's settings checked before any run starts
-                cfg = _config(args.config, overrides)
-            except UserError as e:
-                raise UserError(f"--algos {algo}: {e}") from None
-            run_dir = out / f"{algo}-seed{seed}"
-            run_dirs.append(run_dir)
-            rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-            if rows and rows[-1]["step"] >= cfg.train.steps:
-                print(f"[compare] {run_dir} is complete; kept", file=sys.stderr)
-                continue
-            resume = bool(complete_checkpoints(run_dir / "checkpoints")) if run_dir.exists() else False
-            if run_dir.exists() and not resume:  # died before its first checkpoint: keep what it wrote, start again
-                aside = run_dir.with_name(f"{run_dir.name}.incomplete-{int(time.time())}")
-                run_dir.rename(aside)
-                print(f"[compare] {run_dir} had no checkpoint; moved to {aside}", file=sys.stderr)
-            todo.append((overrides, run_dir, resume))
-    code = _compare_concurrently(args, todo) if args.jobs > 1 else _compare_in_process(args, todo)
-    if code:
-        return code
-    page = write_report(run_dirs, out / "report", title=f"gspo compare: {', '.join(algos)} x seeds {', '.join(map(str, seeds))}")
-    rows = [key_metrics(load_run(d)) for d in run_dirs]
-    print(metrics_table(rows + group_means(rows), markdown=True))
-    print(f"report: {page}")
-    return 0
+    return compare(args.config, args.overrides, args.algos, args.seeds, Path(args.out), jobs=args.jobs)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from gspo.report import write_report
+    from gspo.commands.report import write_report
 
     page = write_report(args.run_dirs, args.out, title=args.title)
     print(f"report: {page}")
@@ -251,8 +102,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from gspo.probe import noise_table, probe_noise
-    from gspo.report import noise_figure
+    from gspo.commands.probe import noise_table, probe_noise
+    from gspo.commands.report import noise_figure
 
     cfg = _config(args.config, args.overrides)
     out = Path(args.out)
@@ -300,7 +151,8 @@ def _int_list(text: str) -> list[int]:
 def _presets(text: str) -> list[tuple[str, str, dict]]:
     """Comparison arms: presets, each optionally with "+"-suffixes (``grpo+r2``: GRPO with Routing Replay R2), as
     ``(arm, preset, overrides)``."""
-    from gspo.config import ARM_SUFFIX_NAMES, PRESETS, parse_arm
+    from gspo.commands.compare import ARM_SUFFIX_NAMES, parse_arm
+    from gspo.config import PRESETS
 
     algos = [a.strip() for a in text.split(",") if a.strip()]
     arms, reasons = [], []
@@ -387,7 +239,7 @@ CHECKED_DOWNSTREAM = {
 
 
 def cmd_upcycle(args: argparse.Namespace) -> int:
-    from gspo.upcycle import run_upcycle
+    from gspo.commands.upcycle import run_upcycle
 
     cfg = _config(args.config, args.overrides)
     result = run_upcycle(cfg, args.out, experts=args.experts, top_k=args.top_k, drop=args.drop,
@@ -418,7 +270,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from gspo.export import export
+    from gspo.commands.export import export
 
     ckpt = export(Path(args.checkpoint), Path(args.out), dtype=args.dtype, merge_lora=args.merge_lora, gguf=args.gguf)
     print(f"exported {ckpt} to {args.out}")
@@ -445,7 +297,7 @@ def _new_dir(text: str) -> str:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     from gspo.runlog.metrics import summarize
-    from gspo.tables import summary_table
+    from gspo.commands.tables import summary_table
 
     summaries = [summarize(run) for run in args.run_dirs]
     for s in summaries:

@@ -1,4 +1,5 @@
-"""Small typed containers passed between the data, rollout, reward and training stages.
+"""Small typed containers passed between the data, rollout, reward and training stages, and the names of the rollout
+engines and decode steps a config may pick.
 
 Shape legend: ``N`` completions in a rollout batch (prompts x group size), ``T`` padded completion positions.
 """
@@ -23,6 +24,11 @@ class SamplingParams:
     top_k: int = 0  # 0 disables top-k
     greedy: bool = False
 
+
+# The values of rollout.engine and rollout.fused_step (gspo.rollout re-exports them). They live here, not in
+# gspo.rollout, so that the config's checks read them without importing the engines (and transformers with them).
+ENGINES = ("auto", "graph", "hf", "vllm")
+FUSED_STEPS = ("auto", "off")
 
 FINISH_STOP = "stop"  # ended on EOS or the chat template's end-of-turn token (the token is part of the completion)
 FINISH_LENGTH = "length"  # reached max_new_tokens without a stop token

@@ -21,12 +21,9 @@ import torch
 from gspo.errors import UserError
 from gspo.models.moe import Routing
 from gspo.rollout.hf import HFEngine, sample_next
-from gspo.types import Rollout, SamplingParams
+from gspo.types import ENGINES, FUSED_STEPS, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
-
-ENGINES = ("auto", "graph", "hf", "vllm")
-FUSED_STEPS = ("auto", "off")
 
 
 class RolloutEngine(Protocol):

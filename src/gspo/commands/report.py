@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gspo.config import arm_label
+from gspo.commands.compare import arm_label
 from gspo.errors import UserError
 from gspo.runlog.metrics import mean_present, read_jsonl
 

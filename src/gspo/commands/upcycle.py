@@ -166,7 +166,7 @@ def run_upcycle(cfg, out: str, *, experts: int, top_k: int, drop: float, steps: 
     from pathlib import Path
 
     from gspo.data import build_dataset, dataset_args
-    from gspo.evaluate import evaluate
+    from gspo.commands.evaluate import evaluate
     from gspo.models import load_model, stop_token_ids
     from gspo.prompts import encode_prompts
     from gspo.rollout import make_engine

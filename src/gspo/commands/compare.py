@@ -1,0 +1,266 @@
+"""``gspo compare``: one config trained under several arms and seeds, then reported.
+
+An arm is a preset followed by "+"-suffixes that each switch settings on (``grpo+r2``: GRPO with Routing Replay R2;
+``gspo+mb8``: GSPO with 8 minibatches per rollout batch); :func:`arm_label` reads the arm back from a run's settings,
+which is how the report groups runs. Runs already finished are kept and checkpointed ones resume, so the same command
+continues a comparison; the runs left train one after another in this process or, with ``--jobs N``, as up to N
+``gspo train`` processes spread over the visible GPUs.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gspo.config import PRESETS, flatten, load_config, unknown_key
+from gspo.errors import UserError
+
+Todo = tuple[list[str], Path, bool]  # a run still to train: its overrides, its run directory, whether it resumes
+
+# Comparison arms (``gspo compare --algos``): a preset, then "+"-suffixes, each switching settings on.
+ARM_SUFFIXES: dict[str, dict[str, Any]] = {
+    "r2": {"moe.routing_replay": "old"},  # Routing Replay R2
+    "r3": {"moe.routing_replay": "rollout"},  # Routing Replay R3
+    "enginelp": {"train.old_logprobs": "rollout"},  # the engine's log-probs as the old policy's (no recomputation)
+    "int8": {"rollout.engine_weight_bits": 8},  # the engine samples from int8-rounded weights
+    "credit": {"loss.step_credit": "task"},  # per-token process credit of the task's steps
+}
+# Suffixes with a number: +mb8 (8 minibatches per rollout batch), +lr2e-5 (learning rate 2e-5)
+ARM_NUMBERED: dict[str, tuple[str, type]] = {"mb": ("train.minibatches", int), "lr": ("train.lr", float)}
+ARM_SUFFIX_NAMES = [*("+" + k for k in ARM_SUFFIXES), "+mb<minibatches>", "+lr<learning rate>"]
+
+
+def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
+    """``"grpo+r2"`` -> ``("grpo", {"moe.routing_replay": "old"})``, ``"gspo+mb8"`` -> ``("gspo",
+    {"train.minibatches": 8})``; a UserError for an unknown preset or suffix."""
+    preset, *suffixes = [part.strip() for part in arm.split("+")]
+    if preset not in PRESETS:
+        raise unknown_key(preset, list(PRESETS), "algorithm value ")
+    extra: dict[str, Any] = {}
+    for suffix in suffixes:
+        if suffix in ARM_SUFFIXES:
+            settings = ARM_SUFFIXES[suffix]
+            _no_second_value(arm, extra, settings)
+            extra.update(settings)
+            continue
+        numbered = next(((key, kind, suffix[len(p):]) for p, (key, kind) in ARM_NUMBERED.items()
+                         if suffix.startswith(p)), None)
+        try:
+            if numbered is None:
+                raise ValueError
+            key, kind, text = numbered
+            value = kind(text)
+        except ValueError:
+            raise UserError(f"{arm!r}: unknown suffix +{suffix}; known: {', '.join(ARM_SUFFIX_NAMES)}.") from None
+        _no_second_value(arm, extra, {key: value})
+        extra[key] = value
+    return preset, extra
+
+
+def _no_second_value(arm: str, extra: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Two suffixes of one arm may not set the same key (``grpo+r2+r3``: which replay?)."""
+    for key in settings:
+        if key in extra:
+            raise UserError(f"{arm!r} sets {key} twice; keep one suffix for it.")
+
+
+def arm_label(config: dict[str, Any]) -> str:
+    """The arm a resolved config (``Config.to_dict()``) trains: ``log.label`` when set (``gspo compare`` sets it), else
+    its algorithm and the suffixes its settings switch on."""
+    flat = flatten(config)
+    if flat.get("log.label"):
+        return str(flat["log.label"])
+    label = str(config.get("algorithm", "?"))
+    for suffix, keys in ARM_SUFFIXES.items():
+        if all(flat.get(k) == v for k, v in keys.items()):
+            label += "+" + suffix
+    return label
+
+
+def compare(config: str | None, overrides: list[str], arms: list[tuple[str, str, dict]], seeds: list[int], out: Path,
+            jobs: int = 1) -> int:
+    """Train ``config`` under each arm (``(arm, preset, overrides)`` as :func:`parse_arm` reads them) and seed into
+    ``<out>/<arm>-seed<seed>``, then write the report and print the key-metrics table; the exit code."""
+    from gspo.commands.report import group_means, key_metrics, load_run, metrics_table, write_report
+
+    run_dirs, todo = plan_runs(config, overrides, arms, seeds, out)
+    code = train_concurrently(config, todo, out, jobs) if jobs > 1 else train_in_process(config, todo)
+    if code:
+        return code
+    names = ", ".join(arm for arm, _, _ in arms)
+    page = write_report(run_dirs, out / "report", title=f"gspo compare: {names} x seeds {', '.join(map(str, seeds))}")
+    rows = [key_metrics(load_run(d)) for d in run_dirs]
+    print(metrics_table(rows + group_means(rows), markdown=True))
+    print(f"report: {page}")
+    return 0
+
+
+def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, str, dict]], seeds: list[int],
+              out: Path) -> tuple[list[Path], list[Todo]]:
+    """Every arm and seed's run directory, and the runs among them still to train. Every arm's settings are checked
+    before any run starts; a run that died before its first checkpoint is moved aside and trained again."""
+    from gspo.checkpoint import complete_checkpoints
+    from gspo.metrics import read_jsonl
+
+    run_dirs, todo = [], []
+    for algo, preset, extra in arms:
+        for seed in seeds:
+            run_overrides = [*overrides, f"algorithm={preset!r}", f"seed={seed}", f"log.label={algo!r}",
+                             *(f"{k}={v!r}" for k, v in extra.items())]
+            try:
+                cfg = load_config(config, run_overrides)
+            except UserError as e:
+                raise UserError(f"--algos {algo}: {e}") from None
+            run_dir = out / f"{algo}-seed{seed}"
+            run_dirs.append(run_dir)
+            rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+            if rows and rows[-1]["step"] >= cfg.train.steps:
+                print(f"[compare] {run_dir} is complete; kept", file=sys.stderr)
+                continue
+            resume = bool(complete_checkpoints(run_dir / "checkpoints")) if run_dir.exists() else False
+            if run_dir.exists() and not resume:  # died before its first checkpoint: keep what it wrote, start again
+                aside = run_dir.with_name(f"{run_dir.name}.incomplete-{int(time.time())}")
+                run_dir.rename(aside)
+                print(f"[compare] {run_dir} had no checkpoint; moved to {aside}", file=sys.stderr)
+            todo.append((run_overrides, run_dir, resume))
+    return run_dirs, todo
+
+
+def train_in_process(config: str | None, todo: list[Todo]) -> int:
+    """The runs of ``gspo compare`` one after another in this process."""
+    import torch
+
+    from gspo.train import Trainer
+
+    for i, (overrides, run_dir, resume) in enumerate(todo):
+        # The first run pays this process's start-up (imports), as a `gspo train` would; a later one shares it, so its
+        # timings count from its own start, not from the command's (which would add the earlier runs' training).
+        started = time.perf_counter() if i else None
+        print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}", file=sys.stderr)
+        trainer = Trainer(load_config(config, overrides), run_dir, resume=resume, started=started)
+        trainer.train()
+        if trainer.stop_signal is not None:
+            print(f"[compare] stopped by {trainer.stop_signal}; run the same command again to continue", file=sys.stderr)
+            return 130 if trainer.stop_signal == "SIGINT" else 143
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
+
+
+def train_concurrently(config: str | None, todo: list[Todo], out: Path, jobs: int) -> int:
+    """``gspo compare --jobs N``: up to N runs at a time, each a ``gspo train`` process of its own, each started on the
+    visible GPU running the fewest of them (several on one GPU when N exceeds them: small models leave a GPU idle
+    between kernels, which another process's kernels fill). Each run's output goes to ``<out>/logs/<run>.log``. A stop
+    signal is passed to every run, which checkpoints and stops; the same command continues them."""
+    runs = _Runs(config, todo, out / "logs", jobs)
+    previous = {s: signal.signal(s, runs.forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while runs.pending or runs.running:
+            while runs.pending and len(runs.running) < jobs:
+                runs.start_next()
+            time.sleep(0.5)
+            runs.reap()
+    except BaseException:
+        runs.end_all()
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return runs.outcome()
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (none without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    named = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return named or [str(i) for i in range(torch.cuda.device_count())]
+
+
+# A run stopped by a signal, before or after it trapped it: it checkpointed (or had not started) and resumes.
+_STOP_CODES = (130, 143, -signal.SIGINT, -signal.SIGTERM)
+
+
+class _Runs:
+    """The runs of ``train_concurrently``: those waiting, those running (a process each), and how the others ended."""
+
+    def __init__(self, config: str | None, todo: list[Todo], logs: Path, jobs: int):
+        self.config, self.jobs, self.logs = config, jobs, logs
+        self.gpus = _visible_gpus()
+        logs.mkdir(parents=True, exist_ok=True)
+        self.pending, self.running = list(todo), {}  # running: Popen -> (run_dir, log path, GPU or None)
+        self.failed, self.halted, self.stopped = [], [], None  # halted: runs that stopped on a signal (they resume)
+
+    def forward(self, signum, _frame) -> None:
+        """The signal handler: no run starts any more, and every running one gets the signal."""
+        self.stopped = signal.Signals(signum).name
+        self.pending.clear()
+        for proc in self.running:
+            proc.send_signal(signum)
+
+    def _least_busy_gpu(self) -> str | None:
+        if not self.gpus:
+            return None
+        load = {g: 0 for g in self.gpus}
+        for _, _, g in self.running.values():
+            load[g] += 1
+        return min(self.gpus, key=lambda g: load[g])
+
+    def start_next(self) -> None:
+        overrides, run_dir, resume = self.pending.pop(0)
+        env = dict(os.environ)
+        gpu = self._least_busy_gpu()
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        # As torchrun does for its processes: one CPU thread on a GPU (see gspo.runtime.limit_cpu_threads);
+        # CPU runs share the host's cores (each would otherwise start as many OpenMP threads as it has)
+        env.setdefault("OMP_NUM_THREADS", "1" if self.gpus else str(max(1, (os.cpu_count() or 1) // self.jobs)))
+        cmd = [sys.executable, "-m", "gspo.cli", "train", *([self.config] if self.config else []), *overrides,
+               "--run-dir", str(run_dir), *(["--resume"] if resume else [])]
+        log_path = self.logs / f"{run_dir.name}.log"
+        where = f" on GPU {gpu}" if gpu is not None else ""
+        print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}{where}; output: "
+              f"{log_path}", file=sys.stderr)
+        with open(log_path, "a") as log_file:  # the child holds its own descriptor
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.running[proc] = (run_dir, log_path, gpu)
+        if self.stopped:  # the signal came while it was being started
+            proc.send_signal(signal.SIGINT if self.stopped == "SIGINT" else signal.SIGTERM)
+
+    def reap(self) -> None:
+        """Collect the runs that ended: halted by a signal, failed (with the last line of their output) or done."""
+        for proc in [p for p in self.running if p.poll() is not None]:
+            run_dir, log_path, _ = self.running.pop(proc)
+            if proc.returncode in _STOP_CODES:
+                self.halted.append(run_dir.name)
+            elif proc.returncode != 0:
+                lines = log_path.read_text(errors="replace").strip().splitlines()
+                self.failed.append(f"{run_dir.name} (exit {proc.returncode}: {lines[-1] if lines else 'no output'})")
+
+    def end_all(self) -> None:
+        """Nothing is left training on the GPUs, holding its run directory's lock."""
+        for proc in self.running:
+            proc.terminate()
+        for proc in self.running:
+            proc.wait()
+
+    def outcome(self) -> int:
+        if self.failed:
+            print(f"[compare] {len(self.failed)} run(s) failed: {'; '.join(self.failed)}. Their output is in "
+                  f"{self.logs}; fix the cause and run the same command again (finished runs are kept, stopped ones "
+                  "resume).", file=sys.stderr)
+            return 1
+        if self.stopped or self.halted:
+            print(f"[compare] stopped by {self.stopped or 'a signal to ' + ', '.join(self.halted)}; run the same "
+                  "command again to continue", file=sys.stderr)
+            return 130 if self.stopped == "SIGINT" else 143
+        return 0

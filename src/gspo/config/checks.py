@@ -1,0 +1,284 @@
+"""Which values a config may take: one ``check_<section>(cfg)`` per section of the schema, the guards on settings of
+different sections that are fine alone but not together, and the warnings about legal but surprising settings, all
+run by :func:`validate` once the preset has filled the config.
+
+Every refusal is one UserError naming the key, its value and the fix. Where the module that acts on a key lists the
+values it takes (the loss levels and aggregations, the advantage scales, the engines, the precisions), the check reads
+that list, so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import string
+from typing import Any
+
+from gspo.algorithms.advantages import SCALES
+from gspo.algorithms.losses import AGGREGATIONS, LEVELS
+from gspo.config.presets import TASK_STEP_CREDIT
+from gspo.config.schema import Config
+from gspo.errors import UserError
+from gspo.runtime import PRECISIONS
+from gspo.types import ENGINES, FUSED_STEPS
+
+log = logging.getLogger("gspo")
+
+
+def _one_of(value: Any, valid: tuple[str, ...], key: str) -> None:
+    if value not in valid:
+        raise UserError(f"{key} = {value!r} is not one of {', '.join(valid)}; pick one of those.")
+
+
+def _each_valid(rows: tuple[tuple[bool, str, Any, str], ...]) -> None:
+    """``(ok, key, value, fix)`` rows: the first that is not ok is refused."""
+    for ok, key, value, fix in rows:
+        if not ok:
+            raise UserError(f"{key} = {value} is invalid; {fix}.")
+
+
+def _at_least_one(*pairs: tuple[str, int]) -> None:
+    for key, value in pairs:
+        if value < 1:
+            raise UserError(f"{key} = {value} must be at least 1.")
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` is importable, found without importing it (a stray ``./wandb`` folder of W&B runs is a
+    namespace package without an origin, not the package)."""
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None
+
+
+# --------------------------------------------------------------------------------------------- one section each
+
+
+def check_sentinel(cfg: Config) -> None:
+    sc = cfg.sentinel
+    _each_valid(((sc.window >= 1, "sentinel.window", sc.window, "use 1 or more rollout batches"),
+                 (0 < sc.lr_factor <= 1, "sentinel.lr_factor", sc.lr_factor, "use a factor in (0, 1]"),
+                 (sc.max_rollbacks >= 0, "sentinel.max_rollbacks", sc.max_rollbacks, "use 0 or more"),
+                 (min(sc.entropy_min, sc.reward_drop, sc.seq_ratio_log_max) >= 0, "sentinel thresholds",
+                  (sc.entropy_min, sc.reward_drop, sc.seq_ratio_log_max), "use 0 (off) or a positive value"),
+                 (0 <= sc.truncated_max < 1, "sentinel.truncated_max", sc.truncated_max,
+                  "use 0 (off) or a fraction below 1")))
+    _one_of(sc.action, ("warn", "stop", "rollback"), "sentinel.action")
+    if sc.action in ("stop", "rollback") and not (sc.entropy_min or sc.reward_drop or sc.seq_ratio_log_max
+                                                 or sc.truncated_max):
+        raise UserError(f"sentinel.action = {sc.action!r} with every detector off (sentinel.reward_drop, entropy_min, "
+                        "seq_ratio_log_max and truncated_max are 0) never acts; turn one on, e.g. "
+                        "sentinel.reward_drop = 0.3.")
+
+
+def check_log(cfg: Config) -> None:
+    lg = cfg.log
+    _each_valid(((lg.trace_every >= 0 and lg.trace_samples >= 0, "log.trace_every / log.trace_samples",
+                  (lg.trace_every, lg.trace_samples), "use 0 (off) or a positive count"),
+                 (lg.profile_batch >= 0, "log.profile_batch", lg.profile_batch,
+                  "use 0 (off) or the 1-based index of a rollout batch")))
+    for key, on, package in (("log.tensorboard", lg.tensorboard, "tensorboard"), ("log.wandb", lg.wandb, "wandb")):
+        if on and not _installed(package):
+            raise UserError(f"{key} = true but the {package} package is not installed; pip install 'gspo[{package}]', "
+                            f"or set {key} = false.")
+    _check_run_dir(cfg)
+    if lg.checkpoint_every < 0 or lg.samples_per_batch < 0 or lg.keep_checkpoints < 0:
+        raise UserError("log.checkpoint_every, log.samples_per_batch and log.keep_checkpoints must be >= 0 (0 turns the "
+                        "first two off and keeps every checkpoint).")
+    if lg.wandb and not lg.wandb_project:
+        raise UserError("log.wandb_project is empty; name the W&B project, e.g. log.wandb_project = 'gspo'.")
+
+
+def _check_run_dir(cfg: Config) -> None:
+    """``log.run_dir`` is formatted with the algorithm and seed: any other placeholder (or a stray brace) would fail
+    only when the run starts."""
+    run_dir = cfg.log.run_dir
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(run_dir) if f is not None]
+        run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
+        bad = [f for f in fields if f not in ("algorithm", "seed")]
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
+        bad = [str(e)]
+    if bad:
+        raise UserError(f"log.run_dir = {run_dir!r} has a placeholder gspo does not fill ({', '.join(bad)}); use "
+                        "{algorithm} and {seed} only (double a brace to write one).")
+
+
+def check_model(cfg: Config) -> None:
+    m = cfg.model
+    if m.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", m.device):
+        raise UserError(f"model.device = {m.device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    _one_of(m.precision, PRECISIONS, "model.precision")
+
+
+def check_run(cfg: Config) -> None:
+    """The keys outside every section: the seed (the algorithm is checked where its preset is applied)."""
+    if not 0 <= cfg.seed < 2**63:
+        raise UserError(f"seed = {cfg.seed} must be in 0 .. 2**63 - 1.")
+
+
+def check_train(cfg: Config) -> None:
+    """The optimizer and the passes; how the batch divides into steps is :func:`check_batch_shape`."""
+    t = cfg.train
+    _at_least_one(("train.logprob_chunk", t.logprob_chunk), ("train.max_nonfinite_steps", t.max_nonfinite_steps))
+    if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
+        raise UserError(f"train.adam_betas = {t.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.99].")
+    if not t.lr > 0 or t.weight_decay < 0 or t.max_grad_norm < 0 or t.warmup_steps < 0:
+        raise UserError("train.lr must be > 0, and train.weight_decay, train.max_grad_norm and train.warmup_steps >= 0 "
+                        f"(got {t.lr}, {t.weight_decay}, {t.max_grad_norm}, {t.warmup_steps}).")
+    _one_of(t.old_logprobs, ("recompute", "rollout"), "train.old_logprobs")
+    _one_of(t.packing, ("auto", "on", "off"), "train.packing")
+    _one_of(t.cuda_graphs, ("auto", "off"), "train.cuda_graphs")
+    _one_of(t.schedule, ("constant", "linear", "cosine"), "train.schedule")
+
+
+def check_data(cfg: Config) -> None:
+    _at_least_one(("data.max_prompt_tokens", cfg.data.max_prompt_tokens))
+    _one_of(cfg.data.long_prompts, ("skip", "fail"), "data.long_prompts")
+
+
+def check_rewards(cfg: Config) -> None:
+    rw = cfg.rewards
+    if not rw.timeout_s > 0 or rw.workers < 0:
+        raise UserError(f"rewards.timeout_s = {rw.timeout_s} must be > 0 and rewards.workers = {rw.workers} >= 0.")
+    for fn in rw.functions:
+        if ":" not in fn.path:
+            raise UserError(f"Reward path {fn.path!r} must be 'module:function', e.g. "
+                            "'gspo.rewards.builtin:last_number'.")
+
+
+def check_loss(cfg: Config) -> None:
+    lc = cfg.loss
+    _one_of(lc.level, LEVELS, "loss.level")
+    _one_of(lc.aggregation, AGGREGATIONS, "loss.aggregation")
+    _one_of(lc.advantage_scale, SCALES, "loss.advantage_scale")
+    if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:
+        raise UserError(
+            f"loss.level = {lc.level!r} with loss.aggregation = {lc.aggregation!r} weights every sequence by its "
+            "length (TRL #3823); use aggregation 'seq-mean-token-mean', or set loss.allow_length_weighted_sequence = true."
+        )
+    if not (0 <= lc.eps_low < 1) or lc.eps_high < 0:
+        raise UserError(f"Clip ranges must satisfy 0 <= loss.eps_low < 1 and loss.eps_high >= 0 (got {lc.eps_low}, {lc.eps_high}).")
+    if lc.beta < 0:
+        raise UserError(f"loss.beta = {lc.beta} must be >= 0.")
+
+
+def check_lora(cfg: Config) -> None:
+    lo = cfg.lora
+    if lo.rank < 0 or (lo.rank and not lo.alpha > 0) or not lo.target_modules:
+        raise UserError(f"lora.rank = {lo.rank}, lora.alpha = {lo.alpha}, lora.target_modules = {lo.target_modules}: the "
+                        "rank must be >= 0 (0 = full fine-tuning), alpha > 0, and at least one target module named.")
+    if lo.rank and lo.dropout != 0:
+        raise UserError(f"lora.dropout = {lo.dropout}: dropout must stay off in RL (the update must see the policy "
+                        "that computed the old log-probs, as gspo turns off the model's own dropout); set it to 0.")
+
+
+def check_rollout(cfg: Config) -> None:
+    r = cfg.rollout
+    _one_of(r.engine, ENGINES, "rollout.engine")
+    _one_of(r.fused_step, FUSED_STEPS, "rollout.fused_step")
+    _one_of(r.compact_rows, ("auto", "off"), "rollout.compact_rows")
+    if not (r.engine_weight_bits == 0 or 2 <= r.engine_weight_bits <= 16):
+        raise UserError(f"rollout.engine_weight_bits = {r.engine_weight_bits} must be 0 (off) or 2-16, e.g. 8.")
+    if r.group_size < 2:
+        raise UserError(f"rollout.group_size = {r.group_size} leaves no group to compare against; use 2 or more (the paper uses 8+).")
+    if r.prompts_per_batch < 1 or r.max_new_tokens < 1:
+        raise UserError("rollout.prompts_per_batch and rollout.max_new_tokens must be at least 1.")
+    if r.temperature <= 0:
+        raise UserError(f"rollout.temperature = {r.temperature} must be > 0 for sampling; use e.g. 1.0.")
+    if not 0 < r.top_p <= 1 or r.top_k < 0:
+        raise UserError("rollout.top_p must be in (0, 1] and rollout.top_k >= 0 (0 disables it).")
+    if not 0 < r.vllm_gpu_memory < 1:
+        raise UserError(f"rollout.vllm_gpu_memory = {r.vllm_gpu_memory} must be a share of the GPU in (0, 1), e.g. 0.3.")
+
+
+def check_moe(cfg: Config) -> None:
+    _one_of(cfg.moe.routing_replay, ("off", "old", "rollout"), "moe.routing_replay")
+    if cfg.moe.router_aux_loss_coef < 0:
+        raise UserError(f"moe.router_aux_loss_coef = {cfg.moe.router_aux_loss_coef} must be >= 0 (0 turns it off).")
+
+
+def check_dist(cfg: Config) -> None:
+    _one_of(cfg.dist.strategy, ("auto", "fsdp", "ddp"), "dist.strategy")
+    if not cfg.dist.timeout_s > 0:
+        raise UserError(f"dist.timeout_s = {cfg.dist.timeout_s} must be > 0 seconds (e.g. 600).")
+
+
+def check_dapo(cfg: Config) -> None:
+    """The punishment ramp must fit in the completion (its bound is rollout.max_new_tokens)."""
+    d, limit = cfg.dapo, cfg.rollout.max_new_tokens
+    if d.overlong_penalty and not 0 < d.overlong_cache <= limit:
+        raise UserError(f"dapo.overlong_cache = {d.overlong_cache} must be in 1..rollout.max_new_tokens ({limit}).")
+
+
+# --------------------------------------------------------------------------------------------- across sections
+
+
+def check_step_credit(cfg: Config) -> None:
+    """``loss.step_credit = "task"`` needs a task that has steps, and any step credit a token-level ratio. The task
+    is checked first: with both wrong, naming a function is the fix the user needs before choosing a ratio."""
+    lc = cfg.loss
+    if lc.step_credit == "task" and cfg.data.task not in TASK_STEP_CREDIT:
+        raise UserError(f"loss.step_credit = 'task': data.task = {cfg.data.task!r} has no built-in step credit (only "
+                        f"{', '.join(TASK_STEP_CREDIT)} do); name a 'module:function' instead.")
+    if lc.step_credit is not None and lc.level == "sequence":
+        raise UserError(f"loss.step_credit gives per-token advantages, which {cfg.algorithm}'s sequence-level ratio "
+                        "cannot take (one advantage per sequence); use algorithm = 'gspo_token' (GSPO-token) or a "
+                        "token-level preset such as 'grpo'.")
+
+
+def check_old_logprobs(cfg: Config) -> None:
+    """The old policy's log-probs must come from where the other settings need them."""
+    r, t = cfg.rollout, cfg.train
+    if cfg.moe.routing_replay == "old" and t.old_logprobs != "recompute":
+        raise UserError("moe.routing_replay = 'old' records the experts in the old-policy pass, which "
+                        "train.old_logprobs = 'rollout' skips; set train.old_logprobs = 'recompute'.")
+    if r.engine == "vllm" and t.old_logprobs == "rollout" and (r.top_p < 1 or r.top_k > 0):
+        raise UserError(f"train.old_logprobs = 'rollout' with rollout.engine = 'vllm' and top_p = {r.top_p} / top_k = "
+                        f"{r.top_k}: vLLM's log-probs are renormalised over the kept tokens, so the importance ratio "
+                        "would be biased; set train.old_logprobs = 'recompute', or top_p = 1 and top_k = 0.")
+
+
+def check_batch_shape(cfg: Config) -> None:
+    """A rollout batch (prompts x group size) splits evenly into minibatches and micro-batches, and the run into whole
+    rollout batches. In this order: each check divides by what the one before it guarantees is at least 1."""
+    r, t = cfg.rollout, cfg.train
+    n = r.prompts_per_batch * r.group_size
+    if t.minibatches < 1 or n % t.minibatches:
+        raise UserError(
+            f"train.minibatches = {t.minibatches} does not divide the {n} completions of a rollout batch "
+            f"(prompts_per_batch {r.prompts_per_batch} x group_size {r.group_size}); pick a divisor of {n}."
+        )
+    if t.steps < t.minibatches or t.steps % t.minibatches:
+        raise UserError(f"train.steps = {t.steps} must be a positive multiple of train.minibatches = {t.minibatches}.")
+    if t.micro_batch_size < 0 or (t.micro_batch_size and (n // t.minibatches) % t.micro_batch_size):
+        raise UserError(f"train.micro_batch_size = {t.micro_batch_size} must divide the minibatch of {n // t.minibatches} sequences (or be 0).")
+
+
+def warn_surprises(cfg: Config) -> None:
+    """Legal settings that do something other than what they seem to: logged, not refused."""
+    lc, r, t = cfg.loss, cfg.rollout, cfg.train
+    if lc.level != "token" and max(lc.eps_low, lc.eps_high) >= 0.05:
+        log.warning("loss.eps_* = (%g, %g) on a sequence-level ratio clips almost nothing (TRL #3834); the GSPO "
+                    "paper uses (3e-4, 4e-4).", lc.eps_low, lc.eps_high)
+    if t.old_logprobs == "rollout" and r.engine_weight_bits:
+        log.warning("train.old_logprobs = 'rollout' with rollout.engine_weight_bits = %d: the rounded engine's log-probs "
+                    "become the old policy's; on the reference run this collapsed every GSPO run and one GRPO run in "
+                    "three at 8 bits (docs/experiments/engine). Recompute them unless the gap is what you study.",
+                    r.engine_weight_bits)
+    if t.minibatches == 1:
+        log.warning("train.minibatches = 1: every update is on-policy, so the importance ratio is always 1 and GSPO, "
+                    "GRPO and REINFORCE with a group baseline coincide; use 2+ minibatches to exercise the ratio.")
+
+
+# Sections first, in the order their first check ran when this was one function (so a config with several faults
+# still names the same first one in most cases), then the guards that need two sections each valid on its own.
+CHECKS = (check_sentinel, check_log, check_model, check_run, check_train, check_data, check_rewards, check_loss,
+          check_lora, check_rollout, check_moe, check_dist, check_dapo,
+          check_step_credit, check_old_logprobs, check_batch_shape)
+
+
+def validate(cfg: Config) -> None:
+    """Refuse invalid combinations with a message that names the fix; warn about legal but surprising ones."""
+    for check in CHECKS:
+        check(cfg)
+    warn_surprises(cfg)
