@@ -1,11 +1,7 @@
-"""The package's shape holds: no module reaches into another's private names, module-level imports form no cycle
-(a refactor that adds one fails here, not at some user's first import), and the packages that own one concern each
-import nothing of the concerns kept out of them (issue 27: one home per concern)."""
-
-
 """The package's shape holds: no module reaches into another's private names, module-level imports form no cycle (a
-refactor that adds one fails here, not at some user's first import), the config loads no trainer, engine or command,
-only the command line uses the commands, and their functions stay short."""
+refactor that adds one fails here, not at some user's first import), each package that owns one concern imports
+nothing of the concerns kept out of it (issue 27: one home per concern), the config loads no trainer, engine or
+command, only the command line uses the commands, the top level stays small and no function grows past 100 lines."""
 from __future__ import annotations
 
 import ast
@@ -214,4 +210,50 @@ def test_no_function_of_the_config_the_commands_or_the_command_line_is_over_100_
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
                 long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+
+
+def _gspo_imports(path: Path) -> set[str]:
+    """Every gspo module ``path`` imports, anywhere in the file (functions included), as dotted names."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("gspo")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gspo"):
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _breaks(files, allowed) -> list[str]:
+    return [f"{p.relative_to(SRC)} imports {m}" for p in files for m in sorted(_gspo_imports(p)) if not allowed(m)]
+
+
+def test_the_collectives_and_the_math_import_nothing_above_errors():
+    """parallel/comm.py (collectives) and algorithms/ (pure math) import nothing of gspo but gspo.errors (and
+    algorithms/ its own modules)."""
+    comm = [PACKAGE / "parallel" / "comm.py"]
+    algorithms = sorted((PACKAGE / "algorithms").glob("*.py"))
+    broken = _breaks(comm, lambda m: m.startswith("gspo.errors"))
+    broken += _breaks(algorithms, lambda m: m.startswith(("gspo.errors", "gspo.algorithms")))
+    assert not broken, broken
+
+
+def test_parallel_never_imports_the_trainer_or_the_log_prob_pass():
+    """parallel/ holds the policy for the trainer without knowing it: no gspo.train (the actor hands its FSDP entry in)."""
+    broken = _breaks(sorted((PACKAGE / "parallel").glob("*.py")), lambda m: not m.startswith("gspo.train"))
+    assert not broken, broken
+
+
+def test_the_top_level_is_a_few_modules_beside_the_packages():
+    """At most 8 modules sit at the top of src/gspo beside the packages (__init__ aside)."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 8, top
+
+
+def test_no_function_is_over_100_lines():
+    """No function or method in the package is longer than 100 lines (a function that long does several things)."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 100:
+                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
     assert not long, long

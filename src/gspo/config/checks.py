@@ -19,6 +19,7 @@ from gspo.algorithms.losses import AGGREGATIONS, LEVELS
 from gspo.config.presets import TASK_STEP_CREDIT
 from gspo.config.schema import Config
 from gspo.errors import UserError
+from gspo.parallel.strategy import STRATEGIES
 from gspo.runtime import PRECISIONS
 from gspo.types import ENGINES, FUSED_STEPS
 
@@ -198,7 +199,7 @@ def check_moe(cfg: Config) -> None:
 
 
 def check_dist(cfg: Config) -> None:
-    _one_of(cfg.dist.strategy, ("auto", "fsdp", "ddp"), "dist.strategy")
+    _one_of(cfg.dist.strategy, STRATEGIES, "dist.strategy")
     if not cfg.dist.timeout_s > 0:
         raise UserError(f"dist.timeout_s = {cfg.dist.timeout_s} must be > 0 seconds (e.g. 600).")
 
