@@ -1,7 +1,7 @@
 """Models: loading (alias, GGUF, directory, hub id), the forward helpers every pass shares, and what acts on a loaded
 Hugging Face model: LoRA adapters (:mod:`gspo.models.lora`), MoE routers and Routing Replay (:mod:`gspo.models.moe`).
 
-Nothing here imports :mod:`gspo.parallel`, :mod:`gspo.dist` or :mod:`gspo.rollout` (``tests/test_layout.py``): how a
+Nothing here imports :mod:`gspo.parallel` or :mod:`gspo.rollout` (``tests/test_layout.py``): how a
 model is sharded or sampled from is decided by their callers.
 """
 from gspo.models.forward import (
