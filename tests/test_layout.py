@@ -257,3 +257,21 @@ def test_no_function_is_over_100_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 100:
                 long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
     assert not long, long
+
+
+def test_every_gspo_import_names_a_module_that_exists():
+    """Every ``gspo...`` import anywhere in src/, tests/ and benchmarks/ (inside functions too, where only a run that
+    reaches them would fail) names a module or package of the tree, or a name one of them defines at its top."""
+    modules = _modules()
+    root = SRC.parent
+    missing = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "benchmarks").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("gspo")]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("gspo"):
+                names = [node.module] if node.module in modules else [node.module + " (no such module)"]
+            else:
+                continue
+            missing += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names if n not in modules]
+    assert not missing, missing

@@ -105,7 +105,7 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
     """Every arm and seed's run directory, and the runs among them still to train. Every arm's settings are checked
     before any run starts; a run that died before its first checkpoint is moved aside and trained again."""
     from gspo.checkpoint import complete_checkpoints
-    from gspo.metrics import read_jsonl
+    from gspo.runlog.metrics import read_jsonl
 
     run_dirs, todo = [], []
     for algo, preset, extra in arms:
