@@ -126,11 +126,14 @@ class Console:
         self._bar = None
         self._rerouted: list[tuple[logging.StreamHandler, Any]] = []
         if enabled and sys.stderr.isatty():
+            from rich.console import Console as Terminal
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+            # On stderr, where the run's log goes (stdout may be a pipe); rich prints both streams above the bar.
             self._bar = Progress(TextColumn("[bold]gspo"), BarColumn(bar_width=20), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[phase]}"),
-                                 transient=False, redirect_stderr=True, redirect_stdout=True)
+                                 console=Terminal(file=sys.stderr), transient=False, redirect_stderr=True,
+                                 redirect_stdout=True)
             self._task = self._bar.add_task("", total=total_steps, completed=start_step, phase="starting", eta="")
             self._bar.start()
             self._reroute_logs()
@@ -164,10 +167,10 @@ class Console:
         return f"eta {_clock((time.time() - self.t0) / done * max(self.total - step, 0))}"
 
     def line(self, step: int, row: dict[str, Any]) -> str:
-        """One rollout batch's metrics, at most 80 columns for runs of up to 99,999 steps."""
-        return (f"step {step}/{self.total}  reward {row.get('reward/mean', float('nan')):.3f}  "
-                f"clip {100 * (row.get('clip/token_total') or 0):.2f}% tok {100 * (row.get('clip/seq_total') or 0):.1f}% "
-                f"seq  len {row.get('completion/len_mean') or 0:.0f}")
+        """One rollout batch's metrics: reward, clipped tokens and sequences (per cent), mean length."""
+        return (f"{step}/{self.total} reward {row.get('reward/mean', float('nan')):.3f} "
+                f"clip tok {100 * (row.get('clip/token_total') or 0):.2f}% seq {100 * (row.get('clip/seq_total') or 0):.1f}% "
+                f"len {row.get('completion/len_mean') or 0:.0f}")
 
     def update(self, step: int, row: dict[str, Any], end_of_batch: bool) -> None:
         if not self.enabled:
@@ -175,10 +178,9 @@ class Console:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, eta=self.eta(step))
             if end_of_batch:
-                self._bar.console.print(self.line(step, row), highlight=False, soft_wrap=True)
-        elif end_of_batch:
-            print(f"[gspo] {self.line(step, row)}  {_clock(time.time() - self.t0)} {self.eta(step)}", file=sys.stderr,
-                  flush=True)
+                self._bar.console.print(f"step {self.line(step, row)}", highlight=False, soft_wrap=True)
+        elif end_of_batch:  # within 80 columns up to 99,999 steps
+            print(f"[gspo] {self.line(step, row)} {self.eta(step)}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
