@@ -25,6 +25,7 @@ import torch
 from gspo.checkpoint import (RANK_FILE, checkpoint_step, complete_checkpoints, save_checkpoint, save_replicated,
                              save_sharded, to_cpu)
 from gspo.errors import UserError
+from gspo.train.sentinel import best_window_end, reward_drop, rollback_limit
 from gspo.runtime import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("gspo")
@@ -272,6 +273,24 @@ class Checkpoints:
         """The complete checkpoints written before rollout batch ``batch + 1``, once the write in flight finished."""
         self.writer.wait()
         return checkpoints_through(self.run_dir, batch)
+
+    def rollback_target(self, rewards_seen: dict[int, float | None]) -> int | None:
+        """The step of the checkpoint a reward drop would roll back to (the newest holding a policy no later than the
+        one that sampled the last batch of the best reward window so far: see ``sentinel.rollback_limit``), which
+        pruning must keep however old it gets; None unless the sentinel rolls back on reward drops."""
+        sc = self.cfg.sentinel
+        peak = best_window_end(sc, rewards_seen) if sc.action == "rollback" else None
+        kept = self.through(peak) if peak is not None else []  # waits for the write in flight: it may be the one
+        return checkpoint_step(kept[-1]) if kept else None
+
+    def before_collapse(self, trigger: int, rewards_seen: dict[int, float | None]) -> list[Path]:
+        """The checkpoints a rollback after a collapse found at rollout batch ``trigger`` may go to, newest last: those
+        rollback_limit allows, from before the batch before the trigger and, after a reward drop, from before the
+        decline; when the reward peaked before the first checkpoint, those before the batch before the trigger, as
+        for the other detectors."""
+        sc = self.cfg.sentinel
+        peak = best_window_end(sc, rewards_seen, before_newest=True) if reward_drop(sc, rewards_seen) else None
+        return self.through(rollback_limit(trigger, peak)) or self.through(rollback_limit(trigger, None))
 
     def abandon_after(self, step: int) -> None:
         """A rollback abandons the timeline after ``step``: its checkpoints are renamed out of the way (to

@@ -14,7 +14,6 @@ Differences from the GSPO paper's setup: none in the objective; rewards that fai
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import checkpoint_step
 from gspo.config import Config
 from gspo.errors import UserError
 from gspo.runlog.metrics import read_jsonl
@@ -36,8 +34,7 @@ from gspo.train.checkpoint import Checkpoints, TrainState, checkpoint_batch
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, out_of_memory
 from gspo.train.parts import build, describe_run
 from gspo.train.run_dir import RunDir
-from gspo.train.sentinel import (best_window_end, collapse_findings, response, reward_drop, rollback_limit,
-                                 stop_reason)
+from gspo.train.sentinel import collapse_findings, response, stop_reason
 from gspo.types import Batch
 
 log = logging.getLogger("gspo")
@@ -148,11 +145,7 @@ class Trainer:
         self.timings["checkpoint_wait_s"] = round(self.writer.seconds, 3)
         self.timings.update({f"final_checkpoint_{k}": v for k, v in self.writer.phases.items()})
         self.timings["process_s"] = self.since_start()
-        if self.runtime.is_main:
-            try:
-                (self.run_dir / "timings.json").write_text(json.dumps(self.timings, indent=1))
-            except OSError as e:  # a diagnostic: the run itself is complete
-                log.warning("timings.json could not be written (%s)", e.strerror or e)
+        self.dir.write_timings(self.timings)
         if self.stop_signal is not None:
             log.warning("%s received: stopped after step %d with a checkpoint; continue with --resume",
                         self.stop_signal, state.step)
@@ -257,13 +250,7 @@ class Trainer:
         if sc.action == "warn":
             log.warning("collapse sentinel at step %d: %s", state.step, self.collapse)
             return False
-        # The newest checkpoint rollback_limit allows: from before the batch before the trigger and, after a reward
-        # drop, from before the decline. When the reward peaked before the first checkpoint, the newest one before
-        # the batch before the trigger, as for the other detectors.
-        trigger = state.rollout_batch - 1
-        peak = best_window_end(sc, self.rewards_seen, before_newest=True) if reward_drop(sc, self.rewards_seen) else None
-        older = (self.checkpoints.through(rollback_limit(trigger, peak))
-                 or self.checkpoints.through(rollback_limit(trigger, None)))
+        older = self.checkpoints.before_collapse(state.rollout_batch - 1, self.rewards_seen)
         action = response(sc, state.rollbacks, bool(older))
         if action == "rollback":
             rollbacks = state.rollbacks + 1
@@ -281,22 +268,12 @@ class Trainer:
         raise UserError(f"Collapse sentinel stopped the run at step {state.step}: {self.collapse}; {last}. Resume from "
                         "it with a lower train.lr, or loosen the sentinel.* thresholds.")
 
-    # ------------------------------------------------------------------------------------------ run directory
-
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def checkpoint(self) -> None:
-        """Start writing a checkpoint of the run as it is now (see :meth:`Checkpoints.save`)."""
-        self.checkpoints.save(self.state, self.t_start, self.rollback_target_pin())
-
-    def rollback_target_pin(self) -> int | None:
-        """The step of the checkpoint a reward drop would roll back to (the newest holding a policy no later than the
-        one that sampled the last batch of the best reward window so far: see rollback_limit), which pruning must keep
-        however old it gets; None unless the sentinel rolls back on reward drops."""
-        sc = self.cfg.sentinel
-        peak = best_window_end(sc, self.rewards_seen) if sc.action == "rollback" else None
-        kept = self.checkpoints.through(peak) if peak is not None else []  # waits for the write in flight: maybe it
-        return checkpoint_step(kept[-1]) if kept else None
+        """Start writing a checkpoint of the run as it is now (see :meth:`Checkpoints.save`), keeping the one a reward
+        drop would roll back to (:meth:`Checkpoints.rollback_target`)."""
+        self.checkpoints.save(self.state, self.t_start, self.checkpoints.rollback_target(self.rewards_seen))
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""

@@ -1,6 +1,6 @@
 """The run directory as the trainer holds it: refused when it is a file or already holds a run (unless resumed), locked
 for this process, ``config.json`` (the latest settings), ``config_history.jsonl`` (one line per session: what it
-trained with, from which step, what it changed), and what ``--resume`` may change (see :mod:`gspo.config`'s resume
+trained with, from which step, what it changed), ``timings.json``, and what ``--resume`` may change (see :mod:`gspo.config`'s resume
 rules). Only the main process of a job writes here.
 """
 from __future__ import annotations
@@ -105,6 +105,15 @@ class RunDir:
         if self.changes:
             log.info("resumed with changed settings: %s", ", ".join(f"{k} {v[0]!r} -> {v[1]!r}"
                                                                    for k, v in self.changes.items()))
+
+    def write_timings(self, timings: dict[str, float]) -> None:
+        """timings.json: where the run's seconds went (on the main process; a diagnostic, so a failure only warns)."""
+        if not self.is_main:
+            return
+        try:
+            (self.path / "timings.json").write_text(json.dumps(timings, indent=1))
+        except OSError as e:  # the run itself is complete
+            log.warning("timings.json could not be written (%s)", e.strerror or e)
 
     def release(self) -> None:
         """Let another process use the run directory (done at the end of ``train()``)."""
