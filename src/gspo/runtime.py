@@ -9,9 +9,11 @@ Precision (``model.precision``):
                     which is many times slower than fp32: a warning says so)
     fp32            no autocast
 
-Why ``auto`` asks the CPU: on a 2-core Xeon with AMX a bf16 matmul of the 135M model's shapes ran at 242 GFLOP/s
-against 56 in fp32, while with oneDNN held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``, how an AVX2-only CPU such as a Zen 3
-EPYC runs) bf16 fell to 1.2 GFLOP/s and fp32 stayed at 49: a quickstart that took minutes there took most of an hour.
+Why ``auto`` asks the CPU: on a 2-core Xeon with AMX a bf16 matmul of the 135M model's update shapes ran at 922
+GFLOP/s against 257 in fp32, while with oneDNN held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``, how an AVX2-only CPU such as
+a Zen 3 EPYC runs it) bf16 fell to 1.5 GFLOP/s and fp32 stayed at 263 (``benchmarks/cpu_precision.py``;
+benchmarks/README.md#quickstart-on-a-cpu); a quickstart forced to bf16 on such a CPU was at step 2 of 48 after 46
+minutes (issue 33).
 ``GSPO_CPU_BF16=0`` (or ``1``) overrides what is read off the CPU; the test suite sets 0, so its CPU runs compute the
 same numbers on every CPU.
 

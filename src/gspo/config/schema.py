@@ -24,7 +24,7 @@ class ModelConfig:
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     precision: str = "auto"
     """``auto``: fp32 master weights with bf16 autocast on CUDA and on a CPU with native bf16 (AVX512-BF16, AMX, Arm
-    BF16; ~4x faster than fp32 there), plain fp32 on any other CPU (where bf16 is emulated, many times slower);
+    BF16; its bf16 matmuls ~3.6x fp32's there), plain fp32 on any other CPU (where bf16 is emulated, many times slower);
     ``fp32``; ``bf16-autocast`` (fp32 master weights, bf16 matmuls, on any device). ``GSPO_CPU_BF16=0`` / ``1``
     overrides what is read off the CPU."""
     gradient_checkpointing: bool = False
