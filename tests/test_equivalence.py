@@ -1,13 +1,14 @@
 """The refactor guard: fixed-seed CPU runs of a tiny model give the metrics recorded from an earlier version of the code.
 
 Each run below was recorded into ``tests/fixtures/equivalence/<name>.jsonl`` (its metrics.jsonl, then its samples.jsonl
-lines) by ``python tests/test_equivalence.py --record``. A refactor must reproduce every key of every line: integers,
-strings (sampled texts) and token counts exactly, floats to 1e-5 relative or 1e-6 absolute, and the sequences'
-log-ratio sums (``ratio/seq_product_log_*``) to 1e-5 absolute (``time/*``, ``throughput/*`` and ``dist/compute_*``
-excepted: they measure the machine). Not tighter: another CPU (AMD's AVX2 kernels instead of Intel's AVX-512, another transformers release)
-sums float32 in another order, which moved those sums by up to 7e-6, other keys by up to 5e-6 relative, and
-near-zero on-policy spreads (~1e-7) by more than their size, with every sampled token the same. A refactor that deals
-rows, denominators or old log-probs differently moves these keys by far more. Re-record only for a change that is
+lines) by ``python tests/test_equivalence.py --record`` (``--record NAME ...``: only those runs). A refactor must
+reproduce every key of every line: integers, strings (sampled texts) and token counts exactly, floats to 1e-5 relative
+or 1e-6 absolute, and the sequences' log-ratio sums (``ratio/seq_product_log_*``) to 1e-5 absolute (``time/*``,
+``throughput/*`` and ``dist/compute_*`` excepted: they measure the machine). Not tighter: another CPU (AMD's AVX2
+kernels instead of Intel's AVX-512, another transformers release) sums float32 in another order, which moved those
+sums by up to 7e-6, other keys by up to 5e-6 relative, and near-zero on-policy spreads (~1e-7) by more than their
+size, with every sampled token the same. A refactor that deals rows, denominators or old log-probs differently moves
+these keys by far more. Re-record only for a change that is
 meant to move the numbers, and say which in the commit message.
 
 The runs cover the update's branches: recomputed and engine old log-probs, a reference model (beta > 0), micro-batches,

@@ -1,6 +1,7 @@
-"""Data parallelism across the processes of a ``torchrun`` job.(``dist.strategy = "fsdp"``) or every process keeps a whole copy and the gradients are summed before each optimizer
-step (``"ddp"``), and this module holds the few collectives the loop adds. One process (no ``torchrun``, or
-``WORLD_SIZE`` 1) calls none of them: every function here is the identity there.
+"""Data parallelism across the processes of a ``torchrun`` job: torch's FSDP2 (``fully_shard``) shards the policy
+(``dist.strategy = "fsdp"``) or every process keeps a whole copy and the gradients are summed before each optimizer
+step (``"ddp"``); the loop adds a few collectives. One process (no ``torchrun``, or ``WORLD_SIZE`` 1) calls none of
+them.
 
 How a rollout batch is split (``W`` ranks, ``P`` prompts, ``G`` completions):
 

@@ -2,13 +2,13 @@
 :class:`CheckpointWriter`, :func:`load`) and the trainer's checkpoints (:class:`Checkpoints`: each part's
 ``state_dict()`` collected into one, the newest restored into each part, the rollback pin, the process RNGs).
 
-A checkpoint (written atomically by :mod:`gspo.checkpoint`, in the background by :class:`CheckpointWriter`) is a loadable HF model directory plus
-``trainer_state.pt``: the counters of :class:`TrainState`, the optimizer, every RNG (Python, NumPy, torch, CUDA, the
-rollout sampler and the minibatch shuffle) and the data position. Restoring all of them at a rollout-batch boundary
-makes a resumed run bit-identical to one that never stopped. A run of several processes adds its DCP shards and
-each process's RNGs (:func:`gspo.checkpoint.save_sharded`); see docs/distributed.md for what a resume at another
-number of processes keeps exactly. The learning-rate schedule is a function of the step,
-so there is no scheduler state to restore.
+A checkpoint (written atomically by :mod:`gspo.checkpoint`, in the background by :class:`CheckpointWriter`) is a
+loadable HF model directory plus ``trainer_state.pt``: the counters of :class:`TrainState`, the optimizer, every RNG
+(Python, NumPy, torch, CUDA, the rollout sampler and the minibatch shuffle) and the data position. Restoring all of
+them at a rollout-batch boundary makes a resumed run bit-identical to one that never stopped. A run of several
+processes adds its DCP shards and each process's RNGs (:func:`gspo.checkpoint.save_sharded`); see
+docs/distributed.md for what a resume at another number of processes keeps exactly. The learning-rate schedule is a
+function of the step, so there is no scheduler state to restore.
 """
 from __future__ import annotations
 

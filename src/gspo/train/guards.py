@@ -23,12 +23,12 @@ class StopSignals:
     where a resumed run continues bit for bit. Outside the main thread (where handlers cannot be set) it does nothing.
 
     Why a watcher thread: Python runs a signal handler only between bytecodes of the main thread, and a long native
-    call (one backward pass: 2 minutes on a CPU emulating bf16) holds it off that long. The C-level handler also
-    writes the signal's number to a pipe (``signal.set_wakeup_fd``), which the watcher reads at once: it acknowledges
-    the first signal when it comes, and after a second it interrupts the main thread (``KeyboardInterrupt`` at its
-    next bytecode) and, if the main thread is still inside native code ``grace_s`` later, flushes the log and ends
-    the process (exit 130 / 143). Every line written so far is flushed per line and checkpoints are complete or
-    absent, so the run directory stays valid."""
+    call (a backward pass: one update took 116 s on a CPU emulating bf16, issue 33) holds it off that long. The
+    C-level handler also writes the signal's number to a pipe (``signal.set_wakeup_fd``), which the watcher reads at
+    once: it acknowledges the first signal when it comes, and after a second it interrupts the main thread
+    (``KeyboardInterrupt`` at its next bytecode) and, if the main thread is still inside native code ``grace_s``
+    later, flushes the log and ends the process (exit 130 / 143). Every line written so far is flushed per line and
+    checkpoints are complete or absent, so the run directory stays valid."""
 
     def __init__(self, describe=lambda: "the current rollout batch", grace_s: float = 5.0):
         self.received: str | None = None

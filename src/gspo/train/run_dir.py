@@ -1,7 +1,7 @@
 """The run directory as the trainer holds it: refused when it is a file or already holds a run (unless resumed), locked
 for this process, ``config.json`` (the latest settings), ``config_history.jsonl`` (one line per session: what it
-trained with, from which step, what it changed), ``timings.json``, and what ``--resume`` may change (see :mod:`gspo.config`'s resume
-rules). Only the main process of a job writes here.
+trained with, from which step, what it changed), ``timings.json``, and what ``--resume`` may change (see
+:mod:`gspo.config.resume`). Only the main process of a job writes here.
 """
 from __future__ import annotations
 
