@@ -70,7 +70,6 @@ class Trainer:
             self.collector, self.rewards = parts.collector, parts.rewards
             self.state = TrainState()
             self.checkpoints = Checkpoints(self.run_dir, cfg, self.runtime, self.actor, self.collector, self.tokenizer)
-            self.writer = self.checkpoints.writer
             self.profiler = BatchProfiler(cfg.log.profile_batch, self.run_dir, self.runtime.rank, self.runtime.device)
             self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps)
             self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
@@ -113,7 +112,7 @@ class Trainer:
                 while state.step < cfg.train.steps and not stopping:
                     with self.profiler.around(state.rollout_batch):
                         self.rollout_batch_once(runlog)
-                    self.writer.poll()  # a background checkpoint that failed ends the run now, in one line
+                    self.checkpoints.writer.poll()  # a background checkpoint that failed ends the run now, in one line
                     stopping = comm.any_rank(stop.received is not None)
                     if self.check_collapse(self.last_rows):  # rolled back to an earlier checkpoint: replay from there
                         runlog.rewind(state.step, state.rollout_batch)
@@ -126,7 +125,7 @@ class Trainer:
                 if state.step > start_step or not (self.run_dir / "checkpoints" / f"step-{state.step:06d}").is_dir():
                     self.checkpoint()  # written while the reward workers close
                 self.rewards.close()
-                self.writer.wait()
+                self.checkpoints.writer.wait()
                 runlog.close()  # after the final checkpoint: a failed write closes the sinks (W&B) as failed
                 # A signal that came during the final checkpoint of a finished run stopped nothing: the run is done.
                 self.stop_signal = (stop.received or "SIGTERM") if stopping and state.step < cfg.train.steps else None
@@ -137,13 +136,13 @@ class Trainer:
             self.rewards.close()
             if failed:  # an earlier checkpoint in flight still completes; the loop's own error is the one to report
                 try:
-                    self.writer.wait()
+                    self.checkpoints.writer.wait()
                 except Exception as e:  # noqa: BLE001 -- reported beside the error that ends the run
                     log.warning("the checkpoint being written when the run stopped did not complete either: %s", e)
             self.release()
         self.timings["final_checkpoint_s"] = round(time.perf_counter() - t_loop_end, 3)
-        self.timings["checkpoint_wait_s"] = round(self.writer.seconds, 3)
-        self.timings.update({f"final_checkpoint_{k}": v for k, v in self.writer.phases.items()})
+        self.timings["checkpoint_wait_s"] = round(self.checkpoints.writer.seconds, 3)
+        self.timings.update({f"final_checkpoint_{k}": v for k, v in self.checkpoints.writer.phases.items()})
         self.timings["process_s"] = self.since_start()
         self.dir.write_timings(self.timings)
         if self.stop_signal is not None:
@@ -245,7 +244,8 @@ class Trainer:
         if not found:
             return False
         self.collapse = "; ".join(found)
-        self.writer.wait()  # a failed checkpoint write ends the run here, before anything relies on the directory
+        # a failed checkpoint write ends the run here, before anything relies on the directory
+        self.checkpoints.writer.wait()
         newest = self.checkpoints.newest()
         if sc.action == "warn":
             log.warning("collapse sentinel at step %d: %s", state.step, self.collapse)
