@@ -71,6 +71,29 @@ def test_step_credit_refusals_are_one_line(tiny_dir, tmp_path):  # noqa: F811
     trainer.rewards.close()
 
 
+@pytest.mark.parametrize("path", ["reward_fixtures_hang:f", "trainer_rewards:hang_steps"])
+def test_a_step_credit_that_blocks_at_import_or_in_a_call_ends_in_one_line(tiny_dir, tmp_path, monkeypatch, path):  # noqa: F811
+    """A ``loss.step_credit`` module that blocks when imported, or a function that never returns, runs in the reward
+    workers under their limits: one line naming ``loss.step_credit`` (the import used to hang training forever, in
+    the trainer's own process, with no output)."""
+    import sys
+    import time
+
+    from gspo.rewards import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "STARTUP_TIMEOUT_S", 3.0)
+    cfg = tiny_config(tiny_dir, "algorithm='grpo'", f"loss.step_credit='{path}'", "rewards.workers=1",
+                      "rewards.timeout_s=2")
+    start = time.monotonic()
+    with pytest.raises(UserError, match=f"loss.step_credit = '{path}'"):
+        trainer = Trainer(cfg, tmp_path / "run")
+        try:
+            trainer.train()
+        finally:
+            trainer.rewards.close()
+    assert time.monotonic() - start < 120 and "reward_fixtures_hang" not in sys.modules
+
+
 def test_token_starts_of_ids_that_are_not_the_texts_own_encoding(tokenizer):
     """Sampled ids need not be the canonical encoding of their text (here "Answer" spelt in single letters, and an
     emoji's bytes split): the decoded prefixes give the starts."""

@@ -103,3 +103,11 @@ def every_third_char(completion, example):
 def bad_steps(completion, example):
     """Step credit that breaks its contract: ends that go backwards."""
     return [(2, 1.0), (1, 0.0)]
+
+
+def hang_steps(completion, example):
+    """Step credit that never returns (a regex with catastrophic backtracking, a lock): for the time-limit test."""
+    import time
+
+    while True:
+        time.sleep(1.0)

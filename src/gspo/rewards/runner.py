@@ -30,7 +30,7 @@ import torch
 
 from gspo.errors import UserError
 from gspo.example import Example
-from gspo.rewards.worker import RewardFn, call as _call, locate, resolve, worker_main  # noqa: F401 (RewardFn re-exported)
+from gspo.rewards.worker import RewardFn, call as _call, call_steps, locate, resolve, what, worker_main  # noqa: F401
 
 Call = tuple[int, int, str, Example]  # (call id, function index, completion, example)
 
@@ -128,9 +128,13 @@ class RewardRunner:
 
     ``workers=0`` runs every call in this process: no time limit is enforced (a hung function hangs the caller),
     which is meant for tests and debugging. Not thread-safe: call ``score`` from one thread at a time.
+
+    ``steps``: the ``loss.step_credit`` function (``"module:function"``), loaded and called in the same workers under
+    the same limits (:meth:`step_spans`), so that no user code runs in the trainer's process.
     """
 
-    def __init__(self, specs: Sequence[RewardSpec | str | dict], workers: int = 2, timeout_s: float = 10.0):
+    def __init__(self, specs: Sequence[RewardSpec | str | dict], workers: int = 2, timeout_s: float = 10.0,
+                 steps: str | None = None):
         specs = [_as_spec(s) for s in ([specs] if isinstance(specs, (str, RewardSpec, dict)) else specs)]
         if not specs:
             raise UserError(
@@ -150,7 +154,10 @@ class RewardRunner:
         # import must not hang the trainer. The parent checks what it can without running module code.
         for spec in specs:
             locate(spec.path)
+        self.steps = locate(steps, steps=True) if steps else None
         self.fns = [resolve(s.path) for s in specs] if workers == 0 else []  # in-process calls only
+        if workers == 0 and steps:
+            self.fns.append(resolve(steps, steps=True))
         self._ctx = _context()
         self._workers: list[_Worker] = []
         self._closed = False
@@ -194,14 +201,14 @@ class RewardRunner:
 
     def _start(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        args = (child_conn, [s.path for s in self.specs], list(sys.path), os.getcwd())
+        args = (child_conn, [s.path for s in self.specs], list(sys.path), os.getcwd(), self.steps)
         proc = self._ctx.Process(target=worker_main, args=args, daemon=True, name="gspo-reward-worker")
         proc.start()
         child_conn.close()  # so the parent sees EOF when the worker dies
         return _Worker(proc, parent_conn)
 
     def _paths(self) -> str:
-        return ", ".join(repr(s.path) for s in self.specs)
+        return ", ".join([repr(s.path) for s in self.specs] + ([what(self.steps, steps=True)] if self.steps else []))
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
@@ -251,6 +258,35 @@ class RewardRunner:
         for s in self.specs:
             total += s.weight * per_function[s.name]
         return RewardResult(total=total, per_function=per_function, failures=failures, errors=errors)
+
+    def step_spans(self, completions: Sequence[str], examples: Sequence[Example]) -> list[tuple[list[int], list[float]]]:
+        """``loss.step_credit`` on every ``(completion, example)``: each completion's step ends (character indices)
+        and credits. A call that fails, times out or breaks the contract ends the run in one line: a step-credit
+        function must score every completion of its task."""
+        if self.steps is None:
+            raise RuntimeError("RewardRunner.step_spans() needs the runner to be made with steps='module:function'.")
+        self.ready()
+        spans: list[Any] = [None] * len(completions)
+        problems: list[str] = []
+
+        def record(i: int, status: str, value: Any) -> None:
+            if status == "ok":
+                spans[i] = value
+            elif not problems:
+                problems.append(f"{value} on completion {i}" if status == "bad" else
+                                f"failed on completion {i} ({value})")
+
+        index = len(self.specs)
+        calls = [(i, index, completions[i], examples[i]) for i in range(len(completions))]
+        if self._workers:
+            self._run_pool(calls, record)
+        else:
+            for i, fn_idx, completion, example in calls:
+                record(i, *call_steps(self.fns[fn_idx], completion, example))
+        if problems:
+            raise UserError(f"{what(self.steps, steps=True)} {problems[0]}; it must score every completion of the "
+                            f"task with (end, credit) steps within rewards.timeout_s = {self.timeout_s:g} s, so fix it.")
+        return spans
 
     def _run_pool(self, calls: list[Call], record: Callable[[int, str, Any], None]) -> None:
         """Feed ``calls`` to the workers in chunks until each is answered, failed or timed out."""

@@ -4,28 +4,28 @@ scores each, the token index where each step ends, and the advantages of :func:`
 
 A step-credit function is ``(completion: str, example) -> list[(end, credit)]``: for each step, in order, the character
 index just past it and its credit (e.g. 1 for a right intermediate line, 0 for a wrong one). The built-in tasks have
-one each: ``gspo.rewards.builtin:running_sum_step_spans`` and ``gspo.rewards.builtin:numbered_words_line_spans``. They
-run in the trainer's process (a regular expression over the text, not a verifier), after the rewards.
+one each: ``gspo.rewards.builtin:running_sum_step_spans`` and ``gspo.rewards.builtin:numbered_words_line_spans``. Like
+the rewards they run in the reward workers, under ``rewards.timeout_s`` (a module that blocks at import, or a call that
+never returns, ends the run in one line instead of hanging it), after the rewards.
 """
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Callable
 
 import torch
 
-from gspo import user_code
 from gspo.algorithms.advantages import step_advantages
-from gspo.errors import UserError
+from gspo.rewards.worker import resolve
 
 StepFn = Callable[..., list]
 
 
 def load_step_credit(path: str) -> StepFn:
     """The function ``module:function`` names (the current folder is searched too, :mod:`gspo.user_code`), or one line
-    saying what is wrong with ``loss.step_credit``."""
-    return user_code.load_function(path, f"loss.step_credit = {path!r}", "gspo.rewards.builtin:running_sum_step_spans")
+    saying what is wrong with ``loss.step_credit``. Training calls it in the reward workers
+    (:meth:`gspo.rewards.runner.RewardRunner.step_spans`), never in its own process."""
+    return resolve(path, steps=True)
 
 
 def token_starts(tokenizer, ids: list[int], text: str) -> list[int]:
@@ -49,33 +49,13 @@ def token_starts(tokenizer, ids: list[int], text: str) -> list[int]:
     return [len(tokenizer.decode(ids[:t], skip_special_tokens=True).rstrip("\ufffd")) for t in range(len(ids))]
 
 
-def _checked(path: str, steps, text: str) -> tuple[list[int], list[float]]:
-    ends, credits = [], []
-    try:
-        for end, credit in steps:
-            ends.append(int(end))
-            credits.append(float(credit))
-    except (TypeError, ValueError) as e:
-        raise UserError(f"loss.step_credit = {path!r} returned {steps!r:.80}; it must return a list of "
-                        "(end character index, credit) pairs.") from e
-    if any(not math.isfinite(c) for c in credits) or ends != sorted(ends) or any(not 0 <= e <= len(text) for e in ends):
-        raise UserError(f"loss.step_credit = {path!r} returned {steps!r:.80}: the ends must ascend within the "
-                        f"completion (0..{len(text)}) and the credits be finite numbers.")
-    return ends, credits
-
-
-def token_advantages(path: str, fn: StepFn, tokenizer, rollout, examples, outcome: torch.Tensor, group_size: int,
-                     weight: float, scale: str = "group") -> torch.Tensor:
-    """Per-token advantages ``(N, T)`` of a rollout batch: ``fn``'s steps of every completion, mapped to token ends,
-    added to the outcome advantages ``(N,)`` (see :func:`step_advantages`)."""
+def token_advantages(spans: list[tuple[list[int], list[float]]], tokenizer, rollout, outcome: torch.Tensor,
+                     group_size: int, weight: float, scale: str = "group") -> torch.Tensor:
+    """Per-token advantages ``(N, T)`` of a rollout batch: each completion's steps (``spans``: character ends and
+    credits, from :meth:`gspo.rewards.runner.RewardRunner.step_spans`) mapped to token ends, added to the outcome
+    advantages ``(N,)`` (see :func:`step_advantages`)."""
     step_ends, step_credit = [], []
-    for i, (text, example) in enumerate(zip(rollout.texts, examples)):
-        try:
-            steps = fn(text, example)
-        except Exception as e:  # noqa: BLE001 -- user code: its failure is named, not hidden
-            raise UserError(f"loss.step_credit = {path!r} failed on completion {i} ({type(e).__name__}: {e}); it "
-                            "must score every completion of the task.") from e
-        ends, credits = _checked(path, steps, text)
+    for i, (text, (ends, credits)) in enumerate(zip(rollout.texts, spans)):
         ids = rollout.completion_ids[i][rollout.completion_mask[i]].tolist()
         starts = token_starts(tokenizer, ids, text)
         # the tokens of a step ending at character e: those starting before e

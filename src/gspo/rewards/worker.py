@@ -19,21 +19,27 @@ from gspo.example import Example
 
 RewardFn = Callable[[str, Example], float]
 EXAMPLE = "gspo.rewards.builtin:last_number"
+STEPS_EXAMPLE = "gspo.rewards.builtin:running_sum_step_spans"
 
 
-def resolve(path: str) -> RewardFn:
+def what(path: str, steps: bool = False) -> str:
+    """How an error names the user's function: a reward, or the ``loss.step_credit`` function."""
+    return f"loss.step_credit = {path!r}" if steps else f"reward {path!r}"
+
+
+def resolve(path: str, steps: bool = False) -> RewardFn:
     """The callable named by ``"module:function"`` (``function`` may be dotted, e.g. ``"mod:Class.method"``); the
-    current folder is searched too (:mod:`gspo.user_code`)."""
-    return user_code.load_function(path, f"reward {path!r}", EXAMPLE)
+    current folder is searched too (:mod:`gspo.user_code`). ``steps``: a step-credit function (for the messages)."""
+    return user_code.load_function(path, what(path, steps), STEPS_EXAMPLE if steps else EXAMPLE)
 
 
-def locate(path: str) -> str:
+def locate(path: str, steps: bool = False) -> str:
     """Check ``"module:function"`` as far as it can be without running any of the module's code (which may block, or
     fail): the form, and that the module's top-level package exists on the path or in the current folder. Returns
     ``path``; the import itself happens in the worker processes, under their start-up limit."""
-    module_name, _ = user_code.split(path, f"reward {path!r}", EXAMPLE)
+    module_name, _ = user_code.split(path, what(path, steps), STEPS_EXAMPLE if steps else EXAMPLE)
     if not user_code.exists(module_name):
-        raise UserError(user_code.not_found(f"reward {path!r}", module_name.split(".")[0]))
+        raise UserError(user_code.not_found(what(path, steps), module_name.split(".")[0]))
     return path
 
 
@@ -55,6 +61,27 @@ def call(fn: RewardFn, completion: str, example: Example) -> tuple[str, Any]:
     return ("ok", x) if math.isfinite(x) else ("bad", f"returned {x}")
 
 
+def call_steps(fn: RewardFn, completion: str, example: Example) -> tuple[str, Any]:
+    """One step-credit call as ``("ok", (ends, credits))``: for each step, in order, the character index just past it
+    and its credit; ``("err", message)`` if it raised, ``("bad", message)`` for steps that break that contract."""
+    try:
+        steps = fn(completion, example)
+    except Exception as e:
+        return "err", f"{type(e).__name__}: {e}"[:300]
+    ends, credits = [], []
+    try:
+        for end, credit in steps:
+            ends.append(int(end))
+            credits.append(float(credit))
+    except (TypeError, ValueError, OverflowError):
+        return "bad", f"returned {steps!r:.80}; it must return a list of (end character index, credit) pairs"
+    if any(not math.isfinite(c) for c in credits) or ends != sorted(ends) or any(not 0 <= e <= len(completion)
+                                                                                 for e in ends):
+        return "bad", (f"returned {steps!r:.80}: the ends must ascend within the completion (0..{len(completion)}) "
+                       "and the credits be finite numbers")
+    return "ok", (ends, credits)
+
+
 def _watch_parent() -> None:
     """Exit this worker once its parent is gone, even while a reward call hangs in the main thread.
 
@@ -74,8 +101,9 @@ def _warm_up(path: str, fn: RewardFn) -> None:
                         "= 0 to debug it in-process.") from e
 
 
-def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str) -> None:
-    """Worker process: resolve the reward functions, then answer chunks of calls one result per call."""
+def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str, steps_path: str | None = None) -> None:
+    """Worker process: resolve the reward functions (and ``loss.step_credit``'s function, called with the index after
+    them), then answer chunks of calls one result per call."""
     # Ctrl-C and a SIGTERM sent to the whole process group (Slurm, systemd) are the parent's to handle: it finishes its
     # batch, which needs these workers, then shuts them down; a worker also exits when its parent is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -85,7 +113,7 @@ def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: st
     user_code.search_current_folder()
     threading.Thread(target=_watch_parent, daemon=True).start()
     try:
-        fns = [resolve(p) for p in paths]
+        fns = [resolve(p) for p in paths] + ([resolve(steps_path, steps=True)] if steps_path else [])
         for path, fn in zip(paths, fns):
             if callable(getattr(fn, "warm_up", None)):
                 _warm_up(path, fn)  # one-off set-up cost stays out of the first call's time limit
@@ -101,4 +129,5 @@ def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: st
         if chunk is None:
             return
         for call_id, fn_idx, completion, example in chunk:
-            conn.send((call_id, *call(fns[fn_idx], completion, example)))
+            one = call_steps if fn_idx == len(paths) else call
+            conn.send((call_id, *one(fns[fn_idx], completion, example)))

@@ -21,14 +21,14 @@ from typing import Any
 import torch
 
 from gspo.algorithms import group_advantages, overlong_penalty, zero_variance_groups
-from gspo.config import TASK_STEP_CREDIT, Config
+from gspo.config import Config
 from gspo.data import DataStream
 from gspo.parallel.comm import active, barrier, gather_objects, rank_world, split_work
 from gspo.errors import UserError
 from gspo.runlog.profiler import stage
 from gspo.prompts import encode_prompts
 from gspo.rewards.runner import RewardRunner
-from gspo.rewards.steps import load_step_credit, token_advantages
+from gspo.rewards.steps import token_advantages
 from gspo.types import FINISH_LENGTH, Batch, Example, Groups, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
@@ -60,8 +60,6 @@ class Collector:
         self._shortest_skipped = 1 << 62
         self._warned_failures = False
         self._first_error: str | None = None  # of the rollout batch being collected
-        self.credit_path = TASK_STEP_CREDIT[cfg.data.task] if cfg.loss.step_credit == "task" else cfg.loss.step_credit
-        self.step_credit = load_step_credit(self.credit_path) if self.credit_path else None
 
     def state_dict(self) -> dict:
         """What a checkpoint holds of the collect stage: the sampling stream, the data position, the prompts skipped."""
@@ -242,10 +240,10 @@ class Collector:
         rollout = groups.rollout
         shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards
         adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale)  # (N,)
-        if self.step_credit is not None:  # (N, T): the outcome advantage plus each token's process credit
-            adv = token_advantages(self.credit_path, self.step_credit, self.tokenizer, rollout, groups.examples,
-                                   adv, cfg.rollout.group_size, cfg.loss.step_credit_weight,
-                                   cfg.loss.advantage_scale)
+        if self.rewards.steps is not None:  # (N, T): the outcome advantage plus each token's process credit
+            spans = self.rewards.step_spans(rollout.texts, groups.examples)
+            adv = token_advantages(spans, self.tokenizer, rollout, adv, cfg.rollout.group_size,
+                                   cfg.loss.step_credit_weight, cfg.loss.advantage_scale)
         loss_mask = rollout.completion_mask.clone()  # (N, T)
         truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
         if cfg.loss.mask_truncated:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.config import Config
+from gspo.config import TASK_STEP_CREDIT, Config
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.models import load_model, stop_token_ids
 from gspo.parallel.holding import hold
@@ -53,7 +53,9 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
     seed_everything(cfg.seed)
     specs = ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions]
              or [RewardSpec(default_reward(cfg.data.task))])
-    rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s)  # starts in the background
+    steps = TASK_STEP_CREDIT[cfg.data.task] if cfg.loss.step_credit == "task" else cfg.loss.step_credit
+    rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s,
+                           steps=steps)  # starts in the background
     lap("reward_functions")
     try:
         if runtime.device.type == "cuda":
