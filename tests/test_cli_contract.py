@@ -209,6 +209,61 @@ def test_fuzzed_data_rows_keep_the_contract(rows, tmp_path_factory):
             pass
 
 
+_NASTY = [b"\x00", b"\xe9", b"\xef\xbb\xbf", b"\xff\xfe", b"\r", b"\\ud800", b"\\udfff", b"[", b'"', b"\n", b"\x85",
+          b"\xc3", b"\xf0\x9f", b"NaN", b"1" * 5000, b"[" * 3000]
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.lists(st.fixed_dictionaries({"question": st.text(max_size=12), "answer": st.text(max_size=8)}),
+                     min_size=1, max_size=4),
+       edits=st.lists(st.tuples(st.floats(0, 1), st.one_of(st.sampled_from(_NASTY), st.binary(max_size=4))),
+                      max_size=3))
+def test_fuzzed_data_file_bytes_keep_the_contract(rows, edits, tmp_path_factory):
+    """A data file's bytes, not just its rows: valid JSONL with bytes inserted anywhere (Latin-1 letters, NUL, byte-order
+    marks of UTF-8 and UTF-16, carriage returns, lone surrogate escapes, nesting and numbers past the parser's limits,
+    truncated UTF-8). The dataset builds and every prompt encodes, or one line names the file (and the line, when one
+    line is at fault, with a number the file has)."""
+    import re
+
+    from gspo.data import build_dataset
+    from gspo.errors import UserError
+    from gspo.prompts import encode_prompts
+
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    for where, chunk in sorted(edits, reverse=True):
+        at = int(where * len(data))
+        data = data[:at] + chunk + data[at:]
+    path = tmp_path_factory.mktemp("data") / "d.jsonl"
+    path.write_bytes(data)
+    for task, extra in (("gsm8k", {}), ("jsonl", {"prompt_field": "question", "answer_field": "answer"})):
+        try:
+            ds = build_dataset({"task": task, "path": str(path), "seed": 0, **extra})
+            encode_prompts(_tokenizer(), [ds[i] for i in range(len(ds))])
+        except UserError as e:
+            msg = str(e)
+            assert "\n" not in msg and str(path) in msg, msg
+            line = re.match(re.escape(str(path)) + r":(\d+):", msg)
+            assert line is None or 1 <= int(line.group(1)) <= data.count(b"\n") + 1, msg
+
+
+@pytest.mark.parametrize("name,data", [
+    ("latin1", b'{"question": "caf\xe9?", "answer": "1"}\n'),
+    ("utf16", '{"question": "q", "answer": "1"}\n'.encode("utf-16")),
+    ("nul", b'{"question": "q", "answer": "1"}\n\x00\x00\n'),
+    ("not-an-object", b'{"question": "q", "answer": "1"}\n[1, 2]\n'),
+    ("surrogate", b'{"question": "\\ud800", "answer": "1"}\n'),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_data_files_in_any_encoding_end_in_one_line(name, data, capsys, tmp_path, tiny_dir):  # noqa: F811
+    """`gspo train` on a data file that is not UTF-8 JSON objects: one line naming the file and the line (a Latin-1
+    byte used to end in a UnicodeDecodeError traceback)."""
+    path = tmp_path / f"{name}.jsonl"
+    path.write_bytes(data)
+    err = _one_line_error(capsys, ["train", "--run-dir", str(tmp_path / "r"), f"model.name='{tiny_dir}'",
+                                   "data.task='jsonl'", f"data.path='{path}'", "rewards.workers=0",
+                                   "rewards.functions=[{path='gspo.rewards.builtin:last_number'}]"])
+    assert str(path) in err, err
+
+
 _TOK = []
 
 

@@ -125,22 +125,69 @@ def _row_to_example(
     return Example(prompt=prompt, answer=answer, meta=meta)
 
 
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # also the start of UTF-32's
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _parse_line(raw: bytes, where: str) -> Any:
+    """One JSONL line's value, or one line naming ``where`` (``file:line``) and what is wrong with its bytes or JSON.
+
+    Here, not in the callers, because a line can fail in more ways than ``json.loads`` names: bytes that are not
+    UTF-8 (a Latin-1 or Windows-1252 export), NUL bytes (a binary file, UTF-16), nesting deep enough to exhaust the
+    parser's recursion, an integer past Python's 4,300-digit limit."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{where}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not UTF-8; save the file as "
+                        "UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > NEW).") from None
+    if "\x00" in line:
+        raise UserError(f"{where}: the line holds a NUL byte at column {line.index(chr(0)) + 1}, which JSON text cannot "
+                        "(a binary file?); pass a UTF-8 JSONL file.")
+    try:
+        value = json.loads(line.lstrip("\ufeff"))  # a byte-order mark (Windows editors write one): JSON may ignore it
+        if _SURROGATE_ESCAPE.search(line):  # "\ud800" alone parses to a string no tokenizer can encode
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        raise UserError(f"{where}: the line escapes half of a UTF-16 surrogate pair (\\ud800-\\udfff without its "
+                        "partner), which is no character; fix the escape or delete that line.") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: the line is not valid JSON ({e.msg} at column {e.colno}); fix or delete that "
+                        "line.") from None
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"{where}: the line cannot be read as JSON ({type(e).__name__}: {str(e)[:80]}); fix or delete "
+                        "that line.") from None
+
+
 def _read_jsonl(path: str | os.PathLike) -> Iterable[tuple[int, Any]]:
-    """``(line number, parsed row)`` for every non-blank line of ``path``; UserError on a missing file or bad line."""
+    """``(line number, parsed row)`` for every non-blank line of ``path``; UserError on a missing file or bad line.
+
+    The one place a data file's bytes enter: everything that can be wrong with them ends in one line naming the file
+    and the line (a row that parses but is not an object is named by the row's own check)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise UserError(f"data file {path!r} does not exist; pass the path of a JSONL file (one JSON object per line).")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise UserError(f"data file {path!r} cannot be read ({e.strerror}); check its permissions.") from None
+    with f:
+        for lineno, raw in enumerate(_lines(f, path), 1):
+            if lineno == 1 and raw.startswith(_UTF16_BOMS):
+                raise UserError(f"data file {path!r} is UTF-16 or UTF-32 (it starts with that byte-order mark); save "
+                                "it as UTF-8 (e.g. iconv -f utf-16 -t utf-8 FILE > NEW).")
+            if not raw.strip(b" \t\r\n\x0b\x0c"):
                 continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(
-                    f"{path}:{lineno}: the line is not valid JSON ({e.msg} at column {e.colno}); "
-                    "fix or delete that line."
-                ) from None
+            yield lineno, _parse_line(raw, f"{path}:{lineno}")
+
+
+def _lines(f, path: str) -> Iterable[bytes]:
+    """The file's lines (split at newlines only, as JSONL counts them); a read error mid-file is one line too."""
+    try:
+        yield from f
+    except OSError as e:
+        raise UserError(f"data file {path!r} could not be read to the end ({e.strerror}); check the disk or copy the "
+                        "file again.") from None
 
 
 def load_jsonl(
