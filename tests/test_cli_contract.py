@@ -145,14 +145,20 @@ def test_fuzzed_flags_of_every_subcommand_parse_or_end_in_one_line(target, raw, 
         _one_line_error(capsys, argv)
 
 
-KEYS = ["train.lr", "train.steps", "train.minibatches", "rollout.group_size", "rollout.temperature", "rollout.top_p",
-        "loss.eps_low", "loss.level", "loss.aggregation", "model.device", "model.precision", "data.task", "seed",
-        "train.adam_betas", "log.run_dir", "rewards.timeout_s", "algorithm", "dapo.overlong_cache", "no.such_key"]
+def _keys() -> list[str]:
+    from gspo.config import field_docs
+
+    return [key for key, _, _ in field_docs()] + ["no.such_key", "sentinel", "lora.rank.x"]
+
+
+KEYS = _keys()  # every key of the schema, so a key added later is fuzzed without editing this list
 VALUES = st.one_of(st.integers(-10**30, 10**30), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-                   st.booleans(), st.lists(st.floats(allow_nan=True), max_size=3))
+                   st.booleans(), st.lists(st.floats(allow_nan=True), max_size=3), st.lists(st.text(max_size=6), max_size=3),
+                   st.sampled_from(["task", "x:y", "gspo.rewards.builtin:last_number", "", "rollback", "stop", "auto",
+                                    "all-linear", "embed_tokens", "fsdp", "rollout", "old"]))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(key=st.sampled_from(KEYS), value=VALUES)
 def test_fuzzed_overrides_keep_the_contract(key, value, capsys, tmp_path):
     """Any value for any key: the config either builds (then `gspo config`-level parsing is done) or the command ends
@@ -289,7 +295,7 @@ def _whole_run_overrides(draw):
         "algorithm": draw(st.sampled_from(list(PRESETS))), "seed": draw(st.integers(0, 2**31)),
         "rollout.prompts_per_batch": ppb, "rollout.group_size": group, "train.minibatches": minibatches,
         "train.steps": minibatches * draw(st.integers(1, 2)),
-        "rollout.max_new_tokens": draw(st.integers(1, 8)), "rollout.temperature": draw(st.sampled_from([0.3, 1.0, 1.7])),
+        "rollout.max_new_tokens": (new := draw(st.integers(1, 8))), "rollout.temperature": draw(st.sampled_from([0.3, 1.0, 1.7])),
         "rollout.top_p": draw(st.sampled_from([0.05, 0.5, 1.0])), "rollout.top_k": draw(st.sampled_from([0, 1, 5])),
         "train.micro_batch_size": draw(st.sampled_from([0, *(d for d in range(1, ppb * group // minibatches + 1)
                                                              if (ppb * group // minibatches) % d == 0)])), "train.packing": draw(st.sampled_from(["auto", "on", "off"])),
@@ -301,16 +307,27 @@ def _whole_run_overrides(draw):
         "loss.beta": draw(st.sampled_from([0.0, 0.04])), "loss.mask_truncated": draw(st.sampled_from([None, True, False])),
         "dapo.dynamic_sampling": draw(st.sampled_from([None, True, False])),
         "dapo.max_resample_rounds": draw(st.integers(1, 2)),
-        "dapo.overlong_penalty": draw(st.sampled_from([None, True, False])), "dapo.overlong_cache": draw(st.integers(0, 8)),
+        "dapo.overlong_penalty": draw(st.sampled_from([None, True, False])), "dapo.overlong_cache": draw(st.integers(1, new)),
         "log.histograms": draw(st.booleans()), "log.trace_every": draw(st.integers(0, 2)),
         "log.samples_per_batch": draw(st.integers(0, 3)), "sentinel.reward_drop": draw(st.sampled_from([0.0, 0.5])),
         "sentinel.action": draw(st.sampled_from(["warn", "stop", "rollback"])),
+        "sentinel.entropy_min": draw(st.sampled_from([0.0, 0.0, 0.5, 50.0])), "sentinel.window": draw(st.integers(1, 3)),
+        "sentinel.seq_ratio_log_max": draw(st.sampled_from([0.0, 1e-6, 5.0])),
+        "sentinel.truncated_max": draw(st.sampled_from([0.0, 0.0, 0.99])),
+        "sentinel.lr_factor": draw(st.sampled_from([0.1, 0.5])), "sentinel.max_rollbacks": draw(st.integers(0, 2)),
+        "log.profile_batch": draw(st.integers(0, 2)),
+        "loss.step_credit": draw(st.sampled_from([None, None, "trainer_rewards:every_third_char"])),
     }
+    if chosen["loss.step_credit"]:  # per-token advantages need a token-level ratio
+        chosen["loss.level"] = draw(st.sampled_from(["token", "sequence_token"]))
     if draw(st.integers(0, 5)) == 0:  # now and then a neighbour of the valid space
         key, bad = draw(st.sampled_from([("train.steps", minibatches + 1 if minibatches > 1 else 0),
                                          ("rollout.group_size", 1), ("train.minibatches", ppb * group + 1),
                                          ("rollout.top_p", 0.0), ("dapo.overlong_cache", -1),
-                                         ("rollout.temperature", 0.0), ("train.micro_batch_size", -1)]))
+                                         ("rollout.temperature", 0.0), ("train.micro_batch_size", -1),
+                                         ("sentinel.window", 0), ("sentinel.lr_factor", 1.5), ("log.profile_batch", -1),
+                                         ("loss.step_credit", "trainer_rewards:nope"), ("sentinel.truncated_max", 1.5),
+                                         ("loss.step_credit", "task")]))
         chosen[key] = bad
     return chosen
 
