@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,6 +23,16 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     greedy: bool = False
+    max_turn_tokens: int = 0  # multi-turn: tokens one assistant turn may sample (0: max_new_tokens, the whole row's)
+
+
+class TurnEnds(Protocol):
+    """The multi-turn seam between an engine and :mod:`gspo.envs`: called with the rows whose turn just ended on a stop
+    token and the ids each sampled in that turn (the stop token last); returns, per row, the ids to append before its
+    next turn (tool results, observations, the template's opening of the next assistant turn), or ``None`` when the
+    row is finished."""
+
+    def __call__(self, rows: list[int], turns: list[list[int]]) -> list[list[int] | None]: ...
 
 
 # The values of rollout.engine and rollout.fused_step (gspo.rollout re-exports them). They live here, not in
@@ -110,10 +120,19 @@ class Rollout(RowFields):
     # (prompt and completion; the last sampled token was never fed back, so it has none)
     routes: torch.Tensor | None = field(default=None, metadata={"pad": 0})  # (N, S, L, k) uint8
     routes_mask: torch.Tensor | None = field(default=None, metadata={"pad": False})  # (N, S) bool: position recorded
+    # Multi-turn rows (gspo.envs): True on the tokens the engine sampled, False on the appended ones (tool results,
+    # observations, template tokens), which are fed to the model but never trained on; None: every completion token
+    sampled_mask: torch.Tensor | None = field(default=None, metadata={"pad": False})  # (N, T) bool
 
     @property
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)  # (N,)
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        """(N, T) bool: the tokens the policy chose, the only ones in the loss, its denominators, the ratios, the
+        engine-gap and entropy diagnostics (one mask for all of them)."""
+        return self.completion_mask if self.sampled_mask is None else self.sampled_mask
 
     @staticmethod
     def repeat_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:

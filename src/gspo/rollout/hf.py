@@ -30,7 +30,7 @@ from gspo.errors import UserError
 from gspo.models import (attention_context, autocast_context, cache_kwarg, eval_mode, pad_prompts, pad_token_id,
                          positions_from_mask, stop_token_ids)
 from gspo.models.moe import Layout, Routing, padded_layout
-from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
+from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
 
 def filter_logits(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -149,8 +149,20 @@ class HFEngine:
         n: int,
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        turns: TurnEnds | None = None,
     ) -> Rollout:
-        """``n`` completions of each prompt (token ids, chat template applied); row ``i`` is for prompt ``i // n``."""
+        """``n`` completions of each prompt (token ids, chat template applied); row ``i`` is for prompt ``i // n``.
+
+        ``turns`` (multi-turn, :mod:`gspo.envs`): called whenever every row still going has ended its turn; a row's
+        turn ends on a stop token, and ``turns`` says for each such row the ids to append (then the row goes on in its
+        own KV cache, the appended ids fed in one forward) or ``None`` (the row is finished)."""
+        if turns is not None:
+            if self.routing is not None:
+                raise UserError("moe.routing_replay = 'rollout' does not record multi-turn rows yet; use "
+                                "moe.routing_replay = 'old' with an environment.")
+            check_request(self.model, prompts, n, params)
+            with eval_mode(self.model), torch.no_grad(), self._autocast(), attention_context():
+                return self._multi_turn(prompts, n, params, generator, turns)
         check_request(self.model, prompts, n, params)
         if generator is not None and generator.device.type != self.device.type:
             raise UserError(f"generate() got a torch.Generator on {generator.device} for a model on {self.device}: "
@@ -214,6 +226,122 @@ class HFEngine:
             torch.stack(out_logp, 1).float(),  # (N, T)
             stopped,
         )
+
+    def _multi_turn(self, prompts, n, params, generator, turns: TurnEnds) -> Rollout:
+        """Rows of several turns. Each decode step is the single-turn loop's (the same tokens fed, the same attention
+        mask, the same draws from ``generator``), so rows that end after one turn are the single-turn rollout bit for
+        bit. A row waiting for the others to end their turn is fed padding, as an ended row is; before it goes on, the
+        columns it was fed padding in are masked out and its positions continue from its last real token."""
+        logits, cache, attention_mask, positions = self._prefill(prompts, n)
+        rows = logits.shape[0]
+        real = attention_mask.bool()  # (N, P + t): the columns each row really holds
+        next_pos = positions[:, 0] + 1  # (N,): where each row's next real token goes
+        stop_ids = torch.tensor(self.stop_ids, device=self.device)
+        per_turn = params.max_turn_tokens or params.max_new_tokens
+        pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(rows)]
+        length = [0] * rows  # completion tokens so far (sampled and appended)
+        finish = [FINISH_LENGTH] * rows
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)  # (N,): finished for good
+        while True:
+            waiting = torch.zeros(rows, dtype=torch.bool, device=self.device)  # (N,): turn ended, not yet answered
+            cut = torch.zeros(rows, dtype=torch.bool, device=self.device)  # (N,): out of tokens, turn or row
+            room = torch.tensor([min(per_turn, params.max_new_tokens - n_) for n_ in length], device=self.device)
+            count = torch.zeros(rows, dtype=torch.long, device=self.device)
+            turn_tok: list[torch.Tensor] = []
+            turn_logp: list[torch.Tensor] = []
+            turn_alive: list[torch.Tensor] = []
+            while True:
+                tokens, logp = sample_next(logits, params, generator)  # (N,), (N,)
+                alive = ~(done | waiting | cut)  # (N,)
+                tokens = torch.where(alive, tokens, self.pad_id)
+                turn_tok.append(tokens)
+                turn_logp.append(torch.where(alive, logp, 0.0))
+                turn_alive.append(alive)
+                hit = alive & torch.isin(tokens, stop_ids)
+                waiting |= hit
+                count += alive.long()
+                cut |= alive & ~hit & (count >= room)
+                if bool((done | waiting | cut).all()):
+                    break
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], -1)  # (N, P + t)
+                real = torch.cat([real, alive[:, None]], -1)  # the token fed now is real where it was sampled
+                positions = positions + 1  # (N, 1)
+                next_pos = next_pos + alive.long()
+                logits = self._decode_step(tokens, cache, attention_mask, positions)
+            tok, lp, al = torch.stack(turn_tok, 1).cpu(), torch.stack(turn_logp, 1).float().cpu(), torch.stack(turn_alive, 1).cpu()
+            ended = []
+            for r in range(rows):
+                if done[r]:
+                    continue
+                ids = tok[r][al[r]].tolist()
+                pieces[r].append((ids, lp[r][al[r]].tolist(), True))
+                length[r] += len(ids)
+                if waiting[r]:
+                    ended.append(r)
+                    finish[r] = FINISH_STOP
+                else:  # out of tokens for this turn or the whole completion: the row ends, cut off
+                    done[r] = True
+            # the last token sampled in the segment has not been fed yet: it is, in the extension (or never)
+            answers = turns(ended, [pieces[r][-1][0] for r in ended]) if ended else []
+            going = {r: ids for r, ids in zip(ended, answers)
+                     if ids and length[r] + len(ids) < params.max_new_tokens}  # room for the answer and a token
+            for r in ended:
+                if r not in going:
+                    done[r] = True
+            if not going:
+                break
+            # A turn that ended before the segment's last step had its stop token fed with the others' next tokens;
+            # one that ended on the last step (`hit`) has not: it goes in first with the appended ids.
+            chunks = {r: ([pieces[r][-1][0][-1]] if hit[r] else []) + ids for r, ids in going.items()}
+            logits, attention_mask, real, positions, next_pos = self._extend(
+                chunks, cache, attention_mask, real, next_pos)
+            for r, ids in going.items():
+                pieces[r].append((ids, [0.0] * len(ids), False))
+                length[r] += len(ids)
+        return self._assemble(prompts, n, pieces, finish)
+
+    def _extend(self, chunks, cache, attention_mask, real, next_pos):
+        """Feed each continuing row its ids ``chunks[r]`` in one forward (right-aligned, padding on the left masked
+        out); the other rows get masked padding. Returns the next logits and the updated state."""
+        rows = attention_mask.shape[0]
+        width = max(len(c) for c in chunks.values())
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        fed = torch.zeros((rows, width), dtype=torch.bool)
+        for r, c in chunks.items():
+            ids[r, width - len(c):] = torch.tensor(c)
+            fed[r, width - len(c):] = True
+        ids, fed = ids.to(self.device), fed.to(self.device)
+        start = next_pos[:, None] - (width - fed.sum(-1, keepdim=True))  # (N, 1): real tokens continue at next_pos
+        pos = (start + torch.arange(width, device=self.device)[None, :]).clamp(min=0)  # (N, width)
+        real = torch.cat([real, fed], -1)
+        attention_mask = real.long()  # padding columns out: rows that waited never attend to what they were fed
+        out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=pos, use_cache=True,
+                         **{self._cache_arg: cache})
+        positions = pos[:, -1:]
+        return out.logits[:, -1].float(), attention_mask, real, positions, next_pos + fed.sum(-1)
+
+    def _assemble(self, prompts, n, pieces, finish) -> Rollout:
+        """The rows' pieces as right-padded tensors: every token, which of them were sampled, their log-probs."""
+        seqs = [[t for ids, _, _ in row for t in ids] for row in pieces]
+        width = max(1, max(len(s) for s in seqs))
+        rows = len(seqs)
+        tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, width), dtype=torch.bool)
+        sampled = torch.zeros((rows, width), dtype=torch.bool)
+        logprobs = torch.zeros((rows, width), dtype=torch.float32)
+        for r, row in enumerate(pieces):
+            at = 0
+            for ids, lps, was_sampled in row:
+                tokens[r, at:at + len(ids)] = torch.tensor(ids, dtype=torch.long)
+                logprobs[r, at:at + len(ids)] = torch.tensor(lps, dtype=torch.float32)
+                sampled[r, at:at + len(ids)] = was_sampled
+                at += len(ids)
+            mask[r, :at] = True
+        last = [next((ids for ids, _, s in reversed(row) if s), []) for row in pieces]
+        return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tokens, completion_mask=mask,
+                       logprobs=logprobs, finish_reasons=finish,
+                       texts=self.tokenizer.batch_decode(last, skip_special_tokens=True), pad_id=self.pad_id,
+                       sampled_mask=sampled)
 
     def _prefill(self, prompts, n):
         """Run the unique prompts once and repeat their cache ``n`` times; returns the logits of the first token."""

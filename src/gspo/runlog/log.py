@@ -129,5 +129,5 @@ def _row_advantage(batch: Batch, i: int) -> float:
     adv = batch.advantages[i]
     if adv.dim() == 0:
         return float(adv)
-    mask = batch.rollout.completion_mask[i]
+    mask = batch.rollout.sampled[i]
     return float(adv[mask].mean()) if mask.any() else 0.0

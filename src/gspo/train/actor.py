@@ -234,7 +234,7 @@ class Actor:
         the batch's per-row tensors to the device once."""
         rollout, dev = batch.rollout, self.runtime.device
         self._on_device = {"loss_mask": to_device(batch.loss_mask, dev), "advantages": to_device(batch.advantages, dev),
-                           "completion_mask": to_device(rollout.completion_mask, dev)}
+                           "sampled": to_device(rollout.sampled, dev)}
         replay = self.cfg.moe.routing_replay
         routing_pass = contextlib.nullcontext()
         if self.routing is not None:
@@ -336,12 +336,12 @@ class Actor:
             pending = self.holding.start_gradient_sum()
         if on_policy_fill:  # every row's old log-probs exist from here on
             batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev), old,
-                                             self._on_device["completion_mask"]))
+                                             self._on_device["sampled"]))
         # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
         with torch.no_grad(), stage("step_metrics"):
             _, metrics = policy_loss(mb_logp, old[rows_dev], adv[rows_dev], mb_mask,
                                      ref_logp=None if ref is None else ref[rows_dev], **loss_kw)
-        completion = self._on_device["completion_mask"][rows_dev]  # (mb, T)
+        completion = self._on_device["sampled"][rows_dev]  # (mb, T)
         tokens = completion.sum()
         metrics["entropy"] = torch.where(completion, mb_ent, 0.0).sum() / tokens.clamp(min=1)
         metrics["loss"] = loss_total

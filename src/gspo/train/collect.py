@@ -113,7 +113,7 @@ class Collector:
         with stage("rollout"):
             rollout = self.engine.generate(prompt_ids, G, self.sampling, generator=self.generator)
         timing["rollout"] += time.perf_counter() - t0
-        timing["gen_tokens"] += float(rollout.completion_mask.sum())
+        timing["gen_tokens"] += float(rollout.sampled.sum())
         row_examples = [ex for ex in examples for _ in range(G)]
         t0 = time.perf_counter()
         with stage("reward"):
@@ -244,7 +244,7 @@ class Collector:
             spans = self.rewards.step_spans(rollout.texts, groups.examples)
             adv = token_advantages(spans, self.tokenizer, rollout, adv, cfg.rollout.group_size,
                                    cfg.loss.step_credit_weight, cfg.loss.advantage_scale)
-        loss_mask = rollout.completion_mask.clone()  # (N, T)
+        loss_mask = rollout.sampled.clone()  # (N, T): the tokens the policy chose
         truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
         if cfg.loss.mask_truncated:
             loss_mask &= ~truncated[:, None]
