@@ -3,7 +3,13 @@ Upcycling makes experts differ in the dropped channels only, self-distillation l
 the command writes a model that gspo loads and trains with replay."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,10 +97,111 @@ def test_upcycle_command_writes_a_model_gspo_trains(tmp_path, capsys, tokenizer)
     assert code == 0, capsys.readouterr().err[-2000:]
 
 
-@pytest.mark.parametrize("argv", [["--drop", "1.5"], ["--top-k", "0"], ["--distill-lr", "nan"], ["--experts", "1"]])
+@pytest.mark.parametrize("argv", [["--drop", "1.5"], ["--top-k", "0"], ["--distill-lr", "nan"], ["--experts", "1"],
+                                  ["--experts", "0"], ["--experts", "2", "--top-k", "3"]])
 def test_bad_upcycle_flags_end_in_one_line(argv, tmp_path, capsys):
     from gspo.cli import main
 
     assert main(["upcycle", "--out", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("gspo: error:") == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _tiny(kind: str):
+    from transformers import (GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    torch.manual_seed(0)
+    if kind == "qwen3":  # Llama-shaped, but with q/k norms Mixtral lacks
+        return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16))
+    if kind == "mixtral":  # already an MoE
+        return MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "gpt2"])
+def test_a_non_llama_source_is_refused_in_one_line(kind):
+    """Qwen3 was upcycled without its q/k norms into a model of another function (logits 0.23 off with drop 0, where
+    the upcycled model must equal the dense one); a Mixtral and a GPT-2 ended in AttributeError tracebacks."""
+    from gspo.errors import UserError
+
+    with pytest.raises(UserError, match=f"model.name is a '{kind}' model: upcycle a Llama-family model"):
+        upcycle(_tiny(kind), experts=4, top_k=2, drop=0.0)
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*")
+            if p.is_file()}
+
+
+def _argv(dense_dir: Path, out: Path) -> list[str]:
+    return ["upcycle", f"model.name='{dense_dir}'", "model.device='cpu'", "rollout.max_new_tokens=6",
+            "rewards.workers=0", "--out", str(out), "--experts", "4", "--distill-steps", "1", "--distill-batch", "2",
+            "--eval-n", "0"]
+
+
+@pytest.fixture
+def dense_dir(tmp_path, tokenizer):
+    d = tmp_path / "dense"
+    tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.02).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def test_upcycle_onto_an_existing_directory_is_refused_and_the_dense_model_kept(dense_dir, tmp_path, capsys):
+    """--out pointed at the dense model's own directory used to overwrite it (exit 0: the source model was gone).
+    Refused in one line, on the command line and in run_upcycle itself, before any work; the directory is untouched."""
+    from gspo.cli import main
+    from gspo.commands.upcycle import run_upcycle
+    from gspo.config import build_config
+    from gspo.errors import UserError
+
+    before = _tree(dense_dir)
+    assert main(_argv(dense_dir, dense_dir)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "exists; name a new directory" in err and len(err.splitlines()) == 1, err
+    cfg = build_config({}, [f"model.name='{dense_dir}'", "model.device='cpu'"], device="cpu")
+    with pytest.raises(UserError, match="exists; name a new --out directory"):
+        run_upcycle(cfg, str(dense_dir), experts=4, top_k=2, drop=0.5, steps=1, lr=1e-4, batch=2, eval_n=0)
+    assert _tree(dense_dir) == before and sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+
+
+KILL_AFTER_SAVE = """
+import os, signal, sys
+from transformers import MixtralForCausalLM
+from gspo.cli import main
+
+real = MixtralForCausalLM.save_pretrained
+
+
+def save_then_die(self, *args, **kwargs):  # the MoE's weights are written; the tokenizer and report are not yet
+    real(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+MixtralForCausalLM.save_pretrained = save_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_upcycle_killed_midway_leaves_no_model_and_the_same_command_works(dense_dir, tmp_path):
+    """SIGKILL right after the MoE's weights are saved: the old code wrote into --out directly and left a directory
+    that loads as a model without its tokenizer or report (and a rerun overwrote it). Now OUT does not exist, OUT.tmp
+    is marked unfinished, and the same command run again clears it and writes the whole model."""
+    from gspo.cli import main
+    from gspo.models import load_model
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
+    out = tmp_path / "moe"
+    killed = subprocess.run([sys.executable, "-c", KILL_AFTER_SAVE, *_argv(dense_dir, out)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not out.exists()
+    assert (tmp_path / "moe.tmp" / ".gspo-writing").is_file()
+    assert main(_argv(dense_dir, out)) == 0
+    assert not (tmp_path / "moe.tmp").exists()
+    assert (out / "upcycle.json").is_file() and type(load_model(str(out))[0]).__name__ == "MixtralForCausalLM"

@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("upcycle", help="a Mixtral MoE from the dense model.name: upcycle, Drop-Upcycling, self-distillation")
     u.add_argument("config", nargs="?", help="TOML config (model.name = the dense model; data = the task's prompts)")
     u.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    u.add_argument("--out", type=_out_dir, required=True, help="directory for the MoE model and upcycle.json")
+    u.add_argument("--out", type=_new_dir, required=True, help="the new directory for the MoE model and upcycle.json")
     u.add_argument("--experts", type=_count(2), default=8, help="experts per layer (default 8)")
     u.add_argument("--top-k", type=_count(1), default=2, help="experts per token (default 2)")
     u.add_argument("--drop", type=_fraction, default=0.5,

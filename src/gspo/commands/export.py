@@ -5,10 +5,18 @@ generation config that stops at the chat template's end-of-turn token as gspo's 
 A LoRA checkpoint is exported as its peft adapter as trained (fp32, with the tokenizer; loadable with
 ``PeftModel.from_pretrained`` on the base model the run trained, named by its ``base_model_name_or_path``), or with
 ``merge_lora`` as the base model with the adapter merged in: a whole model like any other export.
+
+:func:`new_directory` is how a command writes a directory the user named (``gspo export --out``, ``gspo upcycle
+--out``): whole or not at all, never over an existing one.
 """
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,6 +26,11 @@ from gspo.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 GGUF_FILE = "model.gguf"
+# In OUT.tmp from its first moment: the writer's pid. It tells gspo's own unfinished directory from a user's, and the
+# flock held on OUT.tmp tells a live writer from one that was killed (whose leftover the next run clears).
+WRITING = ".gspo-writing"
+
+log = logging.getLogger("gspo")
 
 
 def checkpoint_of(path: Path) -> Path:
@@ -33,21 +46,24 @@ def checkpoint_of(path: Path) -> Path:
 
 def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = False, gguf: bool = False) -> Path:
     """Write the model of checkpoint (or run directory) ``source`` to the new directory ``out`` (with ``gguf``, also
-    as ``out/model.gguf``); returns the checkpoint exported. Written to ``out.tmp`` first and renamed, so ``out`` is
+    as ``out/model.gguf``); returns the checkpoint exported. Written through :func:`new_directory`, so ``out`` is
     whole or absent."""
     from gspo.models import lora
     from gspo.models import load_model, load_tokenizer, stop_token_ids
 
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}; pick one of them.")
     ckpt = checkpoint_of(source)
-    tmp = out.with_name(out.name + ".tmp")
-    for path in (out, tmp):
-        if path.exists():
-            raise UserError(f"{str(path)!r} exists; name a new --out directory (nothing is overwritten).")
-    try:
-        tmp.mkdir(parents=True)
-        if lora.is_adapter(ckpt) and not merge_lora:
-            if gguf:
-                raise UserError("--gguf writes a whole model: add --merge-lora to export a LoRA checkpoint as GGUF.")
+    adapter = lora.is_adapter(ckpt)
+    if merge_lora and not adapter:
+        raise UserError(f"--merge-lora: {str(ckpt)!r} holds full weights, not a LoRA adapter, so there is nothing to "
+                        "merge; drop --merge-lora.")
+    if adapter and gguf and not merge_lora:
+        raise UserError("--gguf writes a whole model: add --merge-lora to export a LoRA checkpoint as GGUF.")
+    if adapter:
+        lora.read_adapter(ckpt)  # a damaged adapter is named here, before anything is written
+    with new_directory(out) as tmp:
+        if adapter and not merge_lora:
             for name in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS):
                 shutil.copy2(ckpt / name, tmp / name)
             load_tokenizer(str(ckpt)).save_pretrained(tmp)
@@ -57,19 +73,123 @@ def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = F
             stops = stop_token_ids(tokenizer, model)
             model.generation_config.eos_token_id = stops[0] if len(stops) == 1 else stops
             model.generation_config.pad_token_id = tokenizer.pad_token_id
+            if gguf:  # first: a family or tokenizer it cannot write is refused before the HF files are written
+                write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype)
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            if gguf:
-                write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype)
-        fsync_tree(tmp)  # whole on disk before it takes its name
-        tmp.rename(out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(e, OSError):
-            raise
-        raise UserError(f"Writing {str(out)!r} failed ({e.strerror or e}); nothing was left there. Free disk space or "
-                        "pick another --out.") from e
     return ckpt
+
+
+@contextmanager
+def new_directory(out: Path, flag: str = "--out") -> Iterator[Path]:
+    """The new directory ``out``, written whole or not at all: the body writes into ``OUT.tmp``, which is fsynced and
+    renamed to ``out`` when the body returns and removed when it raises. An existing ``out`` is refused (nothing is
+    overwritten); so is an ``OUT.tmp`` that another live gspo process is writing (two commands given one ``flag``) or
+    that gspo did not make. One left by a gspo process that was killed is cleared, so the same command run again
+    works; until then its name and its ``WRITING`` file mark it unfinished."""
+    if out.exists() or out.is_symlink():
+        raise UserError(f"{str(out)!r} exists; name a new {flag} directory (nothing is overwritten).")
+    tmp = out.with_name(out.name + ".tmp")
+    fd = _claim(tmp, flag)
+    try:
+        yield tmp
+        fsync_tree(tmp)  # whole on disk before it takes its name
+        os.rename(tmp, out)
+    except BaseException as e:
+        _remove(tmp)
+        from safetensors import SafetensorError
+
+        if not isinstance(e, (OSError, SafetensorError)):  # safetensors reports a full disk as its own error
+            raise
+        reason = getattr(e, "strerror", None) or str(e)
+        raise UserError(f"Writing {str(out)!r} failed ({reason}); nothing was left there. Free disk space or pick "
+                        f"another {flag}.") from e
+    finally:
+        os.close(fd)
+    (out / WRITING).unlink(missing_ok=True)  # after the rename: OUT.tmp carries it until its last moment
+
+
+def _claim(tmp: Path, flag: str) -> int:
+    """Make ``tmp`` this process's (created, flocked, marked); returns the descriptor holding the lock."""
+    busy = UserError(f"{str(tmp)!r} is being written by another gspo process (two commands with the same {flag}); "
+                     f"wait for it to finish, or name another {flag}.")
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{str(tmp.parent)!r} cannot be made a directory ({e.strerror or e}); pick another "
+                        f"{flag}.") from e
+    for _ in range(3):
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:
+            _clear_stale(tmp, flag, busy)
+            continue
+        except OSError as e:
+            raise UserError(f"{str(tmp)!r} cannot be created ({e.strerror or e}); pick another {flag}.") from e
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        # Another process may have cleared an empty OUT.tmp and made its own between this mkdir and this open.
+        if _lock(fd) is False or os.fstat(fd).st_ino != os.stat(tmp).st_ino:
+            os.close(fd)
+            raise busy
+        (tmp / WRITING).write_text(f"{os.getpid()}\n")
+        return fd
+    raise busy
+
+
+def _clear_stale(tmp: Path, flag: str, busy: UserError) -> None:
+    """Remove ``tmp`` when a killed gspo process left it (marked, or still empty, and unlocked); refuse otherwise."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:  # its writer finished or gave up meanwhile
+        return
+    except OSError as e:
+        raise UserError(f"{str(tmp)!r} exists and is not a directory gspo made; remove it or name another "
+                        f"{flag}.") from e
+    try:
+        held = _lock(fd)
+        if held is False:
+            raise busy
+        entries = os.listdir(tmp)
+        if entries and WRITING not in entries:
+            raise UserError(f"{str(tmp)!r} exists and was not made by gspo; remove it or name another {flag} "
+                            "(nothing is overwritten).")
+        if held is None:
+            raise UserError(f"{str(tmp)!r} exists and this file system cannot tell whether a gspo process still "
+                            f"writes it (no flock); remove it if none does, or name another {flag}.")
+        log.warning("removing %s, left unfinished by a gspo process that was stopped while writing it", tmp)
+        _remove(tmp)
+    finally:
+        os.close(fd)
+
+
+def _remove(tmp: Path) -> None:
+    """Delete ``tmp`` with its ``WRITING`` mark last, so a kill midway leaves it still recognisably gspo's."""
+    try:
+        entries = [p for p in tmp.iterdir() if p.name != WRITING]
+    except OSError:
+        return
+    for p in entries:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    (tmp / WRITING).unlink(missing_ok=True)
+    try:
+        os.rmdir(tmp)
+    except OSError:
+        pass
+
+
+def _lock(fd: int) -> bool | None:
+    """An exclusive flock on ``fd`` without waiting: True when taken, False when another process holds it, None on a
+    file system without flock (the lock goes with the process, whatever ends it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
 
 
 # GGUF tensor types for --dtype; 1-D tensors (norms) stay F32 as llama.cpp's own converter writes them.

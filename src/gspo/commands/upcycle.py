@@ -33,13 +33,18 @@ def mixtral_config(dense_config, experts: int, top_k: int):
     from transformers import MixtralConfig
 
     c = dense_config
+    check_shape(experts, top_k)
+    # Families whose decoder layer is Mixtral's with a dense MLP: others have weights Mixtral lacks (Qwen3's q/k norms),
+    # scalars it ignores, or an MLP of another shape, and would upcycle into a model of another function.
+    if c.model_type not in ("llama", "mistral") or getattr(c, "sliding_window", None):
+        window = " with a sliding window" if c.model_type == "mistral" else ""
+        raise UserError(f"upcycle makes a Mixtral from a dense Llama-family model (llama, or mistral without a sliding "
+                        f"window); model.name is a {c.model_type!r} model{window}: upcycle a Llama-family model.")
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise UserError(f"{c.model_type} model with biases in attention or MLP: Mixtral has none, so the upcycled model "
                         "would not compute the same function; upcycle a bias-free Llama-family model.")
     if getattr(c, "hidden_act", "silu") != "silu":
         raise UserError(f"hidden_act {c.hidden_act!r}: Mixtral experts use silu; upcycle a silu model.")
-    if not 1 <= top_k <= experts:
-        raise UserError(f"--top-k {top_k} must be between 1 and --experts {experts}.")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return MixtralConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -54,22 +59,34 @@ def mixtral_config(dense_config, experts: int, top_k: int):
     )
 
 
+def check_shape(experts: int, top_k: int, drop: float = 0.0) -> None:
+    """The MoE asked for: at least two experts (one is the dense model), 1 <= top-k <= experts, drop a fraction."""
+    if experts < 2:
+        raise UserError(f"--experts {experts} must be at least 2 (one expert is the dense model itself).")
+    if not 1 <= top_k <= experts:
+        raise UserError(f"--top-k {top_k} must be between 1 and --experts {experts}.")
+    if not 0.0 <= drop <= 1.0:
+        raise UserError(f"--drop {drop} must be a fraction in [0, 1].")
+
+
 @torch.no_grad()
 def upcycle(dense: torch.nn.Module, experts: int = 8, top_k: int = 2, drop: float = 0.5, seed: int = 0,
             router_std: float | None = None) -> torch.nn.Module:
     """A Mixtral model from ``dense`` (see the module docstring); ``drop = 0`` gives the exact dense function."""
     from transformers import MixtralForCausalLM
 
-    if not 0.0 <= drop <= 1.0:
-        raise UserError(f"--drop {drop} must be a fraction in [0, 1].")
+    check_shape(experts, top_k, drop)
     config = mixtral_config(dense.config, experts, top_k)
     moe = MixtralForCausalLM(config).to(next(dense.parameters()).dtype)
     own = moe.state_dict()
-    shared = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k and k in own}
+    dense_state = dense.state_dict()
+    shared = {k: v for k, v in dense_state.items() if ".mlp." not in k and k in own}
+    # Both ways: a dense weight left behind would silently change the function as surely as one missing.
     missing = [k for k in own if ".mlp." not in k and k not in shared and not k.endswith("lm_head.weight")]
-    if missing:
-        raise UserError(f"{dense.config.model_type} weights do not map onto Mixtral ({missing[:3]} missing); upcycle a "
-                        "Llama-family model.")
+    left = [k for k in dense_state if ".mlp." not in k and k not in own]
+    if missing or left:
+        raise UserError(f"{dense.config.model_type} weights do not map onto Mixtral ({(missing or left)[:3]} "
+                        f"{'missing' if missing else 'left over'}); upcycle a Llama-family model.")
     moe.load_state_dict(shared, strict=False)
     g = torch.Generator().manual_seed(seed)
     std = router_std if router_std is not None else config.initializer_range
@@ -161,9 +178,26 @@ def expert_report(moe: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
 
 def run_upcycle(cfg, out: str, *, experts: int, top_k: int, drop: float, steps: int, lr: float, batch: int,
                 eval_n: int) -> dict[str, Any]:
-    """The command: upcycle ``model.name``, distil on the task's prompts, save to ``out``, report (upcycle.json)."""
-    import json
+    """The command: upcycle ``model.name``, distil on the task's prompts, save to the new directory ``out``, report
+    (upcycle.json). ``out`` appears whole or not at all (an existing one is refused before any work: pointed at the
+    dense model's own directory it would replace the model being upcycled); a run killed midway leaves a marked
+    ``OUT.tmp`` that the same command run again clears."""
     from pathlib import Path
+
+    from gspo.commands.export import new_directory
+
+    check_shape(experts, top_k, drop)
+    with new_directory(Path(out)) as tmp:
+        result = _upcycle_into(cfg, tmp, experts=experts, top_k=top_k, drop=drop, steps=steps, lr=lr, batch=batch,
+                               eval_n=eval_n)
+    if "moe_eval" in result:
+        result["moe_eval"]["model"] = out  # evaluated in OUT.tmp, before it took its name
+    return result
+
+
+def _upcycle_into(cfg, out_dir, *, experts: int, top_k: int, drop: float, steps: int, lr: float, batch: int,
+                  eval_n: int) -> dict[str, Any]:
+    import json
 
     from gspo.data import build_dataset, dataset_args
     from gspo.commands.evaluate import evaluate
@@ -205,8 +239,6 @@ def run_upcycle(cfg, out: str, *, experts: int, top_k: int, drop: float, steps: 
     before = expert_report(moe, *probe)
     losses = distill(moe, dense, stream, steps=steps, lr=lr, pad_id=tok.pad_token_id, autocast_dtype=runtime.autocast)
     after = expert_report(moe, *probe)
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     moe.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     result: dict[str, Any] = {
