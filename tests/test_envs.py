@@ -148,3 +148,94 @@ def test_later_turns_continue_the_rows_kv_cache_exactly(tiny_model, tokenizer):
     mask = rollout.sampled
     assert (~rollout.sampled & rollout.completion_mask).any()
     torch.testing.assert_close(rollout.logprobs[mask], logp.detach()[mask], atol=2e-5, rtol=0)
+
+
+# --- the environment driver: tools and environments in real worker processes ----------------------------------------
+
+from gspo.config.schema import EnvConfig  # noqa: E402
+from gspo.envs.episodes import Episodes, Trajectory  # noqa: E402
+from gspo.types import Example  # noqa: E402
+
+from test_trainer import tiny_dir  # noqa: E402,F401  (the module fixture)
+
+
+def _episodes(tokenizer, workers=1, **env):
+    return Episodes(EnvConfig(**{"workers": workers, "timeout_s": 3.0, **env}), tokenizer, stop_token_ids(tokenizer))
+
+
+def _turn(tokenizer, episodes, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [episodes.turns.end_id]
+
+
+def test_tool_calls_run_in_the_workers_and_every_failure_is_a_message(tokenizer):
+    """Hermes-style calls of the built-in calculator and of tools that raise, hang, return a huge text or a dict, a
+    malformed call and an unknown tool: each becomes a tool message the model reads (and a counted error), never a
+    failure of the trajectory; a turn without a call is the answer and ends it."""
+    ep = _episodes(tokenizer, tools=["gspo.envs.builtin:calculator", "env_fixtures:sleepy", "env_fixtures:huge",
+                                     "env_fixtures:broken", "env_fixtures:structured"])
+    try:
+        call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'.format
+        texts = [call("calculator", '{"expression": "123 * 456"}'), call("sleepy", '{"seconds": 30}'),
+                 call("huge", '{"n": 100000}'), call("broken", '{"x": 1}'), '<tool_call>{"name": calc</tool_call>',
+                 call("nope", "{}"), call("structured", '{"x": 21}'), "The answer is 56088."]
+        ep.rows = [Trajectory(i, Example(prompt="q", answer="1")) for i in range(len(texts))]
+        out = ep(list(range(len(texts))), [_turn(tokenizer, ep, t) for t in texts])
+        said = [tokenizer.decode(ids) if ids else None for ids in out]
+        assert said[0] == "\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n"
+        assert "error: timed out after 3 s" in said[1]
+        assert "[cut: 100000 characters]" in said[2] and len(said[2]) < 2200
+        assert "error: RuntimeError: the tool broke" in said[3]
+        assert "not valid JSON" in said[4] and "no tool named 'nope'" in said[5]
+        assert '{"twice": 42}' in said[6]
+        assert said[7] is None  # an answer: the trajectory is over
+        assert [t.tool_errors for t in ep.rows] == [0, 1, 0, 1, 1, 1, 0, 0]
+        assert all(t.error is None for t in ep.rows)
+    finally:
+        ep.close()
+
+
+@pytest.mark.parametrize("path,expect", [
+    ("env_fixtures:Raises", "step: ValueError: the environment broke"),
+    ("env_fixtures:Hangs", "step: timed out after 3 s"),
+    ("env_fixtures:Crashes", "step: the worker process died (exit code 3)"),
+    ("env_fixtures:BadObservation", "step: ValueError: step returned 42"),
+])
+def test_an_environment_that_fails_ends_its_trajectory_not_the_run(tokenizer, path, expect):
+    """An environment whose step raises, hangs, kills its process or breaks the contract: that trajectory ends with a
+    NaN reward and the reason; the next batch gets a working worker."""
+    ep = _episodes(tokenizer, path=path)
+    try:
+        ep.rows = [Trajectory(0, Example(prompt="q", answer="1"))]
+        ep.pool.call([(0, "reset", ep.rows[0].example)])
+        assert ep([0], [_turn(tokenizer, ep, "hello")]) == [None]
+        assert ep.rows[0].error.startswith(expect), ep.rows[0].error
+        assert torch.isnan(ep._result().rewards[0])
+        ep.pool.forget([0])
+        ep.rows = [Trajectory(1, Example(prompt="q", answer="1"))]
+        assert ep.pool.call([(1, "reset", ep.rows[0].example)]) == [("ok", None)]
+    finally:
+        ep.close()
+
+
+def test_a_whole_multi_turn_run_trains_only_on_sampled_tokens(tiny_dir, tmp_path):  # noqa: F811
+    """`gspo train` with an environment (env_fixtures:Echo, 3 turns, reward 1 per step) on the tiny model: rows hold
+    several turns, the appended tokens are out of the loss mask, env/* metrics are logged, and the run directory
+    passes check_run_dir."""
+    from gspo.runlog.metrics import read_jsonl
+    from gspo.train import Trainer
+    from test_faults import check_run_dir
+    from test_trainer import tiny_config
+
+    cfg = tiny_config(tiny_dir, "env.path='env_fixtures:Echo'", "env.workers=1", "env.max_turn_tokens=4",
+                      "rollout.max_new_tokens=40", "rewards.functions=[]", "rewards.workers=0")
+    trainer = Trainer(cfg, tmp_path / "run")
+    _biased(trainer.actor.model, trainer.tokenizer, stop_token_ids(trainer.tokenizer)[-1], 12.0)  # turns that end
+    batch = trainer.collector.collect()
+    r = batch.rollout
+    assert (r.completion_mask & ~r.sampled).any()  # appended tokens are in the rows
+    assert torch.equal(batch.loss_mask, r.sampled & batch.loss_mask) and not (batch.loss_mask & ~r.sampled).any()
+    assert batch.metrics["env/turns_mean"] > 1 and batch.metrics["env/appended_tokens_mean"] > 0
+    trainer.train()
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert rows and all("env/turns_mean" in row for row in rows)
+    check_run_dir(tmp_path / "run", len(rows))

@@ -18,6 +18,7 @@ from gspo.algorithms.advantages import SCALES
 from gspo.algorithms.losses import AGGREGATIONS, LEVELS
 from gspo.config.presets import TASK_STEP_CREDIT
 from gspo.config.schema import Config
+from gspo.envs.tools import FORMATS as TOOL_FORMATS
 from gspo.errors import UserError
 from gspo.parallel.strategy import STRATEGIES
 from gspo.runtime import PRECISIONS
@@ -147,6 +148,31 @@ def check_rewards(cfg: Config) -> None:
                             "'gspo.rewards.builtin:last_number'.")
 
 
+def check_env(cfg: Config) -> None:
+    """``[env]``: the multi-turn settings, and what multi-turn rows cannot run with yet (each refusal names why)."""
+    env = cfg.env
+    _one_of(env.tool_format, TOOL_FORMATS, "env.tool_format")
+    _each_valid(((env.max_turns >= 1, "env.max_turns", env.max_turns, "use 1 or more"),
+                 (env.max_turn_tokens >= 0, "env.max_turn_tokens", env.max_turn_tokens,
+                  "use 0 (rollout.max_new_tokens) or a positive count"),
+                 (env.workers >= 0, "env.workers", env.workers, "use 0 (in-process) or more"),
+                 (env.timeout_s > 0, "env.timeout_s", env.timeout_s, "use a positive number of seconds")))
+    for key, path in [("env.path", env.path)] * bool(env.path) + [("env.tools", p) for p in env.tools]:
+        if not isinstance(path, str) or ":" not in path:
+            raise UserError(f"{key} entry {path!r} must be 'module:name', e.g. 'gspo.envs.builtin:calculator'.")
+    if not env.on:
+        return
+    if cfg.rollout.engine not in ("auto", "hf"):
+        raise UserError(f"rollout.engine = {cfg.rollout.engine!r} does not run multi-turn rows yet (env.path / "
+                        "env.tools); use rollout.engine = 'hf' (or 'auto').")
+    if cfg.loss.step_credit is not None:
+        raise UserError("loss.step_credit with an environment is not supported yet (its steps are characters of one "
+                        "reply); leave loss.step_credit unset with env.path / env.tools.")
+    if cfg.moe.routing_replay == "rollout":
+        raise UserError("moe.routing_replay = 'rollout' does not record multi-turn rows yet; use 'old' with an "
+                        "environment.")
+
+
 def check_loss(cfg: Config) -> None:
     lc = cfg.loss
     _one_of(lc.level, LEVELS, "loss.level")
@@ -274,7 +300,7 @@ def warn_surprises(cfg: Config) -> None:
 # Sections first, in the order their first check ran when this was one function (so a config with several faults
 # still names the same first one in most cases), then the guards that need two sections each valid on its own.
 CHECKS = (check_sentinel, check_log, check_model, check_run, check_train, check_data, check_rewards, check_loss,
-          check_lora, check_rollout, check_moe, check_dist, check_dapo,
+          check_lora, check_rollout, check_moe, check_dist, check_dapo, check_env,
           check_step_credit, check_old_logprobs, check_batch_shape)
 
 

@@ -36,7 +36,8 @@ class DataConfig:
     task: str = "arithmetic"
     """``arithmetic`` (generated ``a op b``), ``running_sum`` (generated: add ``terms`` numbers with every running
     total written out), ``numbered_words`` (generated: number ``terms`` words one per line, then count them; both
-    long-response tasks), ``gsm8k`` (JSONL with ``#### answer``), ``math`` (JSONL with ``\\boxed{}``),
+    long-response tasks), ``guess_number`` (generated: a number from 1 to ``terms`` to guess, for the ``GuessNumber``
+    environment), ``gsm8k`` (JSONL with ``#### answer``), ``math`` (JSONL with ``\\boxed{}``),
     ``jsonl`` (any JSONL with ``prompt_field`` / ``answer_field``) or ``hf`` (a HF dataset, needs ``datasets``)."""
     path: str | None = None
     """Data file (or HF dataset name for ``task = "hf"``)."""
@@ -213,6 +214,35 @@ class RewardsConfig:
 
 
 @dataclass
+class EnvConfig:
+    path: str | None = None
+    """Multi-turn: the environment class, ``module:Class`` with ``reset(example)`` (the first messages, or ``None`` for
+    the example's prompt) and ``step(reply) -> (observation, reward, done)``; one object per trajectory, run in the
+    environment workers. Built in: ``gspo.envs.builtin:GuessNumber``. Unset: single-turn (or tools only)."""
+    tools: list[str] = field(default_factory=list)
+    """Tool functions (``module:function``, type hints and a Google-style docstring), described to the model through
+    its chat template and called when a turn holds tool calls; their results come back as ``tool`` messages. Built
+    in: ``gspo.envs.builtin:calculator``."""
+    tool_format: str = "auto"
+    """How the model writes tool calls: ``hermes`` (``<tool_call>{json}</tool_call>``), ``llama3`` (a bare JSON
+    object), ``mistral`` (``[TOOL_CALLS][...]``), or ``auto`` (what the chat template uses; ``hermes`` where none)."""
+    max_turns: int = 4
+    """Assistant turns per trajectory; the trajectory ends after this many (its reward is what it earned)."""
+    max_turn_tokens: int = 0
+    """Tokens one assistant turn may sample; 0: ``rollout.max_new_tokens``, which bounds the whole trajectory's
+    completion (every turn and every appended message)."""
+    workers: int = 2
+    """Worker processes that hold the environments and run the tools (0: in this process, without time limits)."""
+    timeout_s: float = 10.0
+    """Time limit of one ``reset``, ``step`` or tool call; past it the worker is killed and the trajectories it held
+    end with NaN reward (left out of their group's baseline, counted in ``env/failures``)."""
+
+    @property
+    def on(self) -> bool:
+        return bool(self.path or self.tools)
+
+
+@dataclass
 class TrainConfig:
     steps: int = 160
     """Optimizer steps in the run (rollout batches = steps / minibatches)."""
@@ -328,6 +358,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gspo.data.loaders import ANSWER_FORMATS, gsm8k, last_boxed, load_hf_dataset, load_jsonl, math_jsonl
-from gspo.data.tasks import ArithmeticTask, NumberedWordsTask, RunningSumTask
+from gspo.data.tasks import ArithmeticTask, GuessNumberTask, NumberedWordsTask, RunningSumTask
 from gspo.errors import UserError
 from gspo.types import Example
 
@@ -35,6 +35,7 @@ __all__ = [
     "ANSWER_FORMATS",
     "ArithmeticTask",
     "NumberedWordsTask",
+    "GuessNumberTask",
     "RunningSumTask",
     "DataStream",
     "TASKS",
@@ -48,7 +49,7 @@ __all__ = [
     "math_jsonl",
 ]
 
-TASKS = ("arithmetic", "running_sum", "numbered_words", "gsm8k", "math", "jsonl", "hf")
+TASKS = ("arithmetic", "running_sum", "numbered_words", "guess_number", "gsm8k", "math", "jsonl", "hf")
 _KEYS = (
     "task", "path", "split", "seed", "ops", "a_range", "b_range", "terms",
     "prompt_field", "answer_field", "answer_format", "template",
@@ -91,6 +92,8 @@ def build_dataset(cfg: dict[str, Any]) -> Sequence[Example]:
         return RunningSumTask(seed=cfg.get("seed", 0), values=cfg.get("a_range", (1, 20)), **kwargs)
     if task == "numbered_words":
         return NumberedWordsTask(seed=cfg.get("seed", 0), **{k: cfg[k] for k in ("terms", "template") if k in cfg})
+    if task == "guess_number":
+        return GuessNumberTask(seed=cfg.get("seed", 0), **{k: cfg[k] for k in ("terms", "template") if k in cfg})
     if task == "gsm8k":
         return gsm8k(_file(cfg, split), template=cfg.get("template"))
     if task == "math":

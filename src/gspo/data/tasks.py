@@ -183,3 +183,22 @@ class NumberedWordsTask(_GeneratedTask):
 
     def __repr__(self) -> str:
         return f"NumberedWordsTask(seed={self.seed}, terms={self.terms})"
+
+
+GUESS_TEMPLATE = ("I am thinking of a whole number from 1 to {n}. Guess it: reply with one number, and I will say "
+                  "higher or lower.")
+
+
+class GuessNumberTask(_GeneratedTask):
+    """A multi-turn task for :class:`gspo.envs.builtin.GuessNumber`: a number uniform in 1..``hi`` (``hi`` uniform in
+    ``terms``) to guess with higher / lower feedback. The answer is the number as a string."""
+
+    def __init__(self, seed: int, terms: Sequence[int] = (10, 10), template: str = GUESS_TEMPLATE):
+        self._setup(seed, terms, template)
+
+    def make(self, rng: random.Random) -> Example:
+        hi = rng.randint(*self.terms)
+        return Example(prompt=self.template.format(n=hi), answer=str(rng.randint(1, hi)), meta={"hi": hi})
+
+    def __repr__(self) -> str:
+        return f"GuessNumberTask(seed={self.seed}, terms={self.terms})"

@@ -10,3 +10,4 @@ import signal
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 from gspo.rewards import worker  # noqa: E402,F401  (what every worker runs, imported once here)
+from gspo.envs import worker as env_worker  # noqa: E402,F401  (and every environment worker)

@@ -64,7 +64,7 @@ class RewardResult:
     errors: list[str]  # the first MAX_ERRORS failure messages, for logging
 
 
-class _Worker:
+class WorkerHandle:
     """The parent's handle on one worker: its process, pipe, and the calls it still owes."""
 
     def __init__(self, proc: Any, conn: Connection):
@@ -82,7 +82,7 @@ class _Worker:
         self.conn.close()
 
 
-def _shutdown(workers: list[_Worker], owner_pid: int) -> None:
+def shutdown_workers(workers: list[WorkerHandle], owner_pid: int) -> None:
     """Stop every worker: ask politely, then kill whatever is still alive."""
     if os.getpid() != owner_pid:  # a forked copy of the parent must not stop the real parent's workers
         return
@@ -101,7 +101,7 @@ def _shutdown(workers: list[_Worker], owner_pid: int) -> None:
     workers.clear()
 
 
-def _context() -> Any:
+def worker_context() -> Any:
     """A fork server that imports the worker module (no torch) once, so a new worker starts in milliseconds, not the
     ~1.5 s of a fresh interpreter (a fork server started earlier without this preload still works, just slower)."""
     ctx = mp.get_context("forkserver")
@@ -129,14 +129,15 @@ class RewardRunner:
     ``workers=0`` runs every call in this process: no time limit is enforced (a hung function hangs the caller),
     which is meant for tests and debugging. Not thread-safe: call ``score`` from one thread at a time.
 
+    ``allow_empty``: no reward functions (an environment's rewards stand alone); ``score`` then gives zeros.
     ``steps``: the ``loss.step_credit`` function (``"module:function"``), loaded and called in the same workers under
     the same limits (:meth:`step_spans`), so that no user code runs in the trainer's process.
     """
 
     def __init__(self, specs: Sequence[RewardSpec | str | dict], workers: int = 2, timeout_s: float = 10.0,
-                 steps: str | None = None):
+                 steps: str | None = None, allow_empty: bool = False):
         specs = [_as_spec(s) for s in ([specs] if isinstance(specs, (str, RewardSpec, dict)) else specs)]
-        if not specs:
+        if not specs and steps is None and not allow_empty:
             raise UserError(
                 "no reward functions were given; name at least one, e.g. 'gspo.rewards.builtin:last_number'."
             )
@@ -158,11 +159,11 @@ class RewardRunner:
         self.fns = [resolve(s.path) for s in specs] if workers == 0 else []  # in-process calls only
         if workers == 0 and steps:
             self.fns.append(resolve(steps, steps=True))
-        self._ctx = _context()
-        self._workers: list[_Worker] = []
+        self._ctx = worker_context()
+        self._workers: list[WorkerHandle] = []
         self._closed = False
         # Runs on close(), on garbage collection, or at interpreter exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, os.getpid())
+        self._finalizer = weakref.finalize(self, shutdown_workers, self._workers, os.getpid())
         # Starting the fork server and the workers takes a fraction of a second: do it from a thread, so that it
         # overlaps the caller's own start-up (loading the model); score() waits for them.
         self._start_error: BaseException | None = None
@@ -199,18 +200,18 @@ class RewardRunner:
         self.ready()
         return len(self._workers)
 
-    def _start(self) -> _Worker:
+    def _start(self) -> WorkerHandle:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         args = (child_conn, [s.path for s in self.specs], list(sys.path), os.getcwd(), self.steps)
         proc = self._ctx.Process(target=worker_main, args=args, daemon=True, name="gspo-reward-worker")
         proc.start()
         child_conn.close()  # so the parent sees EOF when the worker dies
-        return _Worker(proc, parent_conn)
+        return WorkerHandle(proc, parent_conn)
 
     def _paths(self) -> str:
         return ", ".join([repr(s.path) for s in self.specs] + ([what(self.steps, steps=True)] if self.steps else []))
 
-    def _replace(self, w: _Worker) -> None:
+    def _replace(self, w: WorkerHandle) -> None:
         w.kill()
         self._workers[self._workers.index(w)] = self._start()
 
@@ -295,7 +296,7 @@ class RewardRunner:
         remaining = len(calls)
         startup_deadline = time.monotonic() + STARTUP_TIMEOUT_S
 
-        def fail_running(w: _Worker, reason: str) -> None:
+        def fail_running(w: WorkerHandle, reason: str) -> None:
             """Fail the call ``w`` was running, requeue the rest of its chunk, and replace the worker."""
             nonlocal remaining
             if w.chunk:
@@ -355,7 +356,7 @@ class RewardRunner:
                     self._replace(w)
             raise
 
-    def _read(self, w: _Worker, record: Callable[[int, str, Any], None]) -> tuple[int, bool]:
+    def _read(self, w: WorkerHandle, record: Callable[[int, str, Any], None]) -> tuple[int, bool]:
         """Handle every message ``w`` has sent: how many calls it answered, and whether it is still alive."""
         answered = 0
         while True:

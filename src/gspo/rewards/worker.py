@@ -82,7 +82,7 @@ def call_steps(fn: RewardFn, completion: str, example: Example) -> tuple[str, An
     return "ok", (ends, credits)
 
 
-def _watch_parent() -> None:
+def watch_parent() -> None:
     """Exit this worker once its parent is gone, even while a reward call hangs in the main thread.
 
     The parent is the fork server, which itself exits with the training process; either way we get re-parented.
@@ -111,7 +111,7 @@ def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: st
     os.chdir(cwd)  # reward functions may open files relative to where the user started training
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     user_code.search_current_folder()
-    threading.Thread(target=_watch_parent, daemon=True).start()
+    threading.Thread(target=watch_parent, daemon=True).start()
     try:
         fns = [resolve(p) for p in paths] + ([resolve(steps_path, steps=True)] if steps_path else [])
         for path, fn in zip(paths, fns):

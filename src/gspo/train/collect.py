@@ -27,6 +27,7 @@ from gspo.parallel.comm import active, barrier, gather_objects, rank_world, spli
 from gspo.errors import UserError
 from gspo.runlog.profiler import stage
 from gspo.prompts import encode_prompts
+from gspo.envs.episodes import COUNTS as env_counts, Episodes, batch_metrics as env_metrics
 from gspo.rewards.runner import RewardRunner
 from gspo.rewards.steps import token_advantages
 from gspo.types import FINISH_LENGTH, Batch, Example, Groups, Rollout, SamplingParams
@@ -46,13 +47,15 @@ class Scores:
 class Collector:
     """Samples, scores and filters rollout batches for one run."""
 
-    def __init__(self, cfg: Config, tokenizer, stream: DataStream, rewards: RewardRunner, engine, generator: torch.Generator):
+    def __init__(self, cfg: Config, tokenizer, stream: DataStream, rewards: RewardRunner, engine, generator: torch.Generator,
+                 episodes: Episodes | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.stream = stream
         self.rewards = rewards
         self.engine = engine
         self.generator = generator
+        self.episodes = episodes  # multi-turn: the environment and tools between the engine's turns
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         self.skipped_prompts = 0  # prompts over data.max_prompt_tokens, run-wide (saved in checkpoints)
@@ -60,6 +63,12 @@ class Collector:
         self._shortest_skipped = 1 << 62
         self._warned_failures = False
         self._first_error: str | None = None  # of the rollout batch being collected
+
+    def close(self) -> None:
+        """Stop the reward workers and the environment workers (idempotent)."""
+        self.rewards.close()
+        if self.episodes is not None:
+            self.episodes.close()
 
     def state_dict(self) -> dict:
         """What a checkpoint holds of the collect stage: the sampling stream, the data position, the prompts skipped."""
@@ -83,7 +92,7 @@ class Collector:
             batch = self.stream.next_batch(k - len(examples))
             # Under torchrun every process needs every prompt's ids (which ones fit decides each one's share) and each
             # encodes 1/W of them
-            encoded = split_work(batch, lambda part: encode_prompts(self.tokenizer, part, data.system_prompt))
+            encoded = split_work(batch, self.encode)
             for ex, p in zip(batch, encoded):
                 if len(p) <= data.max_prompt_tokens:
                     examples.append(ex)
@@ -106,12 +115,23 @@ class Collector:
                                     f"shortest had {self._shortest_skipped} tokens); raise it, or use shorter prompts.")
         return examples, ids
 
+    def encode(self, examples: list[Example]) -> list[list[int]]:
+        """The prompt ids of these examples (with the tools' system message under an environment)."""
+        if self.episodes is not None:
+            return self.episodes.encode(examples)
+        return encode_prompts(self.tokenizer, examples, self.cfg.data.system_prompt)
+
     def sample_groups(self, examples: list[Example], prompt_ids: list[list[int]], timing: dict[str, float]) -> Groups:
         """``G`` completions of each of these prompts, scored."""
         G = self.cfg.rollout.group_size
         t0 = time.perf_counter()
+        episode = None
         with stage("rollout"):
-            rollout = self.engine.generate(prompt_ids, G, self.sampling, generator=self.generator)
+            if self.episodes is None:
+                rollout = self.engine.generate(prompt_ids, G, self.sampling, generator=self.generator)
+            else:
+                rollout, episode = self.episodes.run(self.engine, examples, prompt_ids, G, self.sampling,
+                                                     self.generator)
         timing["rollout"] += time.perf_counter() - t0
         timing["gen_tokens"] += float(rollout.sampled.sum())
         row_examples = [ex for ex in examples for _ in range(G)]
@@ -123,13 +143,26 @@ class Collector:
         if result.errors and self._first_error is None:
             self._first_error = result.errors[0]
         self.warn_failures(result)
-        return Groups(rollout, row_examples, result.total.float(), result.per_function)
+        total, per_function = result.total.float(), result.per_function
+        if episode is not None:  # the environment's rewards, added to the reward functions' (if any)
+            total = total + episode.rewards
+            per_function = {**per_function, "env": episode.rewards}
+            timing["failures"] += episode.metrics["env/failures"]
+            for key, value in episode.metrics.items():
+                timing[key] += value
+            if episode.first_error and self._first_error is None:
+                self._first_error = episode.first_error
+        return Groups(rollout, row_examples, total, per_function)
 
     def check_failures(self, rounds: list[Scores]) -> None:
         """A reward function that failed (NaN) on every completion of a rollout batch, all its sampling rounds, is
         broken, not unlucky: one line naming it and its first error."""
         for name in rounds[0].per_function:
             values = torch.cat([r.per_function[name] for r in rounds])
+            if values.numel() and not torch.isfinite(values).any() and name == "env":
+                raise UserError(f"Every trajectory of a rollout batch failed in env.path = {self.cfg.env.path!r} "
+                                f"(first error: {self._first_error or 'no message'}); fix the environment (set "
+                                "env.workers = 0 to debug it in-process).")
             if values.numel() and not torch.isfinite(values).any():
                 raise UserError(f"The reward function {name!r} failed on all {values.numel()} completions of a rollout "
                                 f"batch (first error: {self._first_error or 'no message'}); fix it (set "
@@ -232,7 +265,8 @@ class Collector:
     def collect(self) -> Batch:
         """Sample, score and (DAPO) filter one rollout batch, and compute its advantages."""
         cfg = self.cfg
-        timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0}
+        timing = {"rollout": 0.0, "reward": 0.0, "gen_tokens": 0.0, "failures": 0.0,
+                  **({key: 0.0 for key in env_counts} if self.episodes is not None else {})}
         t0 = time.perf_counter()
         self._first_error = None
         groups, rounds, counters = self.gather(*self.fill(timing), timing)
@@ -256,6 +290,8 @@ class Collector:
         m["completion/len_max"] = float(lengths.max())
         m["completion/truncated_frac"] = float(truncated.float().mean())
         m.update(counters)
+        if self.episodes is not None:
+            m.update(env_metrics({key: timing[key] for key in env_counts}))
         m["data/skipped_prompts"] = float(self.skipped_prompts)
         m["data/position"] = float(self.stream.position)
         m["time/rollout"] = timing["rollout"]

@@ -81,8 +81,8 @@ class Trainer:
                 self.dir.record(self.state.step)
             self.timings["trainer_ready_at"] = self.since_start()
         except BaseException:
-            if hasattr(self, "rewards"):
-                self.rewards.close()
+            if hasattr(self, "collector"):
+                self.collector.close()
             self.release()  # a start that failed leaves the directory to the next one
             raise
 
@@ -124,7 +124,7 @@ class Trainer:
                 self.timings["loop_s"] = round(t_loop_end - t_train, 3)
                 if state.step > start_step or not (self.run_dir / "checkpoints" / f"step-{state.step:06d}").is_dir():
                     self.checkpoint()  # written while the reward workers close
-                self.rewards.close()
+                self.collector.close()
                 self.checkpoints.writer.wait()
                 runlog.close()  # after the final checkpoint: a failed write closes the sinks (W&B) as failed
                 # A signal that came during the final checkpoint of a finished run stopped nothing: the run is done.
@@ -133,7 +133,7 @@ class Trainer:
         finally:
             if runlog is not None:
                 runlog.close(failed=failed)
-            self.rewards.close()
+            self.collector.close()
             if failed:  # an earlier checkpoint in flight still completes; the loop's own error is the one to report
                 try:
                     self.checkpoints.writer.wait()

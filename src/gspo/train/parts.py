@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from gspo.config import TASK_STEP_CREDIT, Config
+from gspo.envs.episodes import Episodes
 from gspo.data import DataStream, build_dataset, dataset_args, default_reward
 from gspo.models import load_model, stop_token_ids
 from gspo.parallel.holding import hold
@@ -51,11 +52,12 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         clock = now
 
     seed_everything(cfg.seed)
+    # An environment's own rewards need no reward function; otherwise the task's verifier is the default one
     specs = ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions]
-             or [RewardSpec(default_reward(cfg.data.task))])
+             or ([] if cfg.env.path else [RewardSpec(default_reward(cfg.data.task))]))
     steps = TASK_STEP_CREDIT[cfg.data.task] if cfg.loss.step_credit == "task" else cfg.loss.step_credit
-    rewards = RewardRunner(specs, workers=cfg.rewards.workers, timeout_s=cfg.rewards.timeout_s,
-                           steps=steps)  # starts in the background
+    rewards = RewardRunner(specs, workers=cfg.rewards.workers if specs or steps else 0, timeout_s=cfg.rewards.timeout_s,
+                           steps=steps, allow_empty=bool(cfg.env.path))  # starts in the background
     lap("reward_functions")
     try:
         if runtime.device.type == "cuda":
@@ -70,7 +72,9 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         # Under FSDP, with LoRA, and with rounded engine weights, the engine takes its own copy of the plain weights
         # before the holding shards or adapts the policy; it is fed the gathered, merged or rounded weights after every
         # optimizer step.
-        engine = make_engine(cfg.rollout.engine, model, tokenizer, stop_ids=stop_token_ids(tokenizer, model),
+        # multi-turn rows run on the simple engine only, so far
+        engine = make_engine("hf" if cfg.env.on else cfg.rollout.engine, model, tokenizer,
+                             stop_ids=stop_token_ids(tokenizer, model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
                              compact_rows=cfg.rollout.compact_rows,
                              replica=strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0,
@@ -87,7 +91,15 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         raise
     # Each process samples with its own stream (the first one's is the one-process run's).
     generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed + runtime.rank)
-    return Parts(runtime, actor, tokenizer, engine, Collector(cfg, tokenizer, stream, rewards, engine, generator), rewards)
+    episodes = None
+    if cfg.env.on:
+        try:
+            episodes = Episodes(cfg.env, tokenizer, engine.stop_ids, cfg.data.system_prompt)
+        except BaseException:
+            rewards.close()
+            raise
+    return Parts(runtime, actor, tokenizer, engine, Collector(cfg, tokenizer, stream, rewards, engine, generator,
+                                                              episodes), rewards)
 
 
 def describe_run(cfg: Config, runtime: Runtime, run_dir: Path, resume: bool) -> str:

@@ -1,0 +1,90 @@
+"""Environments and tools that misbehave, for the fault tests of gspo.envs (imported by the environment workers)."""
+import os
+import time
+
+
+def sleepy(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def huge(n: int) -> str:
+    """Return a very long text.
+
+    Args:
+        n: How many characters.
+    """
+    return "x" * n
+
+
+def broken(x: int) -> int:
+    """Raise.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError("the tool broke")
+
+
+def structured(x: int) -> dict:
+    """Return a dict.
+
+    Args:
+        x: A number.
+    """
+    return {"twice": 2 * x}
+
+
+class Echo:
+    """Answers every reply with "again" and reward 1 per step; done after 3 steps."""
+
+    def reset(self, example):
+        self.steps = 0
+
+    def step(self, reply):
+        self.steps += 1
+        return "again", 1.0, self.steps >= 3
+
+
+class Raises:
+    def step(self, reply):
+        raise ValueError("the environment broke")
+
+
+class Hangs:
+    def step(self, reply):
+        while True:
+            time.sleep(1.0)
+
+
+class Crashes:
+    def step(self, reply):
+        os._exit(3)
+
+
+class BadObservation:
+    def step(self, reply):
+        return 42, 0.0, False
+
+
+class NeverDone:
+    def step(self, reply):
+        return "go on", 0.0, False
+
+
+class DifferentPrompts:
+    """reset returns another first message every time: refused (a group shares its prompt)."""
+
+    count = 0
+
+    def reset(self, example):
+        DifferentPrompts.count += 1
+        return f"prompt {DifferentPrompts.count} {time.time_ns()}"
+
+    def step(self, reply):
+        return None, 0.0, True
