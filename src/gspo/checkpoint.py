@@ -109,7 +109,8 @@ def verify(ckpt: Path, share: tuple[int, int] = (0, 1), contents: bool = True) -
     if not path.exists():
         return None
     try:
-        files = {str(name): (int(size), int(crc)) for name, (size, crc) in json.loads(path.read_text())["files"].items()}
+        recorded = json.loads(path.read_text())["files"]
+        files = {str(name): (int(size), int(crc)) for name, (size, crc) in recorded.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its {MANIFEST} cannot be read ({type(e).__name__})"
     for name, (size, _) in sorted(files.items()):

@@ -211,7 +211,8 @@ def load(run_dir: Path, read, before_batch: int | None = None,
     rank, world = comm.rank_world()
     reasons = []
     for ckpt in reversed(ckpts):
-        reason = _agreed_reason(verify(ckpt, (rank, world)))
+        found, error = attempt(verify, ckpt, (rank, world))
+        reason = _agreed_reason(why(error) if error is not None else found)
         if reason is None:
             payload, error = attempt(read, ckpt)
             reason = _agreed_reason(None if error is None else why(error))
