@@ -334,7 +334,7 @@ def check_run_dir(run: Path, steps: int) -> list[dict]:
     checkpoint loads (weights and trainer state). Returns the metrics rows."""
     import torch
 
-    from gspo.checkpoint import complete_checkpoints, load_model_weights
+    from gspo.checkpoint import complete_checkpoints, load_model_weights, verify
     from gspo.models import load_model
 
     for name in ("metrics.jsonl", "samples.jsonl", "histograms.jsonl", "traces.jsonl", "config_history.jsonl"):
@@ -343,6 +343,7 @@ def check_run_dir(run: Path, steps: int) -> list[dict]:
     rows = _check_lines(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for ckpt in complete_checkpoints(run / "checkpoints"):
+        assert verify(ckpt) is None, ckpt  # every file as written, those of several processes included
         model, _ = load_model(str(ckpt))
         load_model_weights(model, ckpt)
         assert torch.load(ckpt / "trainer_state.pt", weights_only=False)["step"] == int(ckpt.name.split("-")[1])

@@ -230,8 +230,9 @@ def moe_dir(tmp_path_factory, tokenizer):
 def test_training_an_moe_with_replay_logs_flips_and_resumes_exactly(moe_dir, tmp_path, replay):
     """A Mixtral trained with R2 or R3: the off-policy minibatches (R3: every one) log moe/flip_rate per layer, the
     checkpoint is the MoE, and 2 + --resume 2 steps equal 4 straight (replay state lives in the batch, rebuilt on
-    resume from the same rollouts)."""
+    resume from the same rollouts); a --resume with another replay mode is refused in one line naming the key."""
     from gspo.config import build_config
+    from gspo.errors import UserError
     from gspo.runlog.metrics import read_jsonl
     from gspo.train import Trainer
 
@@ -247,6 +248,12 @@ def test_training_an_moe_with_replay_logs_flips_and_resumes_exactly(moe_dir, tmp
     assert [("moe/flip_rate" in r) for r in rows] == ([False, True] * 2 if replay == "old" else [True] * 4)
     assert all("moe/flip_rate/layer_1" in r for r in rows[1::2]) and all(r["moe/record_mb"] > 0 for r in rows)
     Trainer(cfg("train.steps=2"), tmp_path / "resumed").train()
+    # Another replay mode would train the rest of the run through other experts than the first part: refused, as
+    # every key that defines the update is (gspo.config.resume.RESUMABLE leaves moe.* out).
+    other = "off" if replay == "old" else "old"
+    with pytest.raises(UserError, match=f"--resume cannot change moe.routing_replay \\(moe.routing_replay: "
+                                        f"'{replay}' -> '{other}'\\)"):
+        Trainer(cfg("train.steps=4", f"moe.routing_replay={other!r}"), tmp_path / "resumed", resume=True)
     Trainer(cfg("train.steps=4"), tmp_path / "resumed", resume=True).train()
     again = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
     drop = ("time/", "throughput/")

@@ -2,7 +2,9 @@
 This module owns the files and their format; the RNG states in them are captured and restored by :mod:`gspo.runtime`.
 
 A checkpoint is written into ``step-NNNNNN.tmp``, fsynced, renamed to ``step-NNNNNN`` and marked complete by a
-``COMPLETE`` file written last, so a crash mid-write never leaves something that looks like a checkpoint; old
+``COMPLETE`` file written last, so a crash mid-write never leaves something that looks like a checkpoint; its
+``manifest.json`` records every file's size and CRC-32 as written (each process records the files it wrote), so that
+a file truncated, lost or changed afterwards is found (:func:`verify`) before anything is loaded from it; old
 checkpoints are deleted only after the new one is complete, and a checkpoint being deleted is first renamed out of
 the ``step-NNNNNN`` namespace, so a crash mid-delete never leaves a marked checkpoint without its weights.
 """
@@ -14,13 +16,17 @@ import os
 import re
 import shutil
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gspo.parallel import comm
+
 MARKER = "COMPLETE"
+MANIFEST = "manifest.json"  # {"files": {relative path: [size, crc32]}} of every file but MARKER
 _NAME = re.compile(r"step-\d{6,}")
 _DISCARDED = ".discarded"
 
@@ -46,6 +52,80 @@ def fsync_tree(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written, with the reason in one line (under ``torchrun``: the same on every
+    process, naming the one that failed)."""
+
+
+def attempt(fn, *args) -> tuple[Any, BaseException | None]:
+    """``(fn(*args), None)``, or ``(None, the error)`` whatever ``fn`` raised -- a DCP ``CheckpointException`` is a
+    BaseException, safetensors raises its own ``SafetensorError``, pickle its own -- but an interrupt or an exit: a
+    checkpoint's read or write either works or fails with a reason, never with a surprise kind of error."""
+    try:
+        return fn(*args), None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        return None, e
+
+
+def why(e: BaseException) -> str:
+    """One line for a checkpoint's failed read or write: the OS's reason and its file, the first failing process's
+    error inside a DCP ``CheckpointException`` (whose own text is a traceback per process), else the first line."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _) = min(failures.items())
+        return f"process {rank}: {why(inner)}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def digests(root: Path, names: list[str]) -> dict[str, list[int]]:
+    """``{name: [size, crc32]}`` of the files ``names`` under ``root``, read by several threads (zlib's CRC-32 runs
+    at ~3 GB/s a core and releases the GIL; right after the write the files are still in the page cache)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
+        crcs = list(pool.map(lambda name: _crc32(root / name), names))
+    return {name: [(root / name).stat().st_size, crc] for name, crc in zip(names, crcs)}
+
+
+def verify(ckpt: Path, share: tuple[int, int] = (0, 1), contents: bool = True) -> str | None:
+    """Why checkpoint ``ckpt`` is not as it was written (a file its manifest lists is missing, has another size or,
+    with ``contents``, another CRC-32), or None. ``share`` = (rank, number of processes): every process checks every
+    size, and reads the contents of its share of the files, every N-th one. A checkpoint without a manifest (written
+    before gspo recorded one) cannot be checked: None."""
+    path = ckpt / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        recorded = json.loads(path.read_text())["files"]
+        files = {str(name): (int(size), int(crc)) for name, (size, crc) in recorded.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its {MANIFEST} cannot be read ({type(e).__name__})"
+    for name, (size, _) in sorted(files.items()):
+        try:
+            actual = (ckpt / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, not the {size} written"
+    if contents:
+        rank, world = share
+        for name, (_, crc) in digests(ckpt, sorted(files)[rank::world]).items():
+            if crc != files[name][1]:
+                return f"{name} is not what was written (another CRC-32)"
+    return None
 
 
 def to_cpu(obj: Any) -> Any:
@@ -85,21 +165,21 @@ def to_cpu(obj: Any) -> Any:
 
 def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int,
                     model_state: dict[str, torch.Tensor] | None = None, seconds: dict[str, float] | None = None,
-                    prepared: bool = False, pinned: int | None = None) -> Path:
+                    prepared: dict[str, list[int]] | None = None, pinned: int | None = None) -> Path:
     """Write checkpoint ``step`` atomically, then prune all but the ``keep`` newest complete ones and checkpoint
     ``pinned`` (a step: the collapse sentinel's rollback target from before a reward drop, whatever its age). ``model_state``
     (a snapshot of ``model.state_dict()``) is written instead of the live weights when given; ``seconds`` gets the
-    time of the writes and of the fsync. ``prepared``: the ``.tmp`` directory exists and holds files of this
-    checkpoint already (a sharded one's)."""
+    time of the writes and of the fsync. ``prepared``: the ``.tmp`` directory exists and holds these files of this
+    checkpoint already, with their sizes and CRC-32s (those the processes of a ``torchrun`` job wrote)."""
     t0 = time.perf_counter()
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{step:06d}"
     tmp = ckpt_root / f"step-{step:06d}.tmp"
     # What a crash left (one run writes one checkpoint at a time): a half-written checkpoint, an interrupted delete.
     for left in [*ckpt_root.glob("step-*.tmp"), *ckpt_root.glob(f"step-*{_DISCARDED}")]:
-        if not (prepared and left == tmp):
+        if not (prepared is not None and left == tmp):
             shutil.rmtree(left, ignore_errors=True)
-    if not prepared:
+    if prepared is None:
         tmp.mkdir()
     # The optimizer state (twice the model's size) is written beside the model, in a second thread: both writes are
     # bound by copying and the disk, and each releases the GIL while it writes.
@@ -113,6 +193,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
         optimizer_file.result()
     _plain_architecture(tmp)
     (tmp / "state.json").write_text(json.dumps({k: state[k] for k in ("step", "rollout_batch") if k in state}))
+    _write_manifest(tmp, prepared or {})
     t1 = time.perf_counter()
     fsync_tree(tmp)
     if final.exists():
@@ -128,6 +209,18 @@ def save_checkpoint(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
         if checkpoint_step(old) != pinned:
             _discard(old)
     return final
+
+
+def _write_manifest(tmp: Path, prepared: dict[str, list[int]]) -> None:
+    """The manifest of the files in ``tmp``: those of ``prepared`` as their writers recorded them, the rest read here.
+    Every recorded size is checked against the file as this process sees it (a file another process wrote may not
+    have reached a shared file system), so that a checkpoint is only marked complete with all of its files whole."""
+    names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+    files = {**digests(tmp, [n for n in names if n not in prepared]), **prepared}
+    (tmp / MANIFEST).write_text(json.dumps({"files": dict(sorted(files.items()))}))
+    problem = verify(tmp, contents=False)
+    if problem:
+        raise CheckpointWriteError(f"checkpoint {tmp.name}: {problem}")
 
 
 def checkpoint_step(ckpt: Path) -> int:
@@ -176,31 +269,60 @@ DCP_DIR = "dcp"  # a sharded checkpoint's model and optimizer, in torch's distri
 RANK_FILE = "rank-{:05d}.pt"  # each process's own RNG and sampler state
 
 
-def _open_collective(ckpt_root: Path, step: int) -> Path:
-    """Rank 0 makes checkpoint ``step``'s ``.tmp`` directory; every process returns it once it exists."""
-    import torch.distributed as dist
+def _agreed(result: Any, error: BaseException | None) -> list[Any]:
+    """Every process's ``result`` of a part of a collective write, once all know that every part worked; otherwise the
+    first failure, raised on every process alike (so none waits in a collective another never reaches, and none
+    marks a checkpoint complete that another failed to write its part of)."""
+    reason = None
+    if error is not None:  # a DCP error names the process that failed already (each gets it from DCP)
+        reason = why(error) if getattr(error, "failures", None) else f"process {comm.rank_world()[0]}: {why(error)}"
+    told = comm.gather_objects((result, reason))
+    failed = [reason for _, reason in told if reason is not None]
+    if failed:
+        raise CheckpointWriteError(failed[0]) from error
+    return [r for r, _ in told]
 
+
+def _writer(name: str, world: int) -> int:
+    """The process that records DCP file ``name``: the one that wrote it, as DCP names its files (``__R_N.distcp``),
+    so it is read back from that process's page cache; rank 0 for any other (``.metadata``, another naming)."""
+    found = re.match(r"__(\d+)_", Path(name).name)
+    return int(found[1]) if found and int(found[1]) < world else 0
+
+
+def _write_collectively(ckpt_root: Path, step: int, write_own, complete, model_state=lambda: None) -> Path:
+    """Checkpoint ``step`` written by every process of a ``torchrun`` job: rank 0 opens its ``.tmp`` directory;
+    every process writes its part there (``write_own(tmp)`` returns the names of the files whose sizes and CRC-32s
+    it records: its own, and its share of those the processes wrote together) and they agree that all parts are
+    written; every process takes part in ``model_state()`` (the weights rank 0 exports, gathered); then rank 0
+    completes the checkpoint (``complete(prepared, weights)``: :func:`save_checkpoint` with the files recorded), and
+    all agree on that before anyone goes on or reads it back. A failure at any point is raised on every process as
+    the same :class:`CheckpointWriteError`; what was written stays a ``.tmp``, never marked complete."""
     tmp = ckpt_root / f"step-{step:06d}.tmp"
-    if dist.get_rank() == 0:
+    is_main = comm.rank_world()[0] == 0
+
+    def open_tmp() -> None:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    dist.barrier()
-    return tmp
 
-
-def _close_collective(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int,
-                      model_state: dict[str, torch.Tensor] | None, pinned: int | None) -> Path:
-    """After every process has written its files: rank 0 completes the checkpoint (``save_checkpoint`` on the
-    prepared directory), and nobody goes on, or reads it back, before it is complete."""
-    import torch.distributed as dist
-
-    dist.barrier()  # every process's files are written (each fsyncs its own; rank 0 fsyncs the tree again)
-    if dist.get_rank() == 0:
-        save_checkpoint(ckpt_root, step, model, tokenizer, state, keep, model_state=model_state, prepared=True,
-                        pinned=pinned)
-    dist.barrier()
+    _agreed(*(attempt(open_tmp) if is_main else (None, None)))
+    names, error = attempt(write_own, tmp)
+    own, error = attempt(digests, tmp, names) if error is None else (None, error)
+    prepared = {name: entry for part in _agreed(own, error) for name, entry in part.items()}
+    weights = model_state()
+    _agreed(*(attempt(complete, prepared, weights) if is_main else (None, None)))
     return ckpt_root / f"step-{step:06d}"
+
+
+def _save_own(rank_state: dict[str, Any], tmp: Path, rank: int) -> str:
+    """This process's ``rank-NNNNN.pt``, flushed to disk by the process that wrote it; returns its name."""
+    name = RANK_FILE.format(rank)
+    with open(tmp / name, "wb") as f:
+        torch.save(rank_state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return name
 
 
 def save_sharded(ckpt_root: Path, step: int, model, optimizer, tokenizer, state: dict[str, Any],
@@ -209,18 +331,28 @@ def save_sharded(ckpt_root: Path, step: int, model, optimizer, tokenizer, state:
     ``dcp/`` (the sharded model and optimizer, reshardable to any number of processes, written by all), and one
     ``rank-NNNNN.pt`` per process (its RNGs). Rank 0 then exports the full model as the checkpoint's HF files (for
     ``gspo eval`` and any other tool), writes ``trainer_state.pt`` (the run's own counters, shuffle and data
-    position), and renames and marks the directory complete only after every process has finished its part."""
-    import torch.distributed as dist
+    position), and renames and marks the directory complete only after every process has finished its part (see
+    :func:`_write_collectively`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    tmp = _open_collective(ckpt_root, step)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    torch.save(rank_state, tmp / RANK_FILE.format(dist.get_rank()))
+    rank, world = comm.rank_world()
+
+    def write_own(tmp: Path) -> list[str]:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+        # Every process returns from the save once all files are written (its last step is collective), so each sees
+        # them all and records those it wrote.
+        shards = sorted(p.relative_to(tmp).as_posix() for p in (tmp / DCP_DIR).iterdir() if p.is_file())
+        return [_save_own(rank_state, tmp, rank), *(n for n in shards if _writer(n, world) == rank)]
+
+    def complete(prepared: dict[str, list[int]], full: dict[str, torch.Tensor]) -> None:
+        save_checkpoint(ckpt_root, step, model, tokenizer, state, keep, model_state=full, prepared=prepared,
+                        pinned=pinned)
+
     # The HF export: every process gives its shards, rank 0 receives the full tensors on the CPU.
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return _close_collective(ckpt_root, step, model, tokenizer, state, keep, full, pinned)
+    return _write_collectively(ckpt_root, step, write_own, complete, lambda: get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
 
 def save_replicated(ckpt_root: Path, step: int, model, tokenizer, state: dict[str, Any], rank_state: dict[str, Any],
@@ -229,11 +361,10 @@ def save_replicated(ckpt_root: Path, step: int, model, tokenizer, state: dict[st
     optimizer state): rank 0 writes it as one process would (:func:`save_checkpoint`; ``trainer_state.pt`` holds the
     optimizer), every process its own ``rank-NNNNN.pt`` (its RNGs), and it is complete only once all have written. It
     resumes at any number of processes, one included."""
-    import torch.distributed as dist
-
-    tmp = _open_collective(ckpt_root, step)
-    torch.save(rank_state, tmp / RANK_FILE.format(dist.get_rank()))
-    return _close_collective(ckpt_root, step, model, tokenizer, state, keep, None, pinned)
+    rank = comm.rank_world()[0]
+    return _write_collectively(ckpt_root, step, lambda tmp: [_save_own(rank_state, tmp, rank)],
+                               lambda prepared, _: save_checkpoint(ckpt_root, step, model, tokenizer, state, keep,
+                                                                   prepared=prepared, pinned=pinned))
 
 
 def _plain_architecture(ckpt: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
@@ -22,9 +23,10 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import (RANK_FILE, checkpoint_step, complete_checkpoints, save_checkpoint, save_replicated,
-                             save_sharded, to_cpu)
+from gspo.checkpoint import (RANK_FILE, attempt, checkpoint_step, complete_checkpoints, save_checkpoint,
+                             save_replicated, save_sharded, to_cpu, verify, why)
 from gspo.errors import UserError
+from gspo.parallel import comm
 from gspo.train.sentinel import best_window_end, reward_drop, rollback_limit
 from gspo.runtime import rng_state, seed_everything, set_rng_state
 
@@ -126,6 +128,10 @@ class CheckpointWriter:
         newest = newest_checkpoint(self.run_dir)
         kept = f"the last complete one, {newest}, is intact" if newest else "no earlier checkpoint exists"
         why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
+        try:  # torch's writer reports a full disk as "unexpected pos 704 vs 598": the free space says what it was
+            why += f"; {shutil.disk_usage(self.run_dir).free / 2**20:.1f} MiB free there"
+        except OSError:
+            pass
         error = UserError(f"Writing the checkpoint of step {step} to {str(self.run_dir / 'checkpoints')!r} failed "
                           f"({why}); {kept}. Free disk space or fix the directory, then --resume.")
         error.__cause__ = e
@@ -175,14 +181,15 @@ class CheckpointWriter:
             self.wait()
 
 
-def load(run_dir: Path, load_weights, before_batch: int | None = None,
+def load(run_dir: Path, read, before_batch: int | None = None,
          metrics: list[dict[str, Any]] | None = None) -> tuple[Path, TrainState, dict[str, Any]]:
-    """Load the newest readable checkpoint's weights with ``load_weights(ckpt)`` (the actor's loader, which reads
-    one-process and sharded checkpoints alike; with ``before_batch``: the newest written before that rollout batch);
-    returns it, its counters and the rest of its payload (RNGs restored already). A damaged
-    newest checkpoint (disk error, manual edits) falls back to the previous one, with a warning; so does one whose
-    steps ``metrics`` (the rows of ``metrics.jsonl``, None without the file) no longer cover (a line lost), so that
-    the replayed steps fill the hole."""
+    """The newest checkpoint that loads (with ``before_batch``: the newest written before that rollout batch), loaded
+    by ``read(ckpt)`` (everything the run restores from it, RNGs included; returns the ``trainer_state.pt`` payload);
+    returns it, its counters and the payload. One boundary: a checkpoint either loads or is skipped with its reason in
+    a warning -- files not as its manifest recorded them (checked first, before anything is loaded from it), or any
+    error ``read`` raises, of whatever kind -- and the previous one is tried; under ``torchrun`` every process skips
+    it if any process could not load it. So does one whose steps ``metrics`` (the rows of ``metrics.jsonl``, None
+    without the file) no longer cover (a line lost), so that the replayed steps fill the hole."""
     root = run_dir / "checkpoints"
     ckpts = complete_checkpoints(root) if before_batch is None else checkpoints_through(run_dir, before_batch - 1)
     covered = metrics_cover(metrics)
@@ -201,20 +208,31 @@ def load(run_dir: Path, load_weights, before_batch: int | None = None,
                             "one; move the directory aside (or choose another log.run_dir) and start again without "
                             "--resume.")
         raise UserError(f"--resume found no complete checkpoint in {str(root)!r}; start a new run without --resume.")
+    rank, world = comm.rank_world()
+    reasons = []
     for ckpt in reversed(ckpts):
-        try:
-            load_weights(ckpt)
-            payload = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        found, error = attempt(verify, ckpt, (rank, world))
+        reason = _agreed_reason(why(error) if error is not None else found)
+        if reason is None:
+            payload, error = attempt(read, ckpt)
+            reason = _agreed_reason(None if error is None else why(error))
+        if reason is None:
             break
-        except Exception as e:  # safetensors, pickle and OS errors all mean "this checkpoint cannot be read"
-            log.warning("checkpoint %s cannot be read (%s: %s); trying the previous one", ckpt, type(e).__name__,
-                        str(e)[:200])
+        reasons.append(f"{ckpt.name}: {reason}")
+        if rank == 0:
+            log.warning("checkpoint %s cannot be read (%s)%s", ckpt, reason,
+                        "; trying the previous one" if ckpt != ckpts[0] else "")
     else:
-        raise UserError(f"--resume found no readable checkpoint in {str(root)!r} (all {len(ckpts)} failed to load); "
-                        "start a new run without --resume.")
-    set_rng_state(payload["rng"])
+        raise UserError(f"--resume found no checkpoint in {str(root)!r} that loads (all {len(ckpts)} failed; "
+                        f"{reasons[0]}); start a new run without --resume, or in another directory.")
     state = TrainState(**{f.name: payload.get(f.name, getattr(TrainState, f.name)) for f in fields(TrainState)})
     return ckpt, state, payload
+
+
+def _agreed_reason(reason: str | None) -> str | None:
+    """This process's reason why a checkpoint cannot be loaded, or the first other process's: every process skips a
+    checkpoint that any of them cannot load (they must load the same one, or the collectives of the load would part)."""
+    return next((text for text in comm.gather_objects(reason) if text is not None), None)
 
 
 class Checkpoints:
@@ -237,11 +255,18 @@ class Checkpoints:
     def restore(self, before_batch: int | None, metrics: list[dict] | None) -> tuple[Path, TrainState]:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)
         into the actor and the collector, with this process's RNGs; returns it and its counters."""
-        ckpt, state, payload = load(self.run_dir, self.actor.holding.load_weights, before_batch, metrics)
+        ckpt, state, _ = load(self.run_dir, self._read, before_batch, metrics)
+        return ckpt, state
+
+    def _read(self, ckpt: Path) -> dict[str, Any]:
+        """Everything the run restores from checkpoint ``ckpt``, into the actor and the collector; its payload."""
+        self.actor.holding.load_weights(ckpt)
+        payload = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        set_rng_state(payload["rng"])
         self.actor.load_state_dict(payload)
         self.collector.load_state_dict(payload)
-        self._restore_process_rng(ckpt, payload, state.step)
-        return ckpt, state
+        self._restore_process_rng(ckpt, payload, int(payload["step"]))
+        return payload
 
     def _restore_process_rng(self, ckpt: Path, payload: dict, step: int) -> None:
         """Each process's own RNGs and sampling stream, from the checkpoint's ``rank-NNNNN.pt`` when the same number of
