@@ -73,6 +73,33 @@ def test_a_lora_checkpoint_exports_as_its_adapter_or_merged(lora_trained, tiny_d
         torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
 
 
+def test_a_damaged_checkpoint_is_not_exported(trained, tmp_path, capsys, caplog):
+    """A checkpoint whose files are not what its manifest recorded (one byte of the weights changed on disk) is refused
+    in one line when named; from the run directory the newest checkpoint that is intact is exported, with a warning
+    naming the one skipped; with none intact, one line (it used to export the damaged weights)."""
+    import shutil
+
+    from gspo.checkpoint import complete_checkpoints
+
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    newest = complete_checkpoints(run / "checkpoints")[-1]
+    weights = next(p for p in sorted(newest.rglob("*.safetensors")))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert main(["export", str(newest), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("gspo: error:") == 1 and "damaged" in err and not (tmp_path / "a").exists()
+    shutil.copytree(trained[0] / "checkpoints" / newest.name, run / "checkpoints" / "step-000001")  # an intact one
+    assert main(["export", str(run), "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "config.json").is_file()
+    assert "skipping checkpoint" in caplog.text and newest.name in caplog.text
+    shutil.rmtree(run / "checkpoints" / "step-000001")
+    assert main(["export", str(run), "--out", str(tmp_path / "c")]) == 2
+    assert "every complete checkpoint" in capsys.readouterr().err
+
+
 def test_bad_export_inputs_are_one_line(trained, moe_dir, tmp_path, capsys):  # noqa: F811
     run, _ = trained
     (tmp_path / "taken").mkdir()

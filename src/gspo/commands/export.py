@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import MARKER, fsync_tree, complete_checkpoints
+from gspo.checkpoint import MARKER, complete_checkpoints, fsync_tree, verify
 from gspo.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -36,10 +36,19 @@ log = logging.getLogger("gspo")
 def checkpoint_of(path: Path) -> Path:
     """``path`` itself when it is a complete checkpoint, the newest complete one when it is a run directory."""
     if (path / MARKER).is_file():
+        damaged = verify(path)
+        if damaged:
+            raise UserError(f"checkpoint {str(path)!r} is damaged: {damaged}; export another checkpoint of the run.")
         return path
     done = complete_checkpoints(path / "checkpoints")
+    for ckpt in reversed(done):  # the newest one that is as it was written, as --resume takes it
+        damaged = verify(ckpt)
+        if not damaged:
+            return ckpt
+        log.warning("skipping checkpoint %s: %s", ckpt, damaged)
     if done:
-        return done[-1]
+        raise UserError(f"every complete checkpoint of {str(path)!r} is damaged (the newest: {verify(done[-1])}); "
+                        "there is no model to export.")
     raise UserError(f"{str(path)!r} is neither a complete checkpoint nor a run directory with one; pass "
                     "runs/NAME or runs/NAME/checkpoints/step-N.")
 
