@@ -238,4 +238,6 @@ def test_a_whole_multi_turn_run_trains_only_on_sampled_tokens(tiny_dir, tmp_path
     trainer.train()
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert rows and all("env/turns_mean" in row for row in rows)
+    turns = [s["turns"] for s in read_jsonl(tmp_path / "run" / "samples.jsonl")]
+    assert turns and any(any(not p["trained"] and "again" in p["text"] for p in t) for t in turns)
     check_run_dir(tmp_path / "run", len(rows))

@@ -96,6 +96,10 @@ class EnvPool:
                 w = self._workers[k]
                 if w.conn in ready and not self._read(w, results):
                     w.proc.join(timeout=1.0)
+                    if not w.ready:  # would fail the same way again: stop rather than respawn forever
+                        raise UserError(f"an environment worker exited while loading env.path = {self.env_path!r} "
+                                        f"and env.tools {self.tools} (exit code {w.proc.exitcode}; its output is "
+                                        "above); set env.workers = 0 to debug them in-process.")
                     self._fail(k, calls, results, f"the worker process died (exit code {w.proc.exitcode})")
                 elif w.chunk and time.monotonic() > self._deadline(w):
                     limit = f"{STARTUP_TIMEOUT_S:g} s to load" if not w.ready else f"{self.timeout_s:g} s"

@@ -68,8 +68,10 @@ class RunLog:
         self.sinks.log(row)
         self.console.update(row["step"], row, end_of_batch=end_of_batch)
 
-    def samples(self, batch: Batch, step: int, rollout_batch: int) -> None:
-        """One completion per prompt of the first ``log.samples_per_batch`` prompts."""
+    def samples(self, batch: Batch, step: int, rollout_batch: int, tokenizer=None) -> None:
+        """One completion per prompt of the first ``log.samples_per_batch`` prompts; a multi-turn row also as its
+        ``turns``: the completion cut where the tokens switch between sampled (``trained``) and appended (tool
+        results, observations, template), each piece decoded with its special tokens."""
         if not self.enabled:
             return
         G = self.cfg.rollout.group_size
@@ -79,7 +81,9 @@ class RunLog:
                 "step": step, "rollout_batch": rollout_batch, "prompt": ex.prompt, "answer": ex.answer,
                 "completion": batch.rollout.texts[i], "reward": float(batch.rewards[i]),
                 "advantage": _row_advantage(batch, i), "finish_reason": batch.rollout.finish_reasons[i],
-                "length": int(batch.rollout.lengths[i])})
+                "length": int(batch.rollout.lengths[i]),
+                **({"turns": turn_pieces(tokenizer, batch.rollout, i)}
+                   if batch.rollout.sampled_mask is not None and tokenizer is not None else {})})
 
     def diagnostics(self, tokenizer, batch: Batch, rows: torch.Tensor, logp: torch.Tensor, *, step: int,
                     rollout_batch: int, minibatch: int) -> None:
@@ -122,6 +126,18 @@ class RunLog:
         self.console.close()
         self._close_files()
         self.sinks.close(failed=failed)
+
+
+def turn_pieces(tokenizer, rollout, i: int) -> list[dict]:
+    """Row ``i``'s completion as runs of sampled and appended tokens: ``[{"trained": bool, "text": str}, ...]``."""
+    n = int(rollout.lengths[i])
+    ids, sampled = rollout.completion_ids[i][:n].tolist(), rollout.sampled[i][:n].tolist()
+    pieces, start = [], 0
+    for t in range(1, n + 1):
+        if t == n or sampled[t] != sampled[start]:
+            pieces.append({"trained": bool(sampled[start]), "text": tokenizer.decode(ids[start:t])})
+            start = t
+    return pieces
 
 
 def _row_advantage(batch: Batch, i: int) -> float:

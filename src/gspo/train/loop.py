@@ -175,7 +175,7 @@ class Trainer:
             self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
             self.timings["reward_workers_start_s"] = round(self.rewards.start_seconds, 3)
         with self.writing_log():
-            runlog.samples(batch, state.step, state.rollout_batch)
+            runlog.samples(batch, state.step, state.rollout_batch, self.tokenizer)
         with out_of_memory("the update", lambda: state.step, self.newest_checkpoint), stage("update"):
             self.last_rows = self.update(batch, runlog)
         with self.writing_log():
