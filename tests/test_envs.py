@@ -241,3 +241,46 @@ def test_a_whole_multi_turn_run_trains_only_on_sampled_tokens(tiny_dir, tmp_path
     turns = [s["turns"] for s in read_jsonl(tmp_path / "run" / "samples.jsonl")]
     assert turns and any(any(not p["trained"] and "again" in p["text"] for p in t) for t in turns)
     check_run_dir(tmp_path / "run", len(rows))
+
+
+def test_environment_and_tool_modules_that_cannot_load_end_in_one_line(tokenizer, monkeypatch):
+    """A tool whose docstring and hints cannot describe it, an environment module that blocks at import (never in the
+    trainer's own process), an environment that is not a class: one line at start-up or at the first call."""
+    import sys
+
+    from gspo.envs import pool
+
+    with pytest.raises(UserError, match="env.tools entry 'env_fixtures:undocumented' cannot be described"):
+        _episodes(tokenizer, tools=["env_fixtures:undocumented"])
+    with pytest.raises(UserError, match="is not a class with a step"):
+        _episodes(tokenizer, workers=0, path="gspo.envs.builtin:calculator")
+    monkeypatch.setattr(pool, "STARTUP_TIMEOUT_S", 2.0)
+    ep = _episodes(tokenizer, path="reward_fixtures_hang:f")
+    try:
+        with pytest.raises(UserError, match="did not finish within 2 s to load"):
+            ep.pool.call([(0, "reset", Example(prompt="q", answer="1"))])
+        assert "reward_fixtures_hang" not in sys.modules
+    finally:
+        ep.close()
+
+
+def test_reset_must_give_a_group_one_prompt(tokenizer):
+    """reset returning other first messages for the trajectories of one example: one line (they share a prefill)."""
+    ep = _episodes(tokenizer, workers=0, path="env_fixtures:DifferentPrompts")
+    ep.rows = [Trajectory(i, Example(prompt="q", answer="1")) for i in range(2)]
+    with pytest.raises(UserError, match="reset returned different messages"):
+        ep._reset([ep.rows[0].example], [[1, 2]], 2)
+
+
+def test_a_batch_whose_every_trajectory_failed_stops_the_run_in_one_line(tiny_dir, tmp_path):  # noqa: F811
+    """An environment that fails on every trajectory of a rollout batch is broken, not unlucky: one line naming it."""
+    from gspo.train import Trainer
+    from test_trainer import tiny_config
+
+    cfg = tiny_config(tiny_dir, "env.path='env_fixtures:Raises'", "env.workers=0", "rewards.functions=[]",
+                      "rollout.max_new_tokens=12")
+    trainer = Trainer(cfg, tmp_path / "run")
+    _biased(trainer.actor.model, trainer.tokenizer, stop_token_ids(trainer.tokenizer)[-1], 12.0)
+    with pytest.raises(UserError, match="Every trajectory of a rollout batch failed in env.path = 'env_fixtures:Raises'"):
+        trainer.collector.collect()
+    trainer.collector.close()
