@@ -43,6 +43,23 @@ def _launch(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def _again(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues the run in ``run_dir``."""
+    return " ".join(["gspo train", *([shlex.quote(args.config)] if args.config else []), "--resume", "--run-dir",
+                     shlex.quote(str(run_dir)), *(shlex.quote(o) for o in args.overrides)])
+
+
+def _interrupted(args: argparse.Namespace, run_dir: Path) -> str:
+    """What an interrupted `gspo train` left in ``run_dir`` and how to go on."""
+    from gspo.checkpoint import complete_checkpoints
+
+    if not (run_dir / "config_history.jsonl").is_file():  # it had not started: a plain start takes the directory over
+        return f"nothing was trained in {run_dir}; run the same command again"
+    ckpts = complete_checkpoints(run_dir / "checkpoints")
+    kept = f"keeps its last checkpoint, {ckpts[-1].name}" if ckpts else "has no checkpoint yet (--resume starts it over)"
+    return f"the run directory {run_dir} {kept}; continue with: {_again(args, run_dir)}"
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from gspo.parallel import comm
     from gspo.train import Trainer
@@ -54,15 +71,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, run_dir, resume=args.resume)
         out = trainer.train()
+    except KeyboardInterrupt:  # a second Ctrl-C, or the first before the loop (start-up has nothing to finish)
+        first = int(os.environ.get("RANK", "0") or 0) == 0
+        return _exit_interrupted(f"gspo: interrupted; {_interrupted(args, Path(run_dir))}" if first else "")
     finally:
         comm.close()
     if not trainer.runtime.is_main:
         return 0 if trainer.stop_signal is None else (130 if trainer.stop_signal == "SIGINT" else 143)
     if trainer.stop_signal is not None:
-        again = " ".join(["gspo train", *([args.config] if args.config else []), "--resume", "--run-dir", str(out),
-                          *(shlex.quote(o) for o in args.overrides)])
         print(f"stopped by {trainer.stop_signal} after {trainer.state.step} optimizer steps; checkpoint in {out / 'checkpoints'}; "
-              f"continue with: {again}", file=sys.stderr)
+              f"continue with: {_again(args, out)}", file=sys.stderr)
         return 130 if trainer.stop_signal == "SIGINT" else 143
     print(f"done: {trainer.state.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
     return 0
@@ -491,6 +509,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _exit_interrupted(line: str) -> int:
+    """Ctrl-C: ``line`` is the last thing said (torch, when its import was interrupted, logs its cache statistics at
+    exit, below the line); exit 130. (Now and then the interpreter, seeing the interrupt again at exit, ends by the
+    signal itself, which a shell reports as 130 too.)"""
+    if line:
+        print(line, file=sys.stderr)
+    logging.disable(logging.WARNING)
+    return 130
+
+
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what the shell reports for `yes | head`, as 130 / 143 are SIGINT / SIGTERM here
 
 
@@ -520,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         # The standard way (Python's signal docs): the rest of the output goes nowhere, so the flush at exit is silent.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return SIGPIPE_EXIT
+    except KeyboardInterrupt:  # outside a subcommand's own handling: while the parser or transformers is imported
+        return _exit_interrupted("gspo: interrupted")
 
 
 def _main(argv: list[str] | None) -> int:
@@ -548,8 +578,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"gspo: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("gspo: interrupted", file=sys.stderr)
-        return 130
+        return _exit_interrupted("gspo: interrupted")
 
 
 if __name__ == "__main__":
