@@ -325,6 +325,13 @@ def _config_file(text: str) -> str:
 _config_file.path = "in file"
 
 
+def _model_ref(text: str) -> str:
+    """A model: a path, a hub id or an alias, which gspo.models.load_model tells apart and checks; as text, what every
+    path must be (a hub id has no NUL either)."""
+    _path_text(text)
+    return text
+
+
 # Values checked at their one point of use (each raises a UserError naming the value there).
 CHECKED_DOWNSTREAM = {
     "overrides": "gspo.config.build_config (dotted key=value, every value validated)",
@@ -426,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="greedy accuracy and pass@1 over k samples on the config's data")
     e.add_argument("config", nargs="?", type=_config_file, help="TOML config whose model / data / rollout / rewards sections are used")
     e.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    e.add_argument("--model", help="model to evaluate (a checkpoint directory, HF id, GGUF or alias); default model.name")
+    e.add_argument("--model", type=_model_ref, help="model to evaluate (a checkpoint directory, HF id, GGUF or alias); default model.name")
     e.add_argument("--n", type=_count(1), default=200, help="number of examples (default 200)")
     e.add_argument("--samples", type=_count(0), default=4, help="samples per example for pass@1 (0 = greedy only; default 4)")
     e.add_argument("--batch-size", type=_count(1), default=64, help="prompts per generation batch")
