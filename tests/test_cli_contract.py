@@ -7,6 +7,8 @@ override values, malformed TOML files and broken data rows at `gspo train` and `
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,7 @@ from test_trainer import tiny_dir  # noqa: F401,E402  (the module fixture)
 from gspo.cli import main
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, event, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st  # noqa: E402
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -99,26 +101,33 @@ def test_every_flag_of_every_subcommand_is_validated_where_it_enters():
 
 @pytest.fixture(scope="module")
 def places(tmp_path_factory):
-    """Paths of every kind a flag can be given: a run directory, an empty directory, a file, a path under a file, a
-    missing one, a read-only directory."""
+    """Paths of every kind a flag can be given: a run directory, an empty directory, a file, an empty file, a path
+    under a file, a missing one, a read-only directory, a path with a NUL, one with a byte that is not UTF-8 (as
+    Python decodes it from the command line), an empty and a blank one."""
     root = tmp_path_factory.mktemp("places")
     (root / "run").mkdir()
     (root / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     (root / "empty").mkdir()
     (root / "file").write_text("x")
+    (root / "empty_file").write_text("")
     (root / "ro").mkdir(mode=0o555)
-    return {"run": str(root / "run"), "empty": str(root / "empty"), "file": str(root / "file"),
-            "under_file": str(root / "file" / "x"), "missing": str(root / "no" / "such"), "ro": str(root / "ro" / "x"),
-            "json": str(root / "out.json"), "root": str(root)}
+    (root / "c.toml").write_text("seed = 1\n")
+    return {"toml": str(root / "c.toml"), "run": str(root / "run"), "empty": str(root / "empty"), "file": str(root / "file"),
+            "empty_file": str(root / "empty_file"), "under_file": str(root / "file" / "x"),
+            "missing": str(root / "no" / "such"), "ro": str(root / "ro" / "x"), "json": str(root / "out.json"),
+            "root": str(root), "nul": str(root / "a\x00b"), "not_utf8": str(root / "caf\udce9"), "blank": " "}
 
 
 FLAG_VALUES = st.one_of(
     st.text(max_size=16), st.integers(-10**20, 10**20).map(str), st.floats().map(str),
     st.sampled_from(["", " ", ",", ",,", "-", "--", "nan", "inf", "1e999", "0", "-1", "1,", "gspo,", "noise", "\x00",
-                     "a\nb", "run", "empty", "file", "under_file", "missing", "ro", "json"]))
+                     "a\nb", "1,1", "gspo,gspo", "gspo,,grpo", "run", "empty", "file", "empty_file", "under_file",
+                     "missing", "ro", "json", "nul", "not_utf8", "blank"]))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(target=("train", "--run-dir"), raw="nul")  # parsed, then a ValueError traceback when the directory was made
+@example(target=("compare", "--algos"), raw="gspo,gspo")
 @given(target=st.sampled_from([(c, f) for c, f, _ in _value_actions() if f not in ("config", "overrides")]),
        raw=FLAG_VALUES)
 def test_fuzzed_flags_of_every_subcommand_parse_or_end_in_one_line(target, raw, places, capsys):
@@ -129,20 +138,86 @@ def test_fuzzed_flags_of_every_subcommand_parse_or_end_in_one_line(target, raw, 
 
     cmd, flag = target
     value = places.get(raw, raw)
-    required = {"summary": [places["run"]], "report": [places["run"], "--out", places["empty"]],
-                "compare": ["--out", places["empty"]], "probe": ["noise", "--out", places["empty"]],
-                "upcycle": ["--out", places["empty"]]}.get(cmd, [])
-    if flag.startswith("--"):
-        argv = [cmd, *required, f"{flag}={value}"]
-    elif flag == "run_dirs":
-        argv = [cmd, "--", value] if cmd == "summary" else [cmd, "--out", places["empty"], "--", value]
-    else:  # probe's `what`
-        argv = [cmd, value, "--out", places["empty"]]
+    argv = _argv_with(cmd, flag, value, places)
     try:
         parse_args(argv)
     except UserError as e:
         assert "\n" not in str(e).strip() and str(e).strip(), (argv, str(e))
         _one_line_error(capsys, argv)
+    else:  # no argument takes a NUL or a byte that is not UTF-8: each fails later, in the middle of the work
+        assert "\x00" not in value and "\udce9" not in value, argv
+
+
+def _argv_with(cmd: str, flag: str, value: str, places: dict) -> list[str]:
+    """A command line of ``cmd`` whose argument ``flag`` is ``value`` and whose other required arguments are valid."""
+    required = {"train": [places["toml"]], "summary": [places["run"]], "report": [places["run"], "--out", places["empty"]],
+                "compare": ["--out", places["empty"]], "probe": ["noise", "--out", places["empty"]],
+                "upcycle": ["--out", places["empty"]], "export": [places["run"], "--out", places["missing"]]}.get(cmd, [])
+    if flag.startswith("--"):
+        return [cmd, *required, f"{flag}={value}"]
+    if flag == "run_dirs":
+        return [cmd, "--", value] if cmd == "summary" else [cmd, "--out", places["empty"], "--", value]
+    if flag == "what":  # probe's
+        return [cmd, value, "--out", places["empty"]]
+    if flag == "checkpoint":  # export's
+        return [cmd, "--out", places["missing"], "--", value]
+    # the config file of a subcommand
+    out = required[-2:] if cmd in ("compare", "probe", "upcycle") else []
+    return [cmd, *(["noise"] if cmd == "probe" else []), value, *out]
+
+
+# What each kind of path argument (gspo.cli._path) must refuse, besides what every path refuses (an empty or blank
+# path, a NUL, a byte that is not UTF-8): an input missing or of the wrong kind, an output that cannot be made.
+REFUSED = {"in file": ["missing", "empty", "empty_file"], "run dir": ["missing", "file", "empty", "empty_file"],
+           "checkpoint": ["missing", "file", "empty_file"], "out dir": ["file", "empty_file", "under_file", "ro"],
+           "out file": ["empty", "under_file", "ro"], "new dir": ["empty", "file", "under_file", "ro"]}
+EVERY_PATH_REFUSES = ["", "blank", "nul", "not_utf8"]
+
+
+def _path_arguments():
+    """(subcommand, argument, kind) for every argument whose validator is a gspo.cli path (its ``path`` kind)."""
+    return [(cmd, flag, action.type.path) for cmd, flag, action in _value_actions() if hasattr(action.type, "path")]
+
+
+def test_every_path_argument_refuses_the_paths_it_cannot_use(places, capsys):
+    """By construction, over every subcommand: each path argument (found by its validator's kind, so a new one is
+    covered when it is added) refuses, in one line before any work, a path that is empty, blank, has a NUL or a byte
+    that is not UTF-8, and the paths of the wrong kind for it: a missing or empty input, a directory where a file is
+    wanted and a file where a directory is, an output under a file or in a read-only directory."""
+    targets = _path_arguments()
+    kinds = {kind for _, _, kind in targets}
+    assert kinds == set(REFUSED), kinds  # a new kind of path says here what it refuses
+    assert {cmd for cmd, _, _ in targets} >= {"train", "eval", "summary", "compare", "report", "probe", "upcycle",
+                                                "export"}
+    from gspo.cli import parse_args
+    from gspo.errors import UserError
+
+    for cmd, flag, kind in targets:
+        for name in EVERY_PATH_REFUSES + REFUSED[kind]:
+            if name == "ro" and os.access(Path(places["ro"]).parent, os.W_OK):  # root writes anywhere
+                continue
+            argv = _argv_with(cmd, flag, places.get(name, name), places)
+            with pytest.raises(UserError):  # refused by the parser (main would start the work)
+                parse_args(argv)
+            err = _one_line_error(capsys, argv)
+            assert flag.lstrip("-").replace("-", "_") in err.replace("-", "_") or flag in err, (argv, err)
+
+
+def test_an_unknown_flag_anywhere_ends_in_one_line(places, capsys):
+    """Every subcommand: an unknown flag before, between or after valid arguments (with or without a value) is one
+    line naming it, before any work."""
+    from gspo.cli import parse_args
+    from gspo.errors import UserError
+
+    for cmd in _subcommands():
+        valid = _argv_with(cmd, "--x", "", places)[:-1] if cmd != "config" else [cmd, "--markdown"]
+        for bogus in (["--bogus"], ["--bogus=1"], ["-z"], ["--bogus=x=1"]):
+            with pytest.raises(UserError, match="unrecognized arguments: .*(--bogus|-z)"):
+                parse_args([*valid, *bogus])
+            _one_line_error(capsys, [*valid, *bogus])
+            with pytest.raises(UserError, match="unrecognized arguments"):
+                parse_args([valid[0], *bogus, *valid[1:]])
+            _one_line_error(capsys, [valid[0], *bogus, *valid[1:]])
 
 
 def _keys() -> list[str]:

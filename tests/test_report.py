@@ -154,7 +154,7 @@ def test_compare_trains_each_algorithm_and_seed_then_reports(tiny_dir, tmp_path,
 
 
 def test_bad_seed_list_is_one_clear_error(tmp_path, capsys):
-    assert main(["compare", "x.toml", "--seeds", "one", "--out", str(tmp_path)]) == 2
+    assert main(["compare", "--seeds", "one", "--out", str(tmp_path)]) == 2
     assert "argument --seeds: 'one' is not a comma-separated list of integers" in capsys.readouterr().err
 
 
@@ -228,7 +228,7 @@ def test_compare_jobs_runs_concurrently_passes_a_stop_signal_on_and_resumes(tiny
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=240)[1]
     assert proc.returncode == 143, err
-    assert "stopped by SIGTERM; run the same command again to continue" in err
+    assert "stopped by SIGTERM: " in err and "run the same command again to continue" in err
     for r in runs:
         assert list((r / "checkpoints").glob("step-*/COMPLETE")), r
         assert "SIGTERM received" in (out / "logs" / f"{r.name}.log").read_text()
@@ -542,3 +542,142 @@ def test_arms_with_the_same_curve_stay_apart(tmp_path, monkeypatch):
     assert first.get_linestyle() != second.get_linestyle() and first.get_marker() != second.get_marker()
     assert first.get_color() != second.get_color() and list(first.get_ydata()) == list(second.get_ydata())
     assert second.get_linewidth() < first.get_linewidth() and second.get_zorder() > first.get_zorder()
+
+
+def _processes_under(out: Path) -> list[str]:
+    """The command lines of the processes whose command line names ``out`` (a compare into it, and its runs)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if str(out) in text:
+            found.append(text)
+    return found
+
+
+def _wait_for(paths: list[Path], proc: subprocess.Popen, what: str) -> None:
+    import time
+
+    deadline = time.time() + 300
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, (what, proc.communicate()[1][-3000:])
+        assert time.time() < deadline, f"{what}: still missing {[str(p) for p in paths if not p.exists()]}"
+        time.sleep(0.05)
+
+
+def test_compare_jobs_survives_a_failed_run_a_killed_run_and_ctrl_c_then_resumes(tiny_dir, tmp_path):  # noqa: F811
+    """`gspo compare --jobs 2` over three arms, with real faults at chosen moments (tests/compare_rewards.py holds a run
+    inside its second rollout batch, after its first checkpoint, until the test releases it):
+
+    1. grpo's reward raises on every call (its training fails) and gspo's process is SIGKILLed: the third arm still
+       trains to its end; compare ends in one line naming each of the two runs and its directory, how it ended and
+       what to do, exit 2, no report, no process left.
+    2. The same command: gspo resumes from its checkpoint, grpo's directory (no checkpoint) is moved aside and trained
+       again; a real SIGINT to compare while both are in a batch: each finishes it, checkpoints and stops; one line
+       naming both runs, exit 130, no process left.
+    3. The same command: both resume to the end, the finished one is kept, and the report holds the three runs, each
+       a whole run directory (check_run_dir)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from test_faults import check_run_dir
+
+    out, hold = tmp_path / "cmp", tmp_path / "hold"
+    cmd = [sys.executable, "-m", "gspo.cli", "compare", "--algos", "gspo,grpo,grpo+lr2e-3", "--seeds", "1", "--jobs",
+           "2", "--out", str(out), f"model.name='{tiny_dir}'", "model.device='cpu'", "rollout.prompts_per_batch=2",
+           "rollout.group_size=4", "rollout.max_new_tokens=6", "train.minibatches=2", "train.steps=8",
+           "rewards.workers=0", "log.progress=false", "log.checkpoint_every=1",
+           "rewards.functions=[{path='compare_rewards:text_length_unless'}]"]
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
+    gspo, grpo, lr = out / "gspo-seed1", out / "grpo-seed1", out / "grpo+lr2e-3-seed1"
+
+    hold.touch()
+    proc = subprocess.Popen(cmd, env={**env, "GSPO_TEST_FAIL_RUN": grpo.name, "GSPO_TEST_HOLD_RUNS": gspo.name,
+                                      "GSPO_TEST_HOLD": str(hold)}, stderr=subprocess.PIPE, text=True)
+    _wait_for([Path(f"{hold}.{gspo.name}"), gspo / "checkpoints" / "step-000002" / "COMPLETE"], proc, "gspo held")
+    [pid] = [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/cmdline")
+             if f"--run-dir\0{gspo}\0".encode() in _read(p)]
+    os.kill(pid, signal.SIGKILL)
+    err = proc.communicate(timeout=600)[1]
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in err and err.count("gspo: error:") == 1, err[-3000:]
+    assert lines[-1].startswith("gspo: error: ") and f"{gspo.name} ({gspo}) was killed by SIGKILL" in lines[-1]
+    assert f"{grpo.name} ({grpo}) failed (exit 2: " in lines[-1] and "broken verifier" in lines[-1]
+    assert "run the same command again" in lines[-1]
+    assert not (out / "report").exists() and not _processes_under(out)
+    assert len(read_jsonl(lr / "metrics.jsonl")) == 8  # the third arm trained to its end meanwhile
+
+    for marker in tmp_path.glob("hold.*"):
+        marker.unlink()
+    proc = subprocess.Popen(cmd, env={**env, "GSPO_TEST_HOLD_RUNS": f"{gspo.name},{grpo.name}",
+                                      "GSPO_TEST_HOLD": str(hold)}, stderr=subprocess.PIPE, text=True)
+    _wait_for([Path(f"{hold}.{gspo.name}"), Path(f"{hold}.{grpo.name}"), grpo / "checkpoints" / "step-000002" /
+               "COMPLETE", gspo / "checkpoints" / "step-000004" / "COMPLETE"], proc, "both held")
+    proc.send_signal(signal.SIGINT)
+    logs = [out / "logs" / f"{r.name}.log" for r in (gspo, grpo)]
+    _wait_for(logs, proc, "logs")
+    while not all("SIGINT: finishing" in log.read_text() for log in logs):  # the signal reached both runs
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    hold.unlink()
+    err = proc.communicate(timeout=600)[1]
+    assert proc.returncode == 130 and "Traceback" not in err and "gspo: error" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("[compare] stopped by SIGINT: ") and f"{gspo.name} ({gspo})" in last, last
+    assert f"{grpo.name} ({grpo})" in last and "run the same command again" in last
+    assert "had no checkpoint; moved to" in err and len(list(out.glob("grpo-seed1.incomplete-*"))) == 1
+    assert not (out / "report").exists() and not _processes_under(out)
+
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("(resumed)") == 2 and f"{lr} is complete; kept" in done.stderr
+    for arm in ("gspo", "grpo", "grpo+lr2e-3"):
+        assert f"| {arm} (mean of 1) |" in done.stdout
+    for run in (gspo, grpo, lr):
+        check_run_dir(run, 8)
+    assert "incomplete" not in (out / "report" / "index.html").read_text()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--algos", "gspo,gspo", "gives gspo twice"), ("--algos", "grpo+r2, grpo + r2", "gives grpo+r2 twice"),
+    ("--algos", "gspo,,grpo", "has an empty entry (entry 2)"), ("--algos", "gspo,", "has an empty entry (entry 2)"),
+    ("--seeds", "1,01", "gives 1 twice"), ("--seeds", "1,,2", "has an empty entry (entry 2)")])
+def test_a_repeated_or_empty_arm_or_seed_is_refused_before_any_run(flag, value, says, tmp_path, capsys):
+    """Two equal arms or seeds would train into one run directory twice (`--algos gspo,gspo` trained gspo-seed1, then
+    failed on it: 'already exists'); an empty entry is an arm or seed lost to a typo. One line, before any work."""
+    from gspo.cli import parse_args
+    from gspo.errors import UserError
+
+    argv = ["compare", flag, value, "--out", str(tmp_path / "c")]
+    with pytest.raises(UserError, match=re.escape(says)):
+        parse_args(argv)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("gspo: error:") == 1 and len(err.strip().splitlines()) == 1 and not (tmp_path / "c").exists()
+
+
+def test_a_run_that_fails_in_compare_without_jobs_is_named_with_its_directory(tiny_dir, tmp_path, capsys):  # noqa: F811
+    """Without --jobs the runs train in compare's own process: a run whose training fails (every reward call raises)
+    ends compare in one line naming the run, its directory, its error and what to do (it used to be the run's error
+    alone, with no word of which arm and seed it was)."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--algos", "gspo", "--seeds", "7", "--out", str(out), f"model.name='{tiny_dir}'",
+            "model.device='cpu'", "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
+            "train.steps=2", "train.minibatches=2", "rewards.workers=0", "log.progress=false",
+            "rewards.functions=[{path='reward_fixtures:always_fails'}]"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"gspo: error: gspo-seed7 ({out / 'gspo-seed7'}) failed: ") and "failed on all" in err, err
+    assert "run the same command again" in err and not (out / "report").exists()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -42,6 +43,23 @@ def _launch(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def _again(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues the run in ``run_dir``."""
+    return " ".join(["gspo train", *([shlex.quote(args.config)] if args.config else []), "--resume", "--run-dir",
+                     shlex.quote(str(run_dir)), *(shlex.quote(o) for o in args.overrides)])
+
+
+def _interrupted(args: argparse.Namespace, run_dir: Path) -> str:
+    """What an interrupted `gspo train` left in ``run_dir`` and how to go on."""
+    from gspo.checkpoint import complete_checkpoints
+
+    if not (run_dir / "config_history.jsonl").is_file():  # it had not started: a plain start takes the directory over
+        return f"nothing was trained in {run_dir}; run the same command again"
+    ckpts = complete_checkpoints(run_dir / "checkpoints")
+    kept = f"keeps its last checkpoint, {ckpts[-1].name}" if ckpts else "has no checkpoint yet (--resume starts it over)"
+    return f"the run directory {run_dir} {kept}; continue with: {_again(args, run_dir)}"
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from gspo.parallel import comm
     from gspo.train import Trainer
@@ -53,15 +71,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, run_dir, resume=args.resume)
         out = trainer.train()
+    except KeyboardInterrupt:  # a second Ctrl-C, or the first before the loop (start-up has nothing to finish)
+        first = int(os.environ.get("RANK", "0") or 0) == 0
+        return _exit_interrupted(f"gspo: interrupted; {_interrupted(args, Path(run_dir))}" if first else "")
     finally:
         comm.close()
     if not trainer.runtime.is_main:
         return 0 if trainer.stop_signal is None else (130 if trainer.stop_signal == "SIGINT" else 143)
     if trainer.stop_signal is not None:
-        again = " ".join(["gspo train", *([args.config] if args.config else []), "--resume", "--run-dir", str(out),
-                          *(shlex.quote(o) for o in args.overrides)])
         print(f"stopped by {trainer.stop_signal} after {trainer.state.step} optimizer steps; checkpoint in {out / 'checkpoints'}; "
-              f"continue with: {again}", file=sys.stderr)
+              f"continue with: {_again(args, out)}", file=sys.stderr)
         return 130 if trainer.stop_signal == "SIGINT" else 143
     print(f"done: {trainer.state.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
     return 0
@@ -138,13 +157,31 @@ def _count(least: int):
     return _number(lambda v: v >= least, f"at least {least}", int)
 
 
+def _entries(text: str, what: str) -> list[str]:
+    """The entries of a comma-separated list, none of them empty: ``gspo,,grpo`` or ``1,`` most likely lost an entry
+    to a typo, which would silently train less than was asked for."""
+    entries = [t.strip() for t in text.split(",")]
+    if not any(entries):
+        raise argparse.ArgumentTypeError(f"{text!r} names no {what}")
+    if "" in entries:
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty entry (entry {entries.index('') + 1}); write one "
+                                         f"{what} between each pair of commas")
+    return entries
+
+
+def _no_repeats(text: str, keys: list) -> None:
+    """Each entry once: two equal ones would train into one run directory (``<arm>-seed<seed>``) twice."""
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} gives {twice} twice; name each once")
+
+
 def _int_list(text: str) -> list[int]:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in _entries(text, "integer")]
     except ValueError:
-        values = []
-    if not values:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 1,2)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 1,2)") from None
+    _no_repeats(text, values)
     return values
 
 
@@ -154,19 +191,51 @@ def _presets(text: str) -> list[tuple[str, str, dict]]:
     from gspo.commands.compare import ARM_SUFFIX_NAMES, parse_arm
     from gspo.config import PRESETS
 
-    algos = [a.strip() for a in text.split(",") if a.strip()]
+    try:
+        # an arm's name is its run directory's: the parts as parse_arm reads them ("gspo + r2" is "gspo+r2")
+        algos = ["+".join(part.strip() for part in a.split("+")) for a in _entries(text, "arm")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}; use a comma-separated list of {', '.join(PRESETS)}, each optionally "
+                                         f"with {', '.join(ARM_SUFFIX_NAMES)}") from None
+    _no_repeats(text, algos)
     arms, reasons = [], []
     for a in algos:
         try:
             arms.append((a, *parse_arm(a)))
         except UserError as e:
             reasons.append(str(e).rstrip("."))
-    if not algos:
-        raise argparse.ArgumentTypeError(f"{text!r} names no preset; use a comma-separated list of {', '.join(PRESETS)}, "
-                                         f"each optionally with {', '.join(ARM_SUFFIX_NAMES)}")
     if reasons:
         raise argparse.ArgumentTypeError("; ".join(reasons))
     return arms
+
+
+def _path_text(text: str) -> None:
+    """What every path argument must be as text: a NUL fails in the first system call (after the work), and gspo
+    writes its paths into UTF-8 files (config.json, reports), which a name with a non-UTF-8 byte cannot go into."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path names nothing")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid UTF-8; rename the file or directory") from None
+    if not text.isprintable():
+        raise argparse.ArgumentTypeError(f"{text!r} has a control character (a NUL, a newline); name the path without it")
+
+
+def _path(kind: str):
+    """A path argument's validator: the checks of every path (:func:`_path_text`), then its own; ``kind`` (``in
+    file``, ``run dir``, ``checkpoint``, ``out dir``, ``out file``, ``new dir``) says what the path must be, which
+    tests/test_cli_contract.py reads to give each one the paths it must refuse."""
+    def wrap(check):
+        @functools.wraps(check)
+        def parse(text: str) -> str:
+            _path_text(text)
+            return check(text)
+
+        parse.path = kind
+        return parse
+
+    return wrap
 
 
 def _writable_ancestor(path: Path) -> None:
@@ -180,11 +249,10 @@ def _writable_ancestor(path: Path) -> None:
         raise argparse.ArgumentTypeError(f"{str(path)!r} cannot be created: {str(parent)!r} is not writable")
 
 
+@_path("out dir")
 def _out_dir(text: str) -> str:
     """A directory to write into: it may exist (as a directory) or be creatable."""
     path = Path(text)
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path names no directory")
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; name a directory (it is created if missing)")
     if not path.exists():
@@ -194,11 +262,12 @@ def _out_dir(text: str) -> str:
     return text
 
 
+@_path("out file")
 def _out_file(text: str) -> str:
     """A file to write (its directory is created): not an existing directory."""
     path = Path(text)
-    if not text.strip() or path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is {'a directory' if text.strip() else 'empty'}; name a file")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; name a file")
     if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r} is not writable")
     if not path.exists():
@@ -206,11 +275,13 @@ def _out_file(text: str) -> str:
     return text
 
 
+@_path("out dir")
 def _probe_out(text: str) -> str:
     """A run directory (probe_noise.json goes in it) or a path ending in .json."""
     return _out_file(text) if Path(text).suffix == ".json" else _out_dir(text)
 
 
+@_path("run dir")
 def _run_dir(text: str) -> str:
     """The directory of a `gspo train` run: it holds metrics.jsonl."""
     if not (Path(text) / "metrics.jsonl").is_file():
@@ -230,9 +301,39 @@ def _text(text: str) -> str:
     return text
 
 
+def _config_file(text: str) -> str:
+    """A TOML config file that exists and is not empty (an empty one would train every default, most likely not what
+    was meant); its contents are checked where it is read (gspo.config.load_toml). Text with "=" that names no file is
+    an override in the config's place (``gspo train algorithm=grpo``), which parse_args moves to the overrides."""
+    if "=" in text and not os.path.lexists(text):
+        return text
+    _path_text(text)
+    path = Path(text)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise argparse.ArgumentTypeError(f"config file {text!r} {what}; pass the path of a TOML file (see configs/)")
+    try:
+        empty = not path.read_bytes().strip()
+    except OSError:  # unreadable: load_toml names the reason
+        empty = False
+    if empty:
+        raise argparse.ArgumentTypeError(f"config file {text!r} is empty; write the settings into it, or leave it out "
+                                         "to train the defaults")
+    return text
+
+
+_config_file.path = "in file"
+
+
+def _model_ref(text: str) -> str:
+    """A model: a path, a hub id or an alias, which gspo.models.load_model tells apart and checks; as text, what every
+    path must be (a hub id has no NUL either)."""
+    _path_text(text)
+    return text
+
+
 # Values checked at their one point of use (each raises a UserError naming the value there).
 CHECKED_DOWNSTREAM = {
-    "config": "gspo.config.load_toml (a UTF-8 TOML file)",
     "overrides": "gspo.config.build_config (dotted key=value, every value validated)",
     "--model": "gspo.models.load_model (a checkpoint, HF directory or id, GGUF or alias)",
 }
@@ -277,6 +378,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+@_path("checkpoint")
 def _checkpoint_or_run(text: str) -> str:
     """A checkpoint directory (holding COMPLETE) or a run directory with checkpoints."""
     path = Path(text)
@@ -285,10 +387,9 @@ def _checkpoint_or_run(text: str) -> str:
     return text
 
 
+@_path("new dir")
 def _new_dir(text: str) -> str:
     """A directory that does not exist yet and can be created."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path names no directory")
     if Path(text).exists():
         raise argparse.ArgumentTypeError(f"{text!r} exists; name a new directory (nothing is overwritten)")
     _writable_ancestor(Path(text))
@@ -321,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a policy from a TOML config", epilog=EPILOG, formatter_class=fmt)
-    t.add_argument("config", help="TOML config file (see configs/ and `gspo config`)")
+    t.add_argument("config", type=_config_file, help="TOML config file (see configs/ and `gspo config`)")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.eps_high=5e-4 rollout.group_size=16")
     t.add_argument("--resume", action="store_true", help="continue the run directory from its newest complete checkpoint")
     t.add_argument("--run-dir", type=_out_dir, help="run directory (default: log.run_dir of the config)")
@@ -330,9 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--nproc_per_node N -m gspo.cli train ... (default 1)")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("eval", help="greedy accuracy and pass@1 over k samples on the config's data")
-    e.add_argument("config", nargs="?", help="TOML config whose model / data / rollout / rewards sections are used")
+    e.add_argument("config", nargs="?", type=_config_file, help="TOML config whose model / data / rollout / rewards sections are used")
     e.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    e.add_argument("--model", help="model to evaluate (a checkpoint directory, HF id, GGUF or alias); default model.name")
+    e.add_argument("--model", type=_model_ref, help="model to evaluate (a checkpoint directory, HF id, GGUF or alias); default model.name")
     e.add_argument("--n", type=_count(1), default=200, help="number of examples (default 200)")
     e.add_argument("--samples", type=_count(0), default=4, help="samples per example for pass@1 (0 = greedy only; default 4)")
     e.add_argument("--batch-size", type=_count(1), default=64, help="prompts per generation batch")
@@ -344,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print each run's numbers as a JSON object instead of a table")
     s.set_defaults(func=cmd_summary)
     m = sub.add_parser("compare", help="train one config under several algorithms and seeds, then report")
-    m.add_argument("config", nargs="?", help="TOML config shared by every run (default: the built-in defaults)")
+    m.add_argument("config", nargs="?", type=_config_file, help="TOML config shared by every run (default: the built-in defaults)")
     m.add_argument("overrides", nargs="*", help="dotted key=value overrides for every run")
     m.add_argument("--algos", type=_presets, default="gspo,grpo",
                    help="comma-separated arms (default gspo,grpo): a preset, each optionally with suffixes: +r2 / +r3 "
@@ -364,14 +465,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_report)
     q = sub.add_parser("probe", help="measurements on one rollout batch (noise: GRPO vs GSPO gradient noise by length)")
     q.add_argument("what", choices=["noise"], help="what to probe")
-    q.add_argument("config", nargs="?", help="TOML config (model, data, rollout, train settings)")
+    q.add_argument("config", nargs="?", type=_config_file, help="TOML config (model, data, rollout, train settings)")
     q.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     q.add_argument("--out", type=_probe_out, required=True, help="run directory (probe_noise.json is written in it) or a .json path")
     q.add_argument("--rows", type=_count(2), default=48, help="responses probed (default 48)")
     q.add_argument("--bins", type=_count(1), default=5, help="length bins (default 5)")
     q.set_defaults(func=cmd_probe)
     u = sub.add_parser("upcycle", help="a Mixtral MoE from the dense model.name: upcycle, Drop-Upcycling, self-distillation")
-    u.add_argument("config", nargs="?", help="TOML config (model.name = the dense model; data = the task's prompts)")
+    u.add_argument("config", nargs="?", type=_config_file, help="TOML config (model.name = the dense model; data = the task's prompts)")
     u.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     u.add_argument("--out", type=_new_dir, required=True, help="the new directory for the MoE model and upcycle.json")
     u.add_argument("--experts", type=_count(2), default=8, help="experts per layer (default 8)")
@@ -415,6 +516,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _exit_interrupted(line: str) -> int:
+    """Ctrl-C: ``line`` is the last thing said (torch, when its import was interrupted, logs its cache statistics at
+    exit, below the line); exit 130. (Now and then the interpreter, seeing the interrupt again at exit, ends by the
+    signal itself, which a shell reports as 130 too.)"""
+    if line:
+        print(line, file=sys.stderr)
+    logging.disable(logging.WARNING)
+    return 130
+
+
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what the shell reports for `yes | head`, as 130 / 143 are SIGINT / SIGTERM here
 
 
@@ -444,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         # The standard way (Python's signal docs): the rest of the output goes nowhere, so the flush at exit is silent.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return SIGPIPE_EXIT
+    except KeyboardInterrupt:  # outside a subcommand's own handling: while the parser or transformers is imported
+        return _exit_interrupted("gspo: interrupted")
 
 
 def _main(argv: list[str] | None) -> int:
@@ -472,8 +585,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"gspo: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("gspo: interrupted", file=sys.stderr)
-        return 130
+        return _exit_interrupted("gspo: interrupted")
 
 
 if __name__ == "__main__":

@@ -131,6 +131,15 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
     return run_dirs, todo
 
 
+AGAIN = ("fix the cause and run the same command again: finished runs are kept, stopped ones resume from their last "
+         "checkpoint, the others start again.")
+
+
+def _run(run_dir: Path) -> str:
+    """A run as compare's lines name it: its arm and seed, and where it lives."""
+    return f"{run_dir.name} ({run_dir})"
+
+
 def train_in_process(config: str | None, todo: list[Todo]) -> int:
     """The runs of ``gspo compare`` one after another in this process."""
     import torch
@@ -142,10 +151,14 @@ def train_in_process(config: str | None, todo: list[Todo]) -> int:
         # timings count from its own start, not from the command's (which would add the earlier runs' training).
         started = time.perf_counter() if i else None
         print(f"[compare] training {run_dir.name} -> {run_dir}{' (resumed)' if resume else ''}", file=sys.stderr)
-        trainer = Trainer(load_config(config, overrides), run_dir, resume=resume, started=started)
-        trainer.train()
+        try:
+            trainer = Trainer(load_config(config, overrides), run_dir, resume=resume, started=started)
+            trainer.train()
+        except UserError as e:
+            raise UserError(f"{_run(run_dir)} failed: {str(e).rstrip('.')}; {AGAIN}") from None
         if trainer.stop_signal is not None:
-            print(f"[compare] stopped by {trainer.stop_signal}; run the same command again to continue", file=sys.stderr)
+            print(f"[compare] stopped by {trainer.stop_signal}: {_run(run_dir)} stopped at its checkpoint; run the same "
+                  "command again to continue (finished runs are kept, stopped ones resume)", file=sys.stderr)
             return 130 if trainer.stop_signal == "SIGINT" else 143
         del trainer
         gc.collect()
@@ -238,29 +251,56 @@ class _Runs:
 
     def reap(self) -> None:
         """Collect the runs that ended: halted by a signal, failed (with the last line of their output) or done."""
-        for proc in [p for p in self.running if p.poll() is not None]:
+        for proc in list(self.running):
+            # waitid(WNOWAIT) sees the end without reaping it: until it is reaped, the run's process group id cannot
+            # be taken by a new process, so the sweep below reaches only what the run left behind.
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                continue
+            _sweep(proc)
+            proc.wait()
             run_dir, log_path, _ = self.running.pop(proc)
-            if proc.returncode in _STOP_CODES:
-                self.halted.append(run_dir.name)
-            elif proc.returncode != 0:
-                lines = log_path.read_text(errors="replace").strip().splitlines()
-                self.failed.append(f"{run_dir.name} (exit {proc.returncode}: {lines[-1] if lines else 'no output'})")
+            code = proc.returncode
+            if code in _STOP_CODES:
+                self.halted.append(run_dir)
+            elif code != 0:
+                how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+                       else f"failed (exit {code}: {_last_line(log_path)})")
+                self.failed.append(f"{_run(run_dir)} {how}")
+                print(f"[compare] {self.failed[-1]}; its output: {log_path}", file=sys.stderr)
 
     def end_all(self) -> None:
         """Nothing is left training on the GPUs, holding its run directory's lock."""
         for proc in self.running:
             proc.terminate()
         for proc in self.running:
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+            _sweep(proc)
             proc.wait()
 
     def outcome(self) -> int:
+        """The exit code once every run has ended: a line naming the runs that failed (a UserError) or stopped."""
+        halted = ", ".join(map(_run, self.halted))
         if self.failed:
-            print(f"[compare] {len(self.failed)} run(s) failed: {'; '.join(self.failed)}. Their output is in "
-                  f"{self.logs}; fix the cause and run the same command again (finished runs are kept, stopped ones "
-                  "resume).", file=sys.stderr)
-            return 1
+            stopped = f"; {halted} stopped at {'its' if len(self.halted) == 1 else 'their'} checkpoint" if halted else ""
+            raise UserError(f"{'; '.join(self.failed)}{stopped}. Each run's output is in {self.logs}; {AGAIN}")
         if self.stopped or self.halted:
-            print(f"[compare] stopped by {self.stopped or 'a signal to ' + ', '.join(self.halted)}; run the same "
-                  "command again to continue", file=sys.stderr)
+            print(f"[compare] stopped by {self.stopped or 'a signal to the run'}: {halted or 'no run had started'} "
+                  f"stopped at {'its' if len(self.halted) == 1 else 'their'} checkpoint; run the same command again to "
+                  "continue (finished runs are kept, stopped ones resume)", file=sys.stderr)
             return 130 if self.stopped == "SIGINT" else 143
         return 0
+
+
+def _last_line(log_path: Path) -> str:
+    """The last line a failed run wrote (its error), without the ``gspo: error:`` that compare's own line starts with."""
+    lines = log_path.read_text(errors="replace").replace("\r", "\n").strip().splitlines()
+    return lines[-1].removeprefix("gspo: error: ").strip() if lines else "no output"
+
+
+def _sweep(proc: subprocess.Popen) -> None:
+    """End whatever a run left in its process group (a session of its own): the reward workers of a run that was
+    killed outlive it otherwise."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left
+        pass

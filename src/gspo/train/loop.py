@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gspo.checkpoint import complete_checkpoints
 from gspo.config import Config
 from gspo.errors import UserError
 from gspo.runlog.metrics import read_jsonl
@@ -60,6 +61,11 @@ class Trainer:
         check_layout(cfg, self.runtime.world_size)
         comm.init(self.runtime.device, cfg.dist.timeout_s)
         self.timings: dict[str, float] = {"process_start_to_trainer": self.since_start()}
+        # A run stopped before its first checkpoint (Ctrl-C or a kill in its first batches) resumes from its start, the
+        # one state there is to go back to; its seed replays the metrics lines it had written. (The history is written
+        # once a session has started, so every process of a job sees the same answer here.)
+        from_start = resume and (self.run_dir / "config_history.jsonl").is_file() and not complete_checkpoints(
+            self.run_dir / "checkpoints")
         self.dir = RunDir(self.run_dir, cfg, self.runtime.is_main)
         self.dir.open(resume)
         if self.runtime.is_main:  # before the model loads (seconds to minutes): what this run is, at once
@@ -75,7 +81,9 @@ class Trainer:
             self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
             self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
             self.rewards_seen: dict[int, float | None] = {}  # rollout batch -> reward/mean, for the sentinel
-            if resume:
+            if from_start:
+                log.warning("%s has no checkpoint yet: --resume trains it from the start", self.run_dir)
+            elif resume:
                 self.restore()
             if self.runtime.is_main:
                 self.dir.record(self.state.step)
