@@ -152,7 +152,7 @@ def _argv_with(cmd: str, flag: str, value: str, places: dict) -> list[str]:
     """A command line of ``cmd`` whose argument ``flag`` is ``value`` and whose other required arguments are valid."""
     required = {"train": [places["toml"]], "summary": [places["run"]], "report": [places["run"], "--out", places["empty"]],
                 "compare": ["--out", places["empty"]], "probe": ["noise", "--out", places["empty"]],
-                "upcycle": ["--out", places["empty"]], "export": [places["run"], "--out", places["missing"]]}.get(cmd, [])
+                "upcycle": ["--out", places["missing"]], "export": [places["run"], "--out", places["missing"]]}.get(cmd, [])
     if flag.startswith("--"):
         return [cmd, *required, f"{flag}={value}"]
     if flag == "run_dirs":
