@@ -43,6 +43,9 @@ BASE: list[Message] = [{"role": "user", "content": "gspo"}, {"role": "assistant"
 TRAINING_TEMPLATES = {
     # Qwen3 (0.6B-32B, 2025-04): drops past <think> blocks, adds an empty one to the last assistant turn
     "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5": "qwen3.jinja",
+    # DeepSeek-R1 (the Distill-Qwen GGUFs' template): keeps only what follows </think> of earlier turns, opens only the
+    # first block of tool outputs
+    "b6835114b7303ddd78919a82e4d9f7d8c26ed0d7dfc36beeb12d524f6144eab1": "deepseek_r1.jinja",
 }
 
 
