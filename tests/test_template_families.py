@@ -164,7 +164,7 @@ def test_llama3_reference_format_is_exact():
 
 class Mistral:
     """mistral-common's request encoder over one of the tokenizers its wheel ships (``tekken_240911.json``: the v3
-    Tekken of Mistral NeMo / Pixtral)."""
+    Tekken of Mistral NeMo / Pixtral; ``..._241114.model.v7``: the v7 SentencePiece of Mistral Large 2411)."""
 
     def __init__(self, name: str):
         data = package_dir("mistral_common") / "data"
@@ -191,11 +191,17 @@ class Mistral:
         return self.tok.decode(ids, special_token_policy=self.keep)
 
 
-def test_mistral_tekken_is_exact_without_a_system_prompt():
-    """Exact with user replies. Tool replies are not drawn: the encoder takes a tool message only as the answer to a
-    call in the assistant message's structured ``tool_calls``, which a sampled turn's ids are not (docs/envs.md)."""
-    renderer = Mistral("tekken_240911.json")
-    check_template(Turns(None, [renderer.tok.eos_id], renderer=renderer), samples=SAMPLES, roles=("user",))
+@pytest.mark.parametrize("name, system", [("tekken_240911.json", None),
+                                          ("mistral_instruct_tokenizer_241114.model.v7", SYSTEM)], ids=["v3", "v7"])
+def test_mistral_is_exact(name, system):
+    """Exact with user replies: v3 Tekken without a system prompt, v7 (its own [SYSTEM_PROMPT] block) with one. Tool
+    replies are not drawn: the encoder takes a tool message only as the answer to a call in the assistant message's
+    structured ``tool_calls``, which a sampled turn's ids are not (docs/envs.md)."""
+    if name.endswith(".v7") and importlib.util.find_spec("sentencepiece") is None:
+        pytest.skip("mistral-common reads its v7 tokenizer with sentencepiece, which is not installed")
+    renderer = Mistral(name)
+    turns = Turns(None, [renderer.tok.eos_id], system=system, renderer=renderer)
+    check_template(turns, samples=SAMPLES, roles=("user",))
 
 
 def test_mistral_tekken_with_a_system_prompt_is_refused():
