@@ -141,8 +141,8 @@ def _parse_line(raw: bytes, where: str) -> Any:
         raise UserError(f"{where}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not UTF-8; save the file as "
                         "UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > NEW).") from None
     if "\x00" in line:
-        raise UserError(f"{where}: the line holds a NUL byte at column {line.index(chr(0)) + 1}, which JSON text cannot "
-                        "(a binary file?); pass a UTF-8 JSONL file.")
+        raise UserError(f"{where}: the line holds a NUL byte at column {line.index(chr(0)) + 1}, which JSON text "
+                        "cannot (a binary file?); pass a UTF-8 JSONL file.")
     try:
         value = json.loads(line.lstrip("\ufeff"))  # a byte-order mark (Windows editors write one): JSON may ignore it
         if _SURROGATE_ESCAPE.search(line):  # "\ud800" alone parses to a string no tokenizer can encode

@@ -44,7 +44,8 @@ def detect_format(template: str | None) -> str:
 
 def _one(obj: Any, args_key: str, tools: set[str]) -> ToolCall:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return ToolCall(None, {}, f"a tool call must be a JSON object with a \"name\" string, got {json.dumps(obj)[:80]}")
+        return ToolCall(None, {}, "a tool call must be a JSON object with a \"name\" string, got "
+                        f"{json.dumps(obj)[:80]}")
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:

@@ -22,8 +22,9 @@ A template known to re-render earlier turns is replaced by its training version,
 (:data:`TRAINING_TEMPLATES`): the same format with every assistant turn rendered as sampled. Qwen3's drops ``<think>``
 blocks of turns before the last user message and adds an empty one to the last assistant turn (DeepSeek-R1's keeps
 only what follows ``</think>``); a row that continues its sampled turns cannot be that, so it trains on the template
-that appends (SkyRL's ``qwen3_acc_thinking`` makes the same choice). Families with their own renderer instead of a Jinja template (mistral-common, Meta's llama-models, openai-
-harmony) fit through :class:`Renderer`: anything that turns messages into ids, and text into ids and back.
+that appends (SkyRL's ``qwen3_acc_thinking`` makes the same choice). Families with their own renderer instead of a
+Jinja template (mistral-common, Meta's llama-models, openai-harmony) fit through :class:`Renderer`: anything that turns
+messages into ids, and text into ids and back.
 """
 from __future__ import annotations
 
@@ -155,7 +156,8 @@ def _parting(a: str, b: str, width: int = 30) -> tuple[str, str]:
 def _text(rng: random.Random, assistant: bool) -> str:
     """Content that stresses a template: spaces and newlines inside, unicode, markup, JSON, braces; an assistant's has
     no outer whitespace (what a model samples before its end-of-turn token, and what templates that trim keep)."""
-    pieces = ["42", " the", "\n", "  ", "é", "日本", "🙂", "<think>", "</think>", "{\"a\": [1, 2]}", "{{x}}", "\\boxed{7}",
+    pieces = ["42", " the", "\n", "  ", "é", "日本", "🙂", "<think>", "</think>", "{\"a\": [1, 2]}", "{{x}}",
+              "\\boxed{7}",
               "Answer:", "tool", "\t", "<tool_call>", "a" * 20]
     text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
     return (text.strip() or "ok") if assistant else text

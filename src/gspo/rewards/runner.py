@@ -260,7 +260,8 @@ class RewardRunner:
             total += s.weight * per_function[s.name]
         return RewardResult(total=total, per_function=per_function, failures=failures, errors=errors)
 
-    def step_spans(self, completions: Sequence[str], examples: Sequence[Example]) -> list[tuple[list[int], list[float]]]:
+    def step_spans(self, completions: Sequence[str],
+                   examples: Sequence[Example]) -> list[tuple[list[int], list[float]]]:
         """``loss.step_credit`` on every ``(completion, example)``: each completion's step ends (character indices)
         and credits. A call that fails, times out or breaks the contract ends the run in one line: a step-credit
         function must score every completion of its task."""
@@ -286,7 +287,8 @@ class RewardRunner:
                 record(i, *call_steps(self.fns[fn_idx], completion, example))
         if problems:
             raise UserError(f"{what(self.steps, steps=True)} {problems[0]}; it must score every completion of the "
-                            f"task with (end, credit) steps within rewards.timeout_s = {self.timeout_s:g} s, so fix it.")
+                            f"task with (end, credit) steps within rewards.timeout_s = {self.timeout_s:g} s, so fix "
+                            "it.")
         return spans
 
     def _run_pool(self, calls: list[Call], record: Callable[[int, str, Any], None]) -> None:

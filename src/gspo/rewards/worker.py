@@ -101,7 +101,8 @@ def _warm_up(path: str, fn: RewardFn) -> None:
                         "= 0 to debug it in-process.") from e
 
 
-def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str, steps_path: str | None = None) -> None:
+def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str,
+                steps_path: str | None = None) -> None:
     """Worker process: resolve the reward functions (and ``loss.step_credit``'s function, called with the index after
     them), then answer chunks of calls one result per call."""
     # Ctrl-C and a SIGTERM sent to the whole process group (Slurm, systemd) are the parent's to handle: it finishes its

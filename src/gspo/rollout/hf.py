@@ -268,7 +268,8 @@ class HFEngine:
                 positions = positions + 1  # (N, 1)
                 next_pos = next_pos + alive.long()
                 logits = self._decode_step(tokens, cache, attention_mask, positions)
-            tok, lp, al = torch.stack(turn_tok, 1).cpu(), torch.stack(turn_logp, 1).float().cpu(), torch.stack(turn_alive, 1).cpu()
+            tok, al = torch.stack(turn_tok, 1).cpu(), torch.stack(turn_alive, 1).cpu()  # (N, S) each
+            lp = torch.stack(turn_logp, 1).float().cpu()
             ended = []
             for r in range(rows):
                 if done[r]:

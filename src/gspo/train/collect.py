@@ -47,8 +47,8 @@ class Scores:
 class Collector:
     """Samples, scores and filters rollout batches for one run."""
 
-    def __init__(self, cfg: Config, tokenizer, stream: DataStream, rewards: RewardRunner, engine, generator: torch.Generator,
-                 episodes: Episodes | None = None):
+    def __init__(self, cfg: Config, tokenizer, stream: DataStream, rewards: RewardRunner, engine,
+                 generator: torch.Generator, episodes: Episodes | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.stream = stream
