@@ -1,0 +1,153 @@
+"""`gspo train --nproc N`, the launcher, with real torchrun jobs on gloo (CPU): a stop signal to the launcher (or its
+process group) reaches the job and ends it with the --resume line, no process outliving it; a config error ends in
+gspo's own one line before any process starts; a process that fails, is killed or never joins ends the job in one
+line naming it, within a bounded time. Every run directory stays valid and resumes, also at another process count."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gspo.runlog.metrics import read_jsonl
+
+from test_dist import ENV, _overrides, _train
+from test_faults import check_run_dir
+from test_trainer import tiny_dir  # noqa: F401  (the module fixture)
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a live process; None once it is gone (a zombie counts as gone: it runs nothing)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in "ZX" else (fields[0], int(fields[1]))
+
+
+def _tree(root: int) -> set[int]:
+    """``root`` and every live process below it."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*"):
+        if (s := _stat(int(stat.name))) is not None:
+            parents[int(stat.name)] = s[1]
+    tree, grew = {root}, True
+    while grew:
+        below = {p for p, parent in parents.items() if parent in tree} - tree
+        tree, grew = tree | below, bool(below)
+    return tree
+
+
+def _mentioning(text: str) -> set[int]:
+    """Live processes whose command line holds ``text`` (the run directory: every process of a job names it)."""
+    found = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and int(proc.name) != os.getpid() and _stat(int(proc.name)) is not None:
+            found.add(int(proc.name))
+    return found
+
+
+class Job:
+    """`gspo train ... --nproc 2` started in its own session, as a shell starts a job; stderr goes to a file (orphans
+    that kept a pipe open would block a reader forever)."""
+
+    def __init__(self, cwd: Path, run: Path, overrides: list[str], *flags: str, nproc: int = 2, env=None):
+        self.run, self.err_path = run, cwd / f"stderr-{time.monotonic_ns()}.txt"
+        self.proc = subprocess.Popen([sys.executable, "-m", "gspo.cli", "train", *overrides, "--nproc", str(nproc),
+                                      "--run-dir", str(run), *flags], cwd=cwd, env=env or ENV, start_new_session=True,
+                                     stdout=subprocess.DEVNULL, stderr=open(self.err_path, "w"))
+        self.pid = self.proc.pid
+
+    def lines(self) -> int:
+        return len(read_jsonl(self.run / "metrics.jsonl")) if (self.run / "metrics.jsonl").exists() else 0
+
+    def workers(self) -> list[int]:
+        """The processes running `gspo.cli train` below the launcher (torchrun's workers), by pid."""
+        return sorted(p for p in _tree(self.pid) - {self.pid}
+                      if b"gspo.cli" in Path(f"/proc/{p}/cmdline").read_bytes() and _stat(p) is not None
+                      and b"torch.distributed" not in Path(f"/proc/{p}/cmdline").read_bytes()
+                      and b"gspo.parallel" not in Path(f"/proc/{p}/cmdline").read_bytes())
+
+    def wait_for(self, ready, what: str, timeout: float = 240) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline and self.proc.poll() is None and not ready():
+            time.sleep(0.05)
+        assert self.proc.poll() is None and ready(), f"{what} never came: {self.stderr()[-3000:]}"
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill_all()
+
+    def kill_all(self) -> set[int]:
+        """SIGKILL to whatever of the job is still alive (a test that fails must not leave a job training); returns
+        what was left."""
+        left = _mentioning(str(self.run)) | ({self.pid} if self.proc.poll() is None else set())
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.poll()
+        return left
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+
+def _gone(pids: set[int], within: float = 5.0) -> set[int]:
+    """The processes of ``pids`` still alive ``within`` seconds from now (reaping an orphan takes its new parent a
+    moment)."""
+    deadline = time.time() + within
+    while (alive := {p for p in pids if _stat(p) is not None}) and time.time() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGINT to its process group"])
+def test_a_stop_signal_to_gspo_train_nproc_stops_the_whole_job(tiny_dir, tmp_path, how):  # noqa: F811
+    """`kill PID` of `gspo train --nproc 2` (a container stop), or Ctrl-C (SIGINT to the terminal's process group):
+    the signal reaches every process once, they finish the rollout batch, checkpoint together and end; the launcher
+    exits 143 / 130 with one --resume line (no torchrun report) and no process of the job is left. The run directory
+    is valid, and the printed command resumes it -- on one process after SIGTERM, as printed (two) after SIGINT.
+    (The launcher used to die alone, leaving torchrun and its workers training as orphans.)"""
+    run = tmp_path / "run"
+    overrides = _overrides(tiny_dir, "train.steps=8", "log.checkpoint_every=0")
+    job = Job(tmp_path, run, overrides)
+    try:
+        job.wait_for(lambda: job.lines() >= 2 and len(job.workers()) == 2, "two metrics lines from two processes")
+        tree = _tree(job.pid)
+        if how.startswith("SIGTERM"):
+            os.kill(job.pid, signal.SIGTERM)
+        else:
+            os.killpg(job.pid, signal.SIGINT)
+        code = job.finish(timeout=120)
+    finally:
+        left = job.kill_all()
+    err = job.stderr()
+    assert not left and not _gone(tree), f"processes of the job outlived it: {sorted(left or _gone(tree))}"
+    assert code == (143 if how.startswith("SIGTERM") else 130), err[-3000:]
+    stops = [line for line in err.splitlines() if line.startswith("stopped by SIG")]
+    assert len(stops) == 1 and "--nproc 2" in stops[0] and "--resume" in stops[0], err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err and "gspo: error" not in err, err[-3000:]
+    rows = check_run_dir(run, len(read_jsonl(run / "metrics.jsonl")))
+    assert 2 <= len(rows) < 8 and f"after {len(rows)} optimizer steps" in stops[0]
+    assert (run / "checkpoints" / f"step-{len(rows):06d}" / "COMPLETE").exists()
+    again = shlex.split(stops[0].split("continue with: ", 1)[1])
+    assert again[:2] == ["gspo", "train"]
+    if how.startswith("SIGTERM"):  # another process count
+        again = [a for i, a in enumerate(again) if a != "--nproc" and again[i - 1] != "--nproc"]
+    done = subprocess.run([sys.executable, "-m", "gspo.cli", *again[1:]], cwd=tmp_path, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_run_dir(run, 8)
