@@ -16,7 +16,7 @@ import pytest
 
 from gspo.runlog.metrics import read_jsonl
 
-from test_dist import ENV, _overrides, _train
+from test_dist import ENV, _overrides
 from test_faults import check_run_dir
 from test_trainer import tiny_dir  # noqa: F401  (the module fixture)
 
@@ -76,6 +76,21 @@ class Job:
                       if b"gspo.cli" in Path(f"/proc/{p}/cmdline").read_bytes() and _stat(p) is not None
                       and b"torch.distributed" not in Path(f"/proc/{p}/cmdline").read_bytes()
                       and b"gspo.parallel" not in Path(f"/proc/{p}/cmdline").read_bytes())
+
+    def rank(self, rank: int) -> int | None:
+        """The pid of worker ``rank`` (torchrun's RANK in its environment), once it exists."""
+        for pid in self.workers():
+            try:
+                if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    return pid
+            except OSError:
+                continue
+        return None
+
+    def agent(self) -> int:
+        """torchrun's process (the launcher's only child)."""
+        (pid,) = [p for p in _tree(self.pid) if _stat(p) and _stat(p)[1] == self.pid]
+        return pid
 
     def wait_for(self, ready, what: str, timeout: float = 240) -> None:
         deadline = time.time() + timeout
@@ -151,3 +166,94 @@ def test_a_stop_signal_to_gspo_train_nproc_stops_the_whole_job(tiny_dir, tmp_pat
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     check_run_dir(run, 8)
+
+
+def _one_error_line(err: str) -> str:
+    """The launcher's one line; nothing of torchrun's report, no traceback."""
+    lines = [line for line in err.splitlines() if line.startswith("gspo: error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err and "torch.distributed" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_a_config_error_under_nproc_is_gspo_s_one_line_before_any_process_starts(tiny_dir, tmp_path):  # noqa: F811
+    """A bad value, and a batch two processes cannot share, end in gspo's own line and exit 2 from the launcher,
+    which checks the config as one process does before starting torchrun: no run directory is made. (torchrun used
+    to start two processes that each printed the line, then its own multi-screen report, exit 1.)"""
+    for bad, match in [("train.lr=nan", "'train.lr' = nan is not a finite number"),
+                       ("rollout.prompts_per_batch=3", "cannot be shared by 2 processes")]:
+        run = tmp_path / bad.split("=")[0]
+        done = subprocess.run([sys.executable, "-m", "gspo.cli", "train", *_overrides(tiny_dir, bad), "--nproc", "2",
+                               "--run-dir", str(run)], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 2 and match in _one_error_line(done.stderr), done.stderr[-3000:]
+        assert not run.exists()
+
+
+@pytest.mark.parametrize("fault", ["bad data", "SIGKILL", "SIGSTOP"])
+def test_a_process_that_fails_or_hangs_at_start_ends_the_job_in_one_line(tiny_dir, tmp_path, fault):  # noqa: F811
+    """At start: a data file with a bad line (every process raises the same UserError after loading the model), rank
+    1 killed before it joins the others, or stopped before it joins (a rendezvous that never completes). Each ends in
+    one line naming the cause -- the data file's line (exit 2), process 1 killed by SIGKILL (exit 1), process 0's
+    wait of dist.timeout_s for the others and process 1 that never answered (exit 2) -- with no process left, in a
+    bounded time (dist.timeout_s, then torchrun's 30 s wait for the hung process). The same command then starts the
+    run afresh in that directory."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "1 + 1 =", "answer": "2"}\n{not json\n')
+    extra = {"bad data": ["data.task='jsonl'", f"data.path='{data}'"], "SIGSTOP": ["dist.timeout_s=3"]}
+    run = tmp_path / "run"
+    job = Job(tmp_path, run, _overrides(tiny_dir, "train.steps=2", *extra.get(fault, [])))
+    try:
+        if fault != "bad data":
+            job.wait_for(lambda: job.rank(1) is not None, "process 1")
+            os.kill(job.rank(1), getattr(signal, fault))
+        code = job.finish(timeout=240)
+    finally:
+        left = job.kill_all()
+    assert not left, f"processes of the job outlived it: {sorted(left)}"
+    line = _one_error_line(job.stderr())
+    if fault == "bad data":
+        assert code == 2 and f"{data}:2: the line is not valid JSON" in line and not line.startswith("gspo: error: process"), line
+    elif fault == "SIGKILL":
+        assert code == 1 and "process 1 of 2 (pid " in line and "was killed by SIGKILL" in line, line
+        assert "no checkpoint was written" in line
+    else:
+        assert code == 2 and line.startswith("gspo: error: process 1 of 2 did not answer") and \
+            "Process 0 of 2 waited dist.timeout_s = 3 s for the others to join" in line, line
+    if fault == "SIGKILL":  # nothing in the way of a new start
+        again = subprocess.run([sys.executable, "-m", "gspo.cli", "train", *_overrides(tiny_dir, "train.steps=2"),
+                                "--nproc", "2", "--run-dir", str(run)], cwd=tmp_path, env=ENV, capture_output=True,
+                               text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        check_run_dir(run, 2)
+
+
+def test_a_job_that_does_not_stop_is_killed_after_dist_timeout_s(tiny_dir, tmp_path):  # noqa: F811
+    """torchrun hangs (SIGSTOP) and never passes the launcher's SIGTERM on: dist.timeout_s + 15 s after the signal
+    the launcher kills every process of the job and exits 143 with the --resume line. The run directory is valid
+    (lines and checkpoints are whole or absent, whatever the kill interrupted) and resumes on one process."""
+    run = tmp_path / "run"
+    job = Job(tmp_path, run, _overrides(tiny_dir, "train.steps=1000", "dist.timeout_s=10"))
+    try:
+        job.wait_for(lambda: job.lines() >= 2 and len(job.workers()) == 2, "two metrics lines from two processes")
+        tree = _tree(job.pid)
+        os.kill(job.agent(), signal.SIGSTOP)
+        os.kill(job.pid, signal.SIGTERM)
+        code = job.finish(timeout=120)
+    finally:
+        left = job.kill_all()
+    err = job.stderr()
+    assert not left and not _gone(tree), f"processes of the job outlived it: {sorted(left or _gone(tree))}"
+    stops = [line for line in err.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert code == 143 and len(stops) == 1, err[-3000:]
+    assert "did not end within 25 s of it" in stops[0] and "so its processes were killed" in stops[0]
+    rows = check_run_dir(run, len(read_jsonl(run / "metrics.jsonl")))
+    assert len(rows) < 1000
+    again = shlex.split(stops[0].split("continue with: ", 1)[1])
+    steps = [a for a in again if a.startswith("train.steps=")]
+    assert again[:2] == ["gspo", "train"] and "--resume" in again and steps
+    again = [a for i, a in enumerate(again) if "--nproc" not in (a, again[i - 1]) and a not in steps]
+    done = subprocess.run([sys.executable, "-m", "gspo.cli", *again[1:], f"train.steps={len(rows) + 2}"], cwd=tmp_path,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_run_dir(run, len(rows) + 2)

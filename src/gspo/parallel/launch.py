@@ -251,15 +251,17 @@ def verdict(seen: dict, agent_code: int, *, nproc: int, received: list[int], tim
     """The job's exit code and its one line (None when the job finished: the first process said so)."""
     ranks, agent = seen["ranks"], seen["torchrun"]
     step, checkpoint = _checkpoint_state(run_dir)
+    if len(ranks) == nproc and all(r.get("exit") == 0 for r in ranks.values()):
+        return 0, None  # every process finished (torchrun itself may have been the one that hung)
     if timed_out:
         name = signal.Signals(received[0]).name
         return 128 + received[0], (
-            f"stopped by {name}, but the job did not end within {grace_s + MARGIN_S:g} s (dist.timeout_s + "
+            f"stopped by {name}, but the job did not end within {grace_s + MARGIN_S:g} s of it (dist.timeout_s + "
             f"{MARGIN_S:g} s), so its processes were killed; {checkpoint}"
             + (f"; continue with: {again}" if step is not None else "; run the same command again to start over"))
     if agent.get("error"):
         return 1, f"gspo: error: torchrun could not run the job ({agent['error']}); run again with --debug for its report."
-    if agent_code == 0 or (ranks and len(ranks) == nproc and all(r.get("exit") == 0 for r in ranks.values())):
+    if agent_code == 0:
         return 0, None
     failed = {int(r): f for r, f in agent.get("failures", {}).items()} or \
         {r: {} for r, rec in ranks.items() if rec.get("exit") != 0}
@@ -268,31 +270,39 @@ def verdict(seen: dict, agent_code: int, *, nproc: int, received: list[int], tim
         rec, code = ranks.get(rank, {}), failure.get("exitcode")
         if rec.get("stop_signal") or (not rec.get("error") and code in STOP_CODES):
             stops.append(rec.get("stop_signal") or STOP_CODES[code])
-        else:
-            causes.append((bool(rec.get("lost")), rec.get("time", failure.get("time", math.inf)), rank, rec, failure))
+            continue
+        # In the order torchrun saw them fail (whole seconds; a process it killed itself, after waiting for it, comes
+        # later); within one second an error of its own before a death without one, before losing the others.
+        kind = 2 if rec.get("lost") else 0 if rec.get("error") else 1
+        causes.append((int(failure.get("time", rec.get("time", 0))), kind, rank, rec, failure))
     if not causes and (stops or received):
         name = signal.Signals(received[0]).name if received else stops[0]
-        step = ranks.get(0, {}).get("step", step)
-        return 130 if name == "SIGINT" else 143, _stop_line(name, step, run_dir, again)
+        return 130 if name == "SIGINT" else 143, _stop_line(name, ranks.get(0, {}).get("step", step), run_dir, again)
+    then = f"{checkpoint}" + (f"; once the cause is fixed, continue with: {again}" if step is not None else "")
     if not causes:
-        return _error_line(None, {}, {}, ranks, nproc=nproc, checkpoint=checkpoint, resumable=step is not None,
-                           again=again, agent_code=agent_code)
-    _, _, rank, rec, failure = min(causes)
-    return _error_line(rank, rec, failure, ranks, nproc=nproc, checkpoint=checkpoint, resumable=step is not None,
-                       again=again, agent_code=agent_code)
+        return 1, (f"gspo: error: the job ended with exit code {agent_code} and no process said why (run again with "
+                   f"--debug for torchrun's report); {then}")
+    causes.sort(key=lambda c: c[:3])
+    _, _, rank, rec, failure = causes[0]
+    hung = [c[2] for c in causes[1:] if c[4].get("exitcode") == -signal.SIGKILL]
+    return _error_line(rank, rec, failure, ranks, nproc=nproc, then=then, hung=hung if rec.get("lost") else [])
 
 
-def _error_line(rank: int | None, rec: dict, failure: dict, ranks: dict, *, nproc: int, checkpoint: str, resumable: bool,
-                again: str, agent_code: int) -> tuple[int, str]:
-    """The line for the process that failed first on its own: its message, or how it ended."""
+def _error_line(rank: int, rec: dict, failure: dict, ranks: dict, *, nproc: int, then: str,
+                hung: list[int]) -> tuple[int, str]:
+    """The line for the process that failed first on its own: its message, or how it ended; ``hung``: the processes
+    torchrun killed after the first gave up waiting for them."""
     who = f"process {rank} of {nproc}"
     if rec.get("error"):
         same = all(r.get("error") == rec["error"] for r in ranks.values() if r.get("error"))
         text = rec["error"] if rec.get("user_error") and same else f"{who}: {rec['error']}"
+        if hung:
+            many = len(hung) > 1
+            text = (f"process{'es' if many else ''} {', '.join(map(str, hung))} of {nproc} did not answer (torchrun "
+                    f"killed {'them' if many else 'it'} after waiting): {text}")
         if not rec.get("user_error"):
-            text += f" (its traceback is above); {checkpoint}"
+            text += f" (its traceback is above); {then}"
         return (2 if rec.get("user_error") else 1), f"gspo: error: {text}"
-    then = f"; {checkpoint}" + (f"; once the cause is fixed, continue with: {again}" if resumable else "")
     code, pid = failure.get("exitcode"), failure.get("pid", "?")
     if code is not None and code < 0:
         try:
@@ -300,12 +310,9 @@ def _error_line(rank: int | None, rec: dict, failure: dict, ranks: dict, *, npro
         except ValueError:
             name = f"signal {-code}"
         why = " (a kill -9, or the kernel's out-of-memory killer: see `dmesg`)" if -code == signal.SIGKILL else ""
-        return 1, f"gspo: error: {who} (pid {pid}) was killed by {name}{why}{then}."
-    if code is not None:
-        return 1, (f"gspo: error: {who} (pid {pid}) exited with code {code} without an error of gspo's own (run again "
-                   f"with --debug for torchrun's report){then}.")
-    return 1, (f"gspo: error: the job ended with exit code {agent_code} and no process said why (run again with "
-               f"--debug for torchrun's report){then}.")
+        return 1, f"gspo: error: {who} (pid {pid}) was killed by {name}{why}; {then}"
+    return 1, (f"gspo: error: {who} (pid {pid}) exited with code {code} without an error of gspo's own (run again "
+               f"with --debug for torchrun's report); {then}")
 
 
 if __name__ == "__main__":
