@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -135,10 +136,15 @@ def test_a_stop_signal_to_gspo_train_nproc_stops_the_whole_job(tiny_dir, tmp_pat
     the signal reaches every process once, they finish the rollout batch, checkpoint together and end; the launcher
     exits 143 / 130 with one --resume line (no torchrun report) and no process of the job is left. The run directory
     is valid, and the printed command resumes it -- on one process after SIGTERM, as printed (two) after SIGINT.
-    (The launcher used to die alone, leaving torchrun and its workers training as orphans.)"""
+    (The launcher used to die alone, leaving torchrun and its workers training as orphans.) The second job runs with
+    MASTER_ADDR / MASTER_PORT naming a port in use: the launcher's torchrun picks a free port of its own."""
     run = tmp_path / "run"
     overrides = _overrides(tiny_dir, "train.steps=8", "log.checkpoint_every=0")
-    job = Job(tmp_path, run, overrides)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(busy.getsockname()[1])}
+    job = Job(tmp_path, run, overrides, env=env if how.startswith("SIGINT") else ENV)
     try:
         job.wait_for(lambda: job.lines() >= 2 and len(job.workers()) == 2, "two metrics lines from two processes")
         tree = _tree(job.pid)
@@ -149,6 +155,7 @@ def test_a_stop_signal_to_gspo_train_nproc_stops_the_whole_job(tiny_dir, tmp_pat
         code = job.finish(timeout=120)
     finally:
         left = job.kill_all()
+        busy.close()
     err = job.stderr()
     assert not left and not _gone(tree), f"processes of the job outlived it: {sorted(left or _gone(tree))}"
     assert code == (143 if how.startswith("SIGTERM") else 130), err[-3000:]

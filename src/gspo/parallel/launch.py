@@ -75,8 +75,9 @@ def report_error(e: BaseException) -> bool:
     if isinstance(e, KeyboardInterrupt):
         return report(exit=130, stop_signal="SIGINT", at_once=True)
     text = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+    lost = ("waited" if e.waited else "closed") if isinstance(e, PeerLost) else None
     return report(error=(text.strip().splitlines() or [type(e).__name__])[0], user_error=isinstance(e, UserError),
-                  lost=isinstance(e, PeerLost))
+                  lost=lost)
 
 
 # ------------------------------------------------------------------------------------------ torchrun, in its process
@@ -272,8 +273,9 @@ def verdict(seen: dict, agent_code: int, *, nproc: int, received: list[int], tim
             stops.append(rec.get("stop_signal") or STOP_CODES[code])
             continue
         # In the order torchrun saw them fail (whole seconds; a process it killed itself, after waiting for it, comes
-        # later); within one second an error of its own before a death without one, before losing the others.
-        kind = 2 if rec.get("lost") else 0 if rec.get("error") else 1
+        # later). Within one second: an error of its own; then having waited in vain for the others (whoever died
+        # next was killed for hanging); then a death without a word; then having found the others gone (after it).
+        kind = {"waited": 1, "closed": 3}.get(rec.get("lost"), 0 if rec.get("error") else 2)
         causes.append((int(failure.get("time", rec.get("time", 0))), kind, rank, rec, failure))
     if not causes and (stops or received):
         name = signal.Signals(received[0]).name if received else stops[0]
@@ -285,7 +287,7 @@ def verdict(seen: dict, agent_code: int, *, nproc: int, received: list[int], tim
     causes.sort(key=lambda c: c[:3])
     _, _, rank, rec, failure = causes[0]
     hung = [c[2] for c in causes[1:] if c[4].get("exitcode") == -signal.SIGKILL]
-    return _error_line(rank, rec, failure, ranks, nproc=nproc, then=then, hung=hung if rec.get("lost") else [])
+    return _error_line(rank, rec, failure, ranks, nproc=nproc, then=then, hung=hung if rec.get("lost") == "waited" else [])
 
 
 def _error_line(rank: int, rec: dict, failure: dict, ranks: dict, *, nproc: int, then: str,
@@ -298,8 +300,8 @@ def _error_line(rank: int, rec: dict, failure: dict, ranks: dict, *, nproc: int,
         text = rec["error"] if rec.get("user_error") and same else f"{who}: {rec['error']}"
         if hung:
             many = len(hung) > 1
-            text = (f"process{'es' if many else ''} {', '.join(map(str, hung))} of {nproc} did not answer (torchrun "
-                    f"killed {'them' if many else 'it'} after waiting): {text}")
+            text = (f"process{'es' if many else ''} {', '.join(map(str, hung))} of {nproc} did not answer (and "
+                    f"{'were' if many else 'was'} killed once the others gave up on {'them' if many else 'it'}): {text}")
         if not rec.get("user_error"):
             text += f" (its traceback is above); {then}"
         return (2 if rec.get("user_error") else 1), f"gspo: error: {text}"
