@@ -229,8 +229,8 @@ def test_a_process_that_fails_or_hangs_at_start_ends_the_job_in_one_line(tiny_di
     1 killed before it joins the others, or stopped before it joins (a rendezvous that never completes). Each ends in
     one line naming the cause -- the data file's line (exit 2), process 1 killed by SIGKILL (exit 1), process 0's
     wait of dist.timeout_s for the others and process 1 that never answered (exit 2) -- with no process left, in a
-    bounded time (dist.timeout_s, then torchrun's 30 s wait for the hung process). The same command then starts the
-    run afresh in that directory."""
+    bounded time (dist.timeout_s, then torchrun's 30 s wait for the hung process, which the test cuts short with the
+    SIGKILL torchrun would send). The same command then starts the run afresh in that directory."""
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "1 + 1 =", "answer": "2"}\n{not json\n')
     extra = {"bad data": ["data.task='jsonl'", f"data.path='{data}'"], "SIGSTOP": ["dist.timeout_s=3"]}
@@ -238,8 +238,14 @@ def test_a_process_that_fails_or_hangs_at_start_ends_the_job_in_one_line(tiny_di
     job = Job(tmp_path, run, _overrides(tiny_dir, "train.steps=2", *extra.get(fault, [])))
     try:
         if fault != "bad data":
-            job.wait_for(lambda: job.rank(1) is not None, "process 1")
-            os.kill(job.rank(1), getattr(signal, fault))
+            job.wait_for(lambda: job.rank(1) is not None and job.rank(0) is not None, "processes 0 and 1")
+            first, hung = job.rank(0), job.rank(1)
+            os.kill(hung, getattr(signal, fault))
+        if fault == "SIGSTOP":  # once process 0 has given up, end the hung one (torchrun would wait 30 s to)
+            deadline = time.time() + 120
+            while time.time() < deadline and _stat(first) is not None:
+                time.sleep(0.1)
+            os.kill(hung, signal.SIGKILL)
         code = job.finish(timeout=240)
     finally:
         left = job.kill_all()

@@ -162,34 +162,54 @@ def _kill_leftovers(job: Path) -> None:
         left = _job_processes(job)
 
 
-def _wait(agent: subprocess.Popen, job: Path, grace_s: float) -> tuple[list[int], bool]:
-    """Wait for torchrun, passing stop signals on; returns the signals received and whether the job outlived its
-    time after the first."""
-    received: list[int] = []
-    deadline: list[float] = []
+class _Signals:
+    """While the job runs: the first SIGINT / SIGTERM goes to torchrun, which passes it to each worker once; a second
+    goes to the workers directly (a second signal stops a process at once). Installed before torchrun starts, so that
+    no signal finds the launcher without its handlers; one that came before torchrun existed is passed on when it
+    does."""
 
-    def on_signal(signum, frame):
-        received.append(signum)
-        if len(received) == 1:
-            deadline.append(time.monotonic() + grace_s + MARGIN_S)
-            _send(agent.pid, signum)  # torchrun passes it to each worker, once
-        else:  # a second signal: each worker gets it directly, and stops at once
-            for pid in _job_processes(job, parent=agent.pid):
+    def __init__(self, job: Path, grace_s: float):
+        self.job, self.grace_s = job, grace_s
+        self.agent: subprocess.Popen | None = None
+        self.received: list[int] = []
+        self.deadline: float | None = None  # when the job is killed, once a signal came
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Signals":
+        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received.append(signum)
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.grace_s + MARGIN_S
+        if self.agent is None:
+            return
+        if len(self.received) == 1:
+            _send(self.agent.pid, signum)
+        else:
+            for pid in _job_processes(self.job, parent=self.agent.pid):
                 _send(pid, signum)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while agent.poll() is None:
-            if deadline and time.monotonic() > deadline[0]:
-                return received, True
+    def started(self, agent: subprocess.Popen) -> None:
+        self.agent = agent
+        if self.received:
+            _send(agent.pid, self.received[0])
+
+    def wait(self) -> bool:
+        """Wait for torchrun to end; True if the job outlived its time after a stop signal (it is still running)."""
+        while self.agent.poll() is None:
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                return True
             try:
-                agent.wait(timeout=0.5)
+                self.agent.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 pass
-        return received, False
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        return False
 
 
 def run_job(nproc: int, worker_args: list[str], *, grace_s: float, debug: bool, run_dir: Path, again: str) -> int:
@@ -198,19 +218,20 @@ def run_job(nproc: int, worker_args: list[str], *, grace_s: float, debug: bool, 
     the job's one line. ``grace_s``: how long the job may take to stop after a signal; ``again``: the command that
     resumes it."""
     job = Path(tempfile.mkdtemp(prefix="gspo-job-"))
-    timed_out, received = False, []
+    cmd = [sys.executable, "-m", "gspo.parallel.launch", str(os.getpid()), *(["--debug"] if debug else []),
+           "--standalone", f"--nproc_per_node={nproc}", f"--shutdown-timeout={math.ceil(grace_s)}",
+           "-m", "gspo.cli", *worker_args]
     try:
-        cmd = [sys.executable, "-m", "gspo.parallel.launch", str(os.getpid()), *(["--debug"] if debug else []),
-               "--standalone", f"--nproc_per_node={nproc}", f"--shutdown-timeout={math.ceil(grace_s)}",
-               "-m", "gspo.cli", *worker_args]
-        agent = subprocess.Popen(cmd, env={**os.environ, JOB_DIR: str(job)}, start_new_session=True)
-        try:
-            received, timed_out = _wait(agent, job, grace_s)
-        finally:
-            _kill_leftovers(job)  # torchrun too, when it outlived its time
-            agent.wait()
-        code, line = verdict(_read(job), agent.returncode, nproc=nproc, received=received, timed_out=timed_out,
-                             grace_s=grace_s, run_dir=run_dir, again=again)
+        with _Signals(job, grace_s) as signals:
+            agent = subprocess.Popen(cmd, env={**os.environ, JOB_DIR: str(job)}, start_new_session=True)
+            try:
+                signals.started(agent)
+                timed_out = signals.wait()
+            finally:
+                _kill_leftovers(job)  # torchrun too, when it outlived its time
+                agent.wait()
+        code, line = verdict(_read(job), agent.returncode, nproc=nproc, received=signals.received,
+                             timed_out=timed_out, grace_s=grace_s, run_dir=run_dir, again=again)
     finally:
         shutil.rmtree(job, ignore_errors=True)
     if line:
