@@ -259,15 +259,17 @@ def _children(pid: int) -> list[int]:
 
 
 def _two_processes_after(cwd: Path, run: Path, overrides: list[str], lines: int):
-    """A two-process training run started in the background, once ``lines`` metrics lines are written: the torchrun
-    process and its two workers' pids."""
-    proc = subprocess.Popen([*_torchrun(2), "-m", "gspo.cli", "train", *overrides, "--run-dir", str(run)], cwd=cwd,
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """`gspo train --nproc 2` started in the background (in a session of its own, as a shell starts a job), once
+    ``lines`` metrics lines are written: the launcher process and the pids of its two workers (torchrun's
+    children)."""
+    proc = subprocess.Popen([sys.executable, "-m", "gspo.cli", "train", *overrides, "--nproc", "2", "--run-dir",
+                             str(run)], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None and len(read_jsonl(run / "metrics.jsonl")
                                                                    if (run / "metrics.jsonl").exists() else []) < lines:
         time.sleep(0.05)
-    workers = sorted(_children(proc.pid))
+    workers = sorted(w for torchrun in _children(proc.pid) for w in _children(torchrun))
     assert proc.poll() is None and len(workers) == 2, "the run finished or never started"
     return proc, workers
 
@@ -299,25 +301,33 @@ def test_lora_trains_under_two_processes_and_resumes_in_one(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_path, fault):  # noqa: F811
-    """One of two processes is SIGKILLed (it crashed) or SIGSTOPped (it hangs) mid-run: the other ends within
-    dist.timeout_s with one line naming the last complete checkpoint, nothing half-written is taken for a checkpoint,
-    and --resume (two processes again) trains to the end with every step logged once."""
+    """One of the two processes of `gspo train --nproc 2` is SIGKILLed (it crashed) or SIGSTOPped (it hangs) mid-run:
+    the other ends within dist.timeout_s, and the launcher's one line names the cause -- the killed process, its pid
+    and signal (exit 1), or the one that lost the other and the one that did not answer (exit 2) -- and the last
+    complete checkpoint; nothing half-written is taken for a checkpoint, and --resume (on two processes after the
+    kill, on one after the hang) trains to the end with every step logged once."""
     run = tmp_path / "run"
     overrides = _overrides(tiny_dir, "train.steps=8", "dist.timeout_s=10")
     proc, workers = _two_processes_after(tmp_path, run, overrides, lines=4)
     os.kill(workers[1], getattr(signal, fault))
-    if fault == "SIGSTOP":  # once the survivor has given up, end the hung one (torchrun would wait ~30 s to)
+    if fault == "SIGSTOP":  # once the survivor has given up, end the hung one (torchrun would wait 30 s to)
         deadline = time.time() + 90
         while time.time() < deadline and Path(f"/proc/{workers[0]}").exists():
             time.sleep(0.1)
         os.kill(workers[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    lines = [line for line in err.splitlines() if line.startswith("gspo: error: Process 0 of 2 lost the others")]
-    assert len(lines) == 1 and "the last complete checkpoint is step-" in lines[0], err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("gspo: error:")]
+    assert len(lines) == 1 and "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    if fault == "SIGKILL":
+        assert proc.returncode == 1 and f"(pid {workers[1]}) was killed by SIGKILL" in lines[0], err[-3000:]
+        assert f"the last complete checkpoint is {run / 'checkpoints' / 'step-'}" in lines[0]
+    else:
+        assert proc.returncode == 2 and " did not answer " in lines[0] and "of 2 lost the others" in lines[0], err
+        assert "the last complete checkpoint is step-" in lines[0]
     assert not (run / "checkpoints").exists() or not any(
         p.name.endswith(".tmp") and (p / "COMPLETE").exists() for p in (run / "checkpoints").iterdir())
-    again = _train(tmp_path, _torchrun(2), overrides, "--resume", "--run-dir", str(run))
+    again = _train(tmp_path, [sys.executable], overrides, "--resume", "--run-dir", str(run),
+                   *(["--nproc", "2"] if fault == "SIGKILL" else []))
     assert again.returncode == 0, again.stderr[-3000:]
     check_run_dir(run, 8)
 
@@ -365,13 +375,15 @@ def test_two_nodes_meet_through_a_c10d_rendezvous(tiny_dir, tmp_path):  # noqa: 
 
 def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  # noqa: F811
     """SIGTERM to one of two processes only: both stop at the same rollout-batch boundary (they agree on it), write a
-    checkpoint together and exit 143; the newest checkpoint is the last step logged, and --resume trains to the end."""
+    checkpoint together and exit 143 (the launcher prints the --resume line); the newest checkpoint is the last step
+    logged, and --resume trains to the end."""
     run = tmp_path / "run"
     overrides = _overrides(tiny_dir, "train.steps=8", "log.checkpoint_every=0")
     proc, workers = _two_processes_after(tmp_path, run, overrides, lines=2)
     os.kill(workers[1], signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert "exitcode  : 143" in err and not any("]: Traceback" in line for line in err.splitlines()), err[-3000:]
+    stops = [line for line in err.splitlines() if line.startswith("stopped by SIGTERM after")]
+    assert proc.returncode == 143 and len(stops) == 1 and "Traceback" not in err, err[-3000:]
     rows = check_run_dir(run, len(read_jsonl(run / "metrics.jsonl")))
     assert 2 <= len(rows) < 8
     assert (run / "checkpoints" / f"step-{len(rows):06d}" / "COMPLETE").exists()

@@ -32,21 +32,26 @@ def _config(path: str | None, overrides: list[str]):
     return load_config(path, overrides)
 
 
-def _launch(args: argparse.Namespace) -> int:
-    """``gspo train ... --nproc N``: the same command under ``torchrun --standalone --nproc_per_node N`` (one host)."""
-    import subprocess
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "gspo.cli", *(["--debug"] if args.debug else []), "train", *([args.config] if args.config else []),
-           *args.overrides,
-           *(["--resume"] if args.resume else []), *(["--run-dir", str(args.run_dir)] if args.run_dir else [])]
-    return subprocess.call(cmd)
-
-
-def _again(args: argparse.Namespace, run_dir: Path) -> str:
-    """The command that continues the run in ``run_dir``."""
+def _resume_command(args: argparse.Namespace, run_dir, nproc: int = 1) -> str:
+    """The command that continues this run from its newest checkpoint."""
     return " ".join(["gspo train", *([shlex.quote(args.config)] if args.config else []), "--resume", "--run-dir",
-                     shlex.quote(str(run_dir)), *(shlex.quote(o) for o in args.overrides)])
+                     shlex.quote(str(run_dir)), *(["--nproc", str(nproc)] if nproc > 1 else []),
+                     *(shlex.quote(o) for o in args.overrides)])
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """``gspo train ... --nproc N``: the same command under torchrun (one host), through the launcher that stops the
+    job as a whole and ends it in one line (gspo.parallel.launch)."""
+    from gspo.parallel.launch import run_job
+    from gspo.parallel.strategy import check_layout
+
+    cfg = _config(args.config, args.overrides)  # a bad config or layout: one line now, before any process starts
+    check_layout(cfg, args.nproc)
+    run_dir = args.run_dir or cfg.log.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
+    worker = [*(["--debug"] if args.debug else []), "train", *([args.config] if args.config else []), *args.overrides,
+              *(["--resume"] if args.resume else []), *(["--run-dir", str(args.run_dir)] if args.run_dir else [])]
+    return run_job(args.nproc, worker, grace_s=cfg.dist.timeout_s, debug=args.debug, run_dir=Path(run_dir),
+                   again=_resume_command(args, run_dir, args.nproc))
 
 
 def _interrupted(args: argparse.Namespace, run_dir: Path) -> str:
@@ -57,11 +62,12 @@ def _interrupted(args: argparse.Namespace, run_dir: Path) -> str:
         return f"nothing was trained in {run_dir}; run the same command again"
     ckpts = complete_checkpoints(run_dir / "checkpoints")
     kept = f"keeps its last checkpoint, {ckpts[-1].name}" if ckpts else "has no checkpoint yet (--resume starts it over)"
-    return f"the run directory {run_dir} {kept}; continue with: {_again(args, run_dir)}"
+    return f"the run directory {run_dir} {kept}; continue with: {_resume_command(args, run_dir)}"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from gspo.parallel import comm
+    from gspo.parallel.launch import report, report_error
     from gspo.train import Trainer
 
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
@@ -71,17 +77,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, run_dir, resume=args.resume)
         out = trainer.train()
-    except KeyboardInterrupt:  # a second Ctrl-C, or the first before the loop (start-up has nothing to finish)
-        first = int(os.environ.get("RANK", "0") or 0) == 0
+    except KeyboardInterrupt as e:  # a second Ctrl-C, or the first before the loop (start-up has nothing to finish)
+        launched = report_error(e)  # under --nproc: the second stop signal, recorded for the launcher
+        first = int(os.environ.get("RANK", "0") or 0) == 0 and not launched  # under --nproc the launcher says it
         return _exit_interrupted(f"gspo: interrupted; {_interrupted(args, Path(run_dir))}" if first else "")
     finally:
         comm.close()
+    signame = trainer.stop_signal
+    code = 0 if signame is None else (130 if signame == "SIGINT" else 143)
+    launched = report(exit=code, stop_signal=signame, step=trainer.state.step)
     if not trainer.runtime.is_main:
-        return 0 if trainer.stop_signal is None else (130 if trainer.stop_signal == "SIGINT" else 143)
-    if trainer.stop_signal is not None:
-        print(f"stopped by {trainer.stop_signal} after {trainer.state.step} optimizer steps; checkpoint in {out / 'checkpoints'}; "
-              f"continue with: {_again(args, out)}", file=sys.stderr)
-        return 130 if trainer.stop_signal == "SIGINT" else 143
+        return code
+    if signame is not None:
+        if launched:  # the launcher prints the job's line, with --nproc in its command
+            return code
+        print(f"stopped by {signame} after {trainer.state.step} optimizer steps; checkpoint in {out / 'checkpoints'}; "
+              f"continue with: {_resume_command(args, out)}", file=sys.stderr)
+        return code
     print(f"done: {trainer.state.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
     return 0
 
@@ -579,13 +591,17 @@ def _main(argv: list[str] | None) -> int:
     hf_logging.disable_progress_bar()  # per-tensor loading bars would bury gspo's own progress line
     try:
         return args.func(args)
-    except UserError as e:
-        if args.debug:
-            raise
-        print(f"gspo: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return _exit_interrupted("gspo: interrupted")
+    except (Exception, KeyboardInterrupt) as e:
+        from gspo.parallel.launch import report_error
+
+        launched = report_error(e)  # a process of `gspo train --nproc`: the launcher prints one line for the job
+        if isinstance(e, UserError) and not args.debug:
+            if not launched:
+                print(f"gspo: error: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, KeyboardInterrupt):
+            return _exit_interrupted("" if launched else "gspo: interrupted")
+        raise
 
 
 if __name__ == "__main__":

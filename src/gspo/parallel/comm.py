@@ -12,6 +12,19 @@ from typing import Any
 
 import torch
 
+from gspo.errors import UserError
+
+
+class PeerLost(UserError):
+    """This process could not go on because another process of the job is gone or never came (crashed, killed,
+    hung): the consequence of another's failure, not a cause of its own (the launcher names the cause). ``waited``:
+    it gave up after ``dist.timeout_s`` (the others hung; one killed later was killed for hanging), as opposed to
+    finding a connection closed (another ended first)."""
+
+    def __init__(self, message: str, waited: bool):
+        super().__init__(message)
+        self.waited = waited
+
 
 def active() -> bool:
     """Whether this process is one of several in an initialised process group."""
@@ -30,7 +43,13 @@ def init(device: torch.device, timeout_s: float) -> None:
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    except dist.DistError as e:  # a store timeout: some process never joined
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PeerLost(f"Process {os.environ.get('RANK', '?')} of {os.environ['WORLD_SIZE']} waited dist.timeout_s = "
+                       f"{timeout_s:g} s for the others to join the job and not all came ({first}): one failed or "
+                       "hangs at start; fix that, or raise dist.timeout_s if starting takes longer.", waited=True) from e
     global _OWN_GROUP
     _OWN_GROUP = True
 

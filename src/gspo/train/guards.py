@@ -205,7 +205,8 @@ def dist_failures(trainer):
         newest = trainer.newest_checkpoint()
         last = f"the last complete checkpoint is {newest}" if newest else "no checkpoint was written yet"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UserError(f"Process {trainer.runtime.rank} of {trainer.runtime.world_size} lost the others in a "
-                        f"collective ({first}): another process crashed, was killed, or hung longer than "
-                        f"dist.timeout_s = {trainer.cfg.dist.timeout_s:g} s; {last}. Fix the cause (the first "
-                        "process's error above), then --resume.") from e
+        raise comm.PeerLost(f"Process {trainer.runtime.rank} of {trainer.runtime.world_size} lost the others in a "
+                            f"collective ({first}): another process crashed, was killed, or hung longer than "
+                            f"dist.timeout_s = {trainer.cfg.dist.timeout_s:g} s; {last}. Fix the cause (the error of the "
+                            "process that failed first), then --resume.",
+                            waited="timed out" in text or "timeout" in text) from e
