@@ -97,7 +97,7 @@ def test_a_damaged_checkpoint_is_not_exported(trained, tmp_path, capsys, caplog)
     assert "skipping checkpoint" in caplog.text and newest.name in caplog.text
     shutil.rmtree(run / "checkpoints" / "step-000001")
     assert main(["export", str(run), "--out", str(tmp_path / "c")]) == 2
-    assert "every complete checkpoint" in capsys.readouterr().err
+    assert "no earlier complete checkpoint" in capsys.readouterr().err
 
 
 def test_bad_export_inputs_are_one_line(trained, moe_dir, tmp_path, capsys):  # noqa: F811
@@ -110,6 +110,9 @@ def test_bad_export_inputs_are_one_line(trained, moe_dir, tmp_path, capsys):  # 
     torn = tmp_path / "torn" / "checkpoints" / "step-000002"  # complete by its marker, its weights cut short
     shutil.copytree(run / "checkpoints" / "step-000002", torn)
     os.truncate(torn / "model.safetensors", 1000)
+    old = tmp_path / "old" / "checkpoints" / "step-000002"  # the same, written before checkpoints had a manifest
+    shutil.copytree(torn, old)
+    (old / "manifest.json").unlink()
     mixtral = tmp_path / "mixtral"  # a checkpoint of a family the GGUF writer has no names for
     shutil.copytree(moe_dir, mixtral)
     (mixtral / "COMPLETE").write_text("ok\n")
@@ -122,7 +125,8 @@ def test_bad_export_inputs_are_one_line(trained, moe_dir, tmp_path, capsys):  # 
         (["export", str(run), "--out", str(tmp_path / "y"), "--dtype", "int8"], "invalid choice"),
         (["export", str(run), "--out", str(tmp_path / "w")], "w.tmp' exists and was not made by gspo"),
         (["export", str(run), "--out", str(tmp_path / "y"), "--merge-lora"], "nothing to merge; drop --merge-lora"),
-        (["export", str(tmp_path / "torn"), "--out", str(tmp_path / "y")], "Could not load the model from"),
+        (["export", str(tmp_path / "torn"), "--out", str(tmp_path / "y")], "is damaged: model.safetensors has 1000"),
+        (["export", str(tmp_path / "old"), "--out", str(tmp_path / "y")], "Could not load the model from"),
         (["export", str(mixtral), "--out", str(tmp_path / "y"), "--gguf"], "GGUF export writes Llama-family models"),
     ]
     for argv, match in cases:

@@ -47,8 +47,8 @@ def checkpoint_of(path: Path) -> Path:
             return ckpt
         log.warning("skipping checkpoint %s: %s", ckpt, damaged)
     if done:
-        raise UserError(f"every complete checkpoint of {str(path)!r} is damaged (the newest: {verify(done[-1])}); "
-                        "there is no model to export.")
+        raise UserError(f"checkpoint {str(done[-1])!r} is damaged: {verify(done[-1])}, and no earlier complete "
+                        f"checkpoint of {str(path)!r} is intact; there is no model to export.")
     raise UserError(f"{str(path)!r} is neither a complete checkpoint nor a run directory with one; pass "
                     "runs/NAME or runs/NAME/checkpoints/step-N.")
 

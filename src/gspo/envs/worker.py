@@ -19,9 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import sys
-import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -136,27 +133,16 @@ class Host:
 
 def worker_main(conn: Connection, env_path: str | None, tool_paths: list[str], sys_path: list[str], cwd: str) -> None:
     """Worker process: build the host, then answer calls until told to stop (``None``) or the parent is gone."""
-    from gspo.rewards.worker import watch_parent
+    from gspo.rewards.worker import chunks, start_worker
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopping is the trainer's decision (see gspo.rewards.worker)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.chdir(cwd)
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    user_code.search_current_folder()
-    threading.Thread(target=watch_parent, daemon=True).start()
+    start_worker(sys_path, cwd)  # as a reward worker: signals are the trainer's, exits with its parent
     try:
         host = Host(env_path, tool_paths)
     except UserError as e:
         conn.send(("init_error", str(e)))
         return
     conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            calls = conn.recv()
-        except (EOFError, OSError):
-            return
-        if calls is None:
-            return
+    for calls in chunks(conn):
         for call_id, traj, op, payload in calls:
             status, value = host.call(op, traj, payload)
             if op != "drop":

@@ -246,12 +246,8 @@ class RewardRunner:
                 if len(errors) < MAX_ERRORS:
                     errors.append(f"{spec.name} on completion {i}: {value}")
 
-        calls = [(f * n + i, f, completions[i], examples[i]) for f in range(len(self.specs)) for i in range(n)]
-        if self._workers:
-            self._run_pool(calls, record)
-        else:
-            for call_id, fn_idx, completion, example in calls:
-                record(call_id, *_call(self.fns[fn_idx], completion, example))
+        self._dispatch([(f * n + i, f, completions[i], examples[i]) for f in range(len(self.specs)) for i in range(n)],
+                       record, _call)
         if bad:
             raise UserError(f"{bad[0]}; a reward must return a finite number, so fix that function.")
         per_function = {s.name: torch.tensor(v, dtype=torch.float32) for s, v in zip(self.specs, values)}  # (N,) each
@@ -279,17 +275,20 @@ class RewardRunner:
                                 f"failed on completion {i} ({value})")
 
         index = len(self.specs)
-        calls = [(i, index, completions[i], examples[i]) for i in range(len(completions))]
-        if self._workers:
-            self._run_pool(calls, record)
-        else:
-            for i, fn_idx, completion, example in calls:
-                record(i, *call_steps(self.fns[fn_idx], completion, example))
+        self._dispatch([(i, index, completions[i], examples[i]) for i in range(len(completions))], record, call_steps)
         if problems:
             raise UserError(f"{what(self.steps, steps=True)} {problems[0]}; it must score every completion of the "
                             f"task with (end, credit) steps within rewards.timeout_s = {self.timeout_s:g} s, so fix "
                             "it.")
         return spans
+
+    def _dispatch(self, calls: list[Call], record: Callable[[int, str, Any], None], one: Callable) -> None:
+        """Every call answered through ``record``: in the workers, or here with ``one`` (a worker's call function)."""
+        if self._workers:
+            self._run_pool(calls, record)
+            return
+        for call_id, fn_idx, completion, example in calls:
+            record(call_id, *one(self.fns[fn_idx], completion, example))
 
     def _run_pool(self, calls: list[Call], record: Callable[[int, str, Any], None]) -> None:
         """Feed ``calls`` to the workers in chunks until each is answered, failed or timed out."""

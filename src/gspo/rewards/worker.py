@@ -101,18 +101,35 @@ def _warm_up(path: str, fn: RewardFn) -> None:
                         "= 0 to debug it in-process.") from e
 
 
-def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str,
-                steps_path: str | None = None) -> None:
-    """Worker process: resolve the reward functions (and ``loss.step_credit``'s function, called with the index after
-    them), then answer chunks of calls one result per call."""
+def start_worker(sys_path: list[str], cwd: str) -> None:
+    """What a worker process of the user's code (rewards, environments, tools) does first."""
     # Ctrl-C and a SIGTERM sent to the whole process group (Slurm, systemd) are the parent's to handle: it finishes its
     # batch, which needs these workers, then shuts them down; a worker also exits when its parent is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.chdir(cwd)  # reward functions may open files relative to where the user started training
+    os.chdir(cwd)  # user code may open files relative to where the user started training
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     user_code.search_current_folder()
     threading.Thread(target=watch_parent, daemon=True).start()
+
+
+def chunks(conn: Connection):
+    """The chunks of calls the parent sends, until it says stop (``None``) or is gone."""
+    while True:
+        try:
+            chunk = conn.recv()
+        except (EOFError, OSError):
+            return
+        if chunk is None:
+            return
+        yield chunk
+
+
+def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str,
+                steps_path: str | None = None) -> None:
+    """Worker process: resolve the reward functions (and ``loss.step_credit``'s function, called with the index after
+    them), then answer chunks of calls one result per call."""
+    start_worker(sys_path, cwd)
     try:
         fns = [resolve(p) for p in paths] + ([resolve(steps_path, steps=True)] if steps_path else [])
         for path, fn in zip(paths, fns):
@@ -122,13 +139,7 @@ def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: st
         conn.send(("init_error", str(e)))
         return
     conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            chunk = conn.recv()
-        except (EOFError, OSError):
-            return
-        if chunk is None:
-            return
+    for chunk in chunks(conn):
         for call_id, fn_idx, completion, example in chunk:
             one = call_steps if fn_idx == len(paths) else call
             conn.send((call_id, *one(fns[fn_idx], completion, example)))

@@ -185,7 +185,19 @@ def lock_run_dir(run_dir):
     return f
 
 
-_COLLECTIVE_SIGNS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe")
+_COLLECTIVE_SIGNS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+                     "pair closure")
+
+
+def _raised_in_a_collective(e: BaseException) -> bool:
+    """Whether ``e`` came out of a torch.distributed collective (gloo words a lost peer in many ways: "Connection closed
+    by peer", "Application timeout caused pair closure", ...): its innermost frames are torch.distributed's."""
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last is not None and "torch/distributed" in last.replace("\\", "/")
 
 
 @contextlib.contextmanager
@@ -199,7 +211,7 @@ def dist_failures(trainer):
         yield
     except RuntimeError as e:
         text = str(e).lower()
-        if not comm.active() or not (isinstance(e, torch.distributed.DistError)
+        if not comm.active() or not (isinstance(e, torch.distributed.DistError) or _raised_in_a_collective(e)
                                      or any(s in text for s in _COLLECTIVE_SIGNS)):
             raise
         newest = trainer.newest_checkpoint()
