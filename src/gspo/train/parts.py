@@ -111,6 +111,6 @@ def describe_run(cfg: Config, runtime: Runtime, run_dir: Path, resume: bool) -> 
         precision += " (this CPU has native bf16)" if runtime.autocast else " (this CPU has no native bf16)"
     batches = -(-t.steps // t.minibatches)
     return (f"{'resuming' if resume else 'training'} {cfg.algorithm} on {cfg.data.task} with {cfg.model.name} on "
-            f"{where}, {precision}; {r.prompts_per_batch * runtime.world_size} prompts x {r.group_size} completions "
+            f"{where}, {precision}; {r.prompts_per_batch} prompts x {r.group_size} completions "
             f"of up to {r.max_new_tokens} tokens a rollout batch, {t.steps} optimizer steps ({batches} rollout "
             f"batch{'es' if batches != 1 else ''} x {t.minibatches} minibatches); run directory {run_dir}")
