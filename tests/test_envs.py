@@ -284,3 +284,25 @@ def test_a_batch_whose_every_trajectory_failed_stops_the_run_in_one_line(tiny_di
     with pytest.raises(UserError, match="Every trajectory of a rollout batch failed in env.path = 'env_fixtures:Raises'"):
         trainer.collector.collect()
     trainer.collector.close()
+
+
+def test_tool_calls_are_read_in_each_familys_format():
+    """Hermes (any number of <tool_call> blocks, an unclosed last one), Llama 3 (the turn is one JSON object, after an
+    optional <|python_tag|>), Mistral ([TOOL_CALLS] and a JSON list); arguments given as a JSON string are read; a turn
+    without a call is an answer; the format follows the template's own text."""
+    from gspo.envs.tools import detect_format, parse_calls
+
+    tools = {"calculator", "search"}
+    hermes = parse_calls('a <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call> b '
+                         '<tool_call>{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}', "hermes", tools)
+    assert [(c.name, c.arguments, c.error) for c in hermes] == [("calculator", {"expression": "1+2"}, None),
+                                                                ("search", {"q": "x"}, None)]
+    llama = parse_calls('<|python_tag|>{"name": "calculator", "parameters": {"expression": "2*3"}}', "llama3", tools)
+    assert [(c.name, c.arguments) for c in llama] == [("calculator", {"expression": "2*3"})]
+    mistral = parse_calls('[TOOL_CALLS][{"name": "search", "arguments": {"q": "y"}}, {"name": "nope"}]', "mistral",
+                          tools)
+    assert mistral[0].arguments == {"q": "y"} and "no tool named 'nope'" in mistral[1].error
+    assert parse_calls("The answer is 6.", "llama3", tools) == parse_calls("6", "mistral", tools) == []
+    assert parse_calls("[TOOL_CALLS] not json", "mistral", tools)[0].error.startswith("the tool call is not valid JSON")
+    assert (detect_format("{{ '[TOOL_CALLS]' }}"), detect_format("<|python_tag|>"), detect_format("")) == \
+        ("mistral", "llama3", "hermes")
