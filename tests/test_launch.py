@@ -292,7 +292,8 @@ def test_a_job_that_does_not_stop_is_killed_after_dist_timeout_s(tiny_dir, tmp_p
     steps = [a for a in again if a.startswith("train.steps=")]
     assert again[:2] == ["gspo", "train"] and "--resume" in again and steps
     again = [a for i, a in enumerate(again) if "--nproc" not in (a, again[i - 1]) and a not in steps]
-    done = subprocess.run([sys.executable, "-m", "gspo.cli", *again[1:], f"train.steps={len(rows) + 2}"], cwd=tmp_path,
+    target = (len(rows) // 2 + 1) * 2  # whole rollout batches (the kill may have come between two minibatch lines)
+    done = subprocess.run([sys.executable, "-m", "gspo.cli", *again[1:], f"train.steps={target}"], cwd=tmp_path,
                           env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    check_run_dir(run, len(rows) + 2)
+    check_run_dir(run, target)
