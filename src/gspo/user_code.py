@@ -51,6 +51,16 @@ def exists(module_name: str) -> bool:
         return False
 
 
+def locate(path: str, what: str, example: str) -> str:
+    """Check ``"module:function"`` as far as it can be without running any of the module's code (which may block, or
+    fail): the form, and that the module's top-level package exists on the path or in the current folder. Returns
+    ``path``; the import itself happens in a worker process, under its start-up limit."""
+    module_name, _ = split(path, what, example)
+    if not exists(module_name):
+        raise UserError(not_found(what, module_name.split(".")[0]))
+    return path
+
+
 def _origin(module_name: str) -> str:
     """`` (its file)`` when the module's file can be found without importing it, else nothing."""
     try:

@@ -26,21 +26,14 @@ Call = tuple[int, str, Any]  # (trajectory, op, payload)
 LOST = "its environment was lost: the worker that held it was restarted after another call failed"
 
 
-def _locate(path: str, what: str, example: str) -> None:
-    """The form of ``"module:name"`` and that its module exists, without running its code (which may block)."""
-    module_name, _ = user_code.split(path, what, example)
-    if not user_code.exists(module_name):
-        raise UserError(user_code.not_found(what, module_name.split(".")[0]))
-
-
 class EnvPool:
     """``workers`` processes holding the environments and tools (``workers=0``: this process, no time limit)."""
 
     def __init__(self, env_path: str | None, tools: list[str], workers: int = 2, timeout_s: float = 10.0):
         if env_path:
-            _locate(env_path, f"env.path = {env_path!r}", ENV_EXAMPLE)
+            user_code.locate(env_path, f"env.path = {env_path!r}", ENV_EXAMPLE)
         for path in tools:
-            _locate(path, f"env.tools entry {path!r}", TOOL_EXAMPLE)
+            user_code.locate(path, f"env.tools entry {path!r}", TOOL_EXAMPLE)
         self.env_path, self.tools, self.timeout_s = env_path, list(tools), float(timeout_s)
         self.host = Host(env_path, self.tools) if workers == 0 else None
         self.lost: set[int] = set()  # trajectories whose environment died with its worker

@@ -34,13 +34,8 @@ def resolve(path: str, steps: bool = False) -> RewardFn:
 
 
 def locate(path: str, steps: bool = False) -> str:
-    """Check ``"module:function"`` as far as it can be without running any of the module's code (which may block, or
-    fail): the form, and that the module's top-level package exists on the path or in the current folder. Returns
-    ``path``; the import itself happens in the worker processes, under their start-up limit."""
-    module_name, _ = user_code.split(path, what(path, steps), STEPS_EXAMPLE if steps else EXAMPLE)
-    if not user_code.exists(module_name):
-        raise UserError(user_code.not_found(what(path, steps), module_name.split(".")[0]))
-    return path
+    """:func:`gspo.user_code.locate` of a reward (or, with ``steps``, the step-credit function)."""
+    return user_code.locate(path, what(path, steps), STEPS_EXAMPLE if steps else EXAMPLE)
 
 
 def call(fn: RewardFn, completion: str, example: Example) -> tuple[str, Any]:
