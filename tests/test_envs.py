@@ -63,6 +63,7 @@ def test_a_tokenizer_without_template_or_end_of_turn_is_refused(tokenizer):
 import torch  # noqa: E402
 
 from gspo.rollout import HFEngine  # noqa: E402
+from gspo.rollout.graph import GraphEngine  # noqa: E402
 from gspo.train.passes import sequence_logprobs  # noqa: E402
 from gspo.types import SamplingParams  # noqa: E402
 
@@ -97,15 +98,26 @@ def _biased(model, tokenizer, stop, bias):
     return model
 
 
-def test_rows_that_end_after_one_turn_are_the_single_turn_rollout_bit_for_bit(tiny_model, tokenizer):
+# The engines that run multi-turn rows: the simple one; the graph engine's module step; its fused step (Triton's
+# interpreter on a CPU) with rows compacted at every host check (12 rows in a bucket of 16 go to 8 once 8 are left).
+ENGINES = {
+    "hf": lambda model, tokenizer, stop: HFEngine(model, tokenizer, stop_ids=stop),
+    "graph": lambda model, tokenizer, stop: GraphEngine(model, tokenizer, stop_ids=stop, compact=False),
+    "graph-fused-compact": lambda model, tokenizer, stop: GraphEngine(model, tokenizer, stop_ids=stop, fused=True,
+                                                                      compact=True, sync_every=1),
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_rows_that_end_after_one_turn_are_the_single_turn_rollout_bit_for_bit(tiny_model, tokenizer, engine):
     """With a TurnEnds that finishes every row at its first turn, the multi-turn path draws, feeds and records exactly
     what the single-turn loop does (same seed): tokens, log-probs, masks, finish reasons."""
     stop = stop_token_ids(tokenizer)
-    engine = HFEngine(_biased(tiny_model, tokenizer, stop[-1], 11.0), tokenizer, stop_ids=stop)
+    engine = ENGINES[engine](_biased(tiny_model, tokenizer, stop[-1], 11.0), tokenizer, stop)
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
-    single = engine.generate(_prompts(tokenizer), 3, params, torch.Generator().manual_seed(5))
-    multi = engine.generate(_prompts(tokenizer), 3, params, torch.Generator().manual_seed(5),
-                            turns=Answers([1] * 9, lambda r: [1, 2]))
+    single = engine.generate(_prompts(tokenizer), 4, params, torch.Generator().manual_seed(5))
+    multi = engine.generate(_prompts(tokenizer), 4, params, torch.Generator().manual_seed(5),
+                            turns=Answers([1] * 12, lambda r: [1, 2]))
     assert torch.equal(single.completion_ids, multi.completion_ids[:, :single.completion_ids.shape[1]])
     assert torch.equal(single.logprobs, multi.logprobs[:, :single.logprobs.shape[1]])
     assert torch.equal(single.completion_mask, multi.completion_mask[:, :single.completion_mask.shape[1]])
@@ -114,24 +126,32 @@ def test_rows_that_end_after_one_turn_are_the_single_turn_rollout_bit_for_bit(ti
     assert "stop" in single.finish_reasons and "length" in single.finish_reasons
 
 
-def test_later_turns_continue_the_rows_kv_cache_exactly(tiny_model, tokenizer):
-    """Rows of 2-3 turns with appended ids of different lengths per row: each row is its prompt, its sampled ids and
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_later_turns_continue_the_rows_kv_cache_exactly(tiny_model, tokenizer, engine):
+    """Rows of 1-3 turns with appended ids of different lengths per row: each row is its prompt, its sampled ids and
     the appended ids, in order (token-in, token-out); the appended ids are out of the sampled mask; and the log-probs
     the engine recorded for every sampled token of every turn equal the trainer's recomputation over the whole row
-    (the continued KV cache, its masked padding and its positions are right)."""
+    (the continued KV cache, its masked padding and its positions are right; in the fused step, rows whose turn
+    ended were compacted away and come back in a later turn)."""
     stop = stop_token_ids(tokenizer)
-    model = _biased(tiny_model, tokenizer, stop[-1], 10.0)
-    engine = HFEngine(model, tokenizer, stop_ids=stop)
-    appended = {r: list(range(100 + r, 100 + r + 1 + r % 4)) for r in range(6)}  # 1-4 ids, different per row
-    answers = Answers([3, 2, 3, 1, 2, 3], lambda r: appended[r])
+    model = _biased(tiny_model, tokenizer, stop[-1], 12.0)
+    engine = ENGINES[engine](model, tokenizer, stop)
+    rows = 12
+    appended = {r: list(range(100 + r, 100 + r + 1 + r % 4)) for r in range(rows)}  # 1-4 ids, different per row
+    answers = Answers([3, 2, 3, 1, 2, 3, 1, 3, 2, 2, 1, 3], lambda r: appended[r])
     params = SamplingParams(max_new_tokens=60, temperature=1.0, max_turn_tokens=10)
-    rollout = engine.generate(_prompts(tokenizer)[:2], 3, params, torch.Generator().manual_seed(0), turns=answers)
-    sampled_turns = {r: [] for r in range(6)}
-    for rows, turn_ids in answers.calls:
-        for r, ids in zip(rows, turn_ids):
+    compacted = []
+    if getattr(engine, "compact", False):  # the rows moved by each compaction (the step's rows, in their new order)
+        move = engine._compact
+        engine._compact = lambda b, v, rows, live: compacted.append(rows) or move(b, v, rows, live)
+    rollout = engine.generate(_prompts(tokenizer), 4, params, torch.Generator().manual_seed(0), turns=answers)
+    assert bool(compacted) == getattr(engine, "compact", False)
+    sampled_turns = {r: [] for r in range(rows)}
+    for rows_called, turn_ids in answers.calls:
+        for r, ids in zip(rows_called, turn_ids):
             sampled_turns[r].append(ids)
     assert len(answers.calls) >= 2
-    for r in range(6):
+    for r in range(rows):
         row = rollout.completion_ids[r][rollout.completion_mask[r]].tolist()
         expected, flags = [], []
         for k, ids in enumerate(sampled_turns[r]):
@@ -306,3 +326,12 @@ def test_tool_calls_are_read_in_each_familys_format():
     assert parse_calls("[TOOL_CALLS] not json", "mistral", tools)[0].error.startswith("the tool call is not valid JSON")
     assert (detect_format("{{ '[TOOL_CALLS]' }}"), detect_format("<|python_tag|>"), detect_format("")) == \
         ("mistral", "llama3", "hermes")
+
+
+def test_multi_turn_runs_on_the_graph_and_simple_engines_and_vllm_is_refused_in_one_line():
+    from gspo.config import build_config
+
+    for engine in ("auto", "graph", "hf"):
+        build_config({"env": {"tools": ["gspo.envs.builtin:calculator"]}, "rollout": {"engine": engine}})
+    with pytest.raises(UserError, match=r"^rollout.engine = 'vllm' does not run multi-turn rows yet .*'auto'\.$"):
+        build_config({"env": {"tools": ["gspo.envs.builtin:calculator"]}, "rollout": {"engine": "vllm"}})

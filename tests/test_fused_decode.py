@@ -44,21 +44,28 @@ def test_add_rmsnorm_is_hf_residual_add_then_rmsnorm(kernels):
     torch.testing.assert_close(plain.float(), norm(res).detach().bfloat16().float(), atol=0, rtol=2 ** -7)
 
 
-def test_rope_cache_rotates_like_hf_and_writes_one_slot(kernels):
+def test_rope_cache_rotates_like_hf_and_writes_each_rows_slot(kernels):
+    """Row b's key and value go to flat slot slot[b] of the cache's rows * L: its own row's slot 7, another slot, or
+    a slot of another row's storage (the graph engine moves row state, not K/V); nothing else is written."""
     torch.manual_seed(1)
     B, H, Hkv, D, L = 3, 4, 2, 16, 12
     qkv = torch.randn(B, (H + 2 * Hkv) * D, device=DEV).bfloat16()
     cos, sin = torch.randn(B, D, device=DEV), torch.randn(B, D, device=DEV)
     q = torch.empty(B, H, D, dtype=torch.bfloat16, device=DEV)
     k_cache, v_cache = (torch.zeros(B, L, Hkv, D, dtype=torch.bfloat16, device=DEV) for _ in range(2))
-    kernels.rope_cache(qkv, cos, sin, q, k_cache, v_cache, torch.tensor([7], device=DEV), H, Hkv, D)
+    where = [(0, 7), (1, 3), (0, 11)]  # (storage row, slot) of rows 0, 1, 2
+    slot = torch.tensor([r * L + s for r, s in where], device=DEV)
+    kernels.rope_cache(qkv, cos, sin, q, k_cache, v_cache, slot, H, Hkv, D)
     q_ref, k_ref = apply_rotary_pos_emb(qkv[:, : H * D].view(B, 1, H, D).transpose(1, 2),
                                         qkv[:, H * D:(H + Hkv) * D].view(B, 1, Hkv, D).transpose(1, 2),
                                         cos[:, None], sin[:, None])
     torch.testing.assert_close(q.float(), q_ref[:, :, 0].bfloat16().float(), atol=0, rtol=2 ** -7)
-    torch.testing.assert_close(k_cache[:, 7].float(), k_ref[:, :, 0].bfloat16().float(), atol=0, rtol=2 ** -7)
-    assert torch.equal(v_cache[:, 7], qkv[:, (H + Hkv) * D:].view(B, Hkv, D))
-    assert k_cache[:, :7].abs().sum() == 0 and k_cache[:, 8:].abs().sum() == 0 and v_cache[:, 8:].abs().sum() == 0
+    written = torch.zeros(B, L, dtype=torch.bool)
+    for b, (r, s) in enumerate(where):
+        torch.testing.assert_close(k_cache[r, s].float(), k_ref[b, :, 0].bfloat16().float(), atol=0, rtol=2 ** -7)
+        assert torch.equal(v_cache[r, s], qkv[b, (H + Hkv) * D:].view(Hkv, D))
+        written[r, s] = True
+    assert k_cache[~written].abs().sum() == 0 and v_cache[~written].abs().sum() == 0
 
 
 def test_decode_attention_reads_each_rows_live_slots_only(kernels):

@@ -162,9 +162,9 @@ def check_env(cfg: Config) -> None:
             raise UserError(f"{key} entry {path!r} must be 'module:name', e.g. 'gspo.envs.builtin:calculator'.")
     if not env.on:
         return
-    if cfg.rollout.engine not in ("auto", "hf"):
-        raise UserError(f"rollout.engine = {cfg.rollout.engine!r} does not run multi-turn rows yet (env.path / "
-                        "env.tools); use rollout.engine = 'hf' (or 'auto').")
+    if cfg.rollout.engine == "vllm":
+        raise UserError("rollout.engine = 'vllm' does not run multi-turn rows yet (env.path / env.tools); use "
+                        "rollout.engine = 'graph', 'hf' or 'auto'.")
     if cfg.loss.step_credit is not None:
         raise UserError("loss.step_credit with an environment is not supported yet (its steps are characters of one "
                         "reply); leave loss.step_credit unset with env.path / env.tools.")

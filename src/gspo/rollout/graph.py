@@ -41,8 +41,8 @@ from gspo.models import (attention_context, attention_implementation, autocast_c
                          head_dim, kv_heads, named_weights, pad_prompts, pad_token_id, stop_token_ids)
 from gspo.models.moe import Routing, find_routers
 from gspo.rollout.fused import FusedDecoder, fused_unsupported
-from gspo.rollout.hf import check_request, filter_logits
-from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
+from gspo.rollout.hf import assemble_turns, check_request, check_turns, filter_logits
+from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
 # whose inner model has embed_tokens / layers / norm / rotary_emb with nothing else between them.
@@ -129,6 +129,10 @@ class StaticKV:
     Each layer's K and V are ``(B, L, Hkv, D)`` (rows of slots, the layout flash attention's variable-length path
     reads), views of one ``(2, layers, B, L, Hkv, D)`` tensor; ``update`` returns ``(B, Hkv, L, D)`` views of them, the
     layout HF attention functions expect.
+
+    Two ways to write: ``slots`` of shape ``(S,)`` are the same slots of the first ``rows`` rows (the prefill);
+    ``slots`` of shape ``(b, S)`` are each fed row's own, in cache row ``row_ids[i]`` (a decode step: the rows
+    ``0..b-1``; a multi-turn extension: any rows, whose K/V ``update`` then returns gathered).
     """
 
     def __init__(self, layers: int, batch: int, groups: int, length: int, width: int, dtype, device):
@@ -136,7 +140,9 @@ class StaticKV:
         # few per layer; the layers' (B, L, Hkv, D) buffers are views of it.
         self.kv = torch.zeros(2, layers, batch, length, groups, width, dtype=dtype, device=device)
         self.k, self.v = list(self.kv[0]), list(self.kv[1])
-        self.slots = torch.zeros(1, dtype=torch.long, device=device)  # (S,) slots written by the current forward
+        self.slots = torch.zeros(1, dtype=torch.long, device=device)  # (S,) or (b, S): slots the forward writes
+        self.row_ids: torch.Tensor | None = None  # (b,) the cache rows of a per-row write
+        self.gather = False  # per-row writes: return the rows ``row_ids`` (True) or the first ``rows`` rows (False)
         self.rows = batch  # forwards may use the first `rows` rows only (prefill of the unique prompts)
 
     def view(self, rows: int) -> "StaticKV":
@@ -162,6 +168,13 @@ class StaticKV:
                 part[:, :, r:r + rows] = part.index_select(2, src[r:r + rows])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.slots.dim() == 2:  # each row its own slots: (b, S) slots, key_states (b, Hkv, S, D)
+            rows = self.row_ids[:, None]  # (b, 1)
+            self.k[layer_idx][rows, self.slots] = key_states.transpose(1, 2).to(self.kv.dtype)  # (b, S, Hkv, D)
+            self.v[layer_idx][rows, self.slots] = value_states.transpose(1, 2).to(self.kv.dtype)
+            if self.gather:
+                return self.k[layer_idx][self.row_ids].transpose(1, 2), self.v[layer_idx][self.row_ids].transpose(1, 2)
+            return self.k[layer_idx][: self.rows].transpose(1, 2), self.v[layer_idx][: self.rows].transpose(1, 2)
         k = self.k[layer_idx][: self.rows].transpose(1, 2)  # (b, Hkv, L, D) view
         v = self.v[layer_idx][: self.rows].transpose(1, 2)
         k.index_copy_(2, self.slots, key_states.to(k.dtype))
@@ -260,7 +273,7 @@ class _Bucket:
     """Everything static for one (batch, length) shape: cache, step buffers, and the captured graphs."""
 
     # The buffers with one entry per row that the decode step reads or writes (moved together by ``_compact``)
-    ROW_STATE = ("tok", "pos", "valid", "used", "done", "out_tok", "out_logp", "order")
+    ROW_STATE = ("tok", "pos", "valid", "used", "fill", "count", "room", "done", "out_tok", "out_logp", "order")
 
     def routes(self, routing) -> torch.Tensor:
         """The static route records ``(Lr, B+1, L, k)`` of this bucket (row B takes prompt padding), zeroed."""
@@ -285,7 +298,7 @@ class _Bucket:
         if rows not in self.views:
             v = copy.copy(self)
             v.batch, v.cache, v.graphs, v.views = rows, self.cache.view(rows), {}, {}
-            for name in (*self.ROW_STATE, "route_rows"):
+            for name in (*self.ROW_STATE, "route_rows", "wslot", "row_base"):
                 setattr(v, name, getattr(self, name)[:rows])
             v.starts, v.cu_q = self.starts[:rows + 1], self.cu_q[:rows + 1]
             self.views[rows] = v
@@ -297,11 +310,18 @@ class _Bucket:
         self.batch, self.length = batch, length
         self.tok = torch.zeros(batch, dtype=torch.long, device=dev)  # (B,) last sampled token
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1) its position id
-        self.cur = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) its cache slot
-        self.step = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) its completion index + 1
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) its index in this turn's output + 1
+        # (B,) the K/V slots each row holds (its prompt, then every token fed since): the row's next token's position,
+        # and its next slot after the row's first
+        self.fill = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.wslot = torch.zeros(batch, dtype=torch.long, device=dev)  # (B,) the slot the step writes (see ``_step``)
+        self.count = torch.zeros(batch, dtype=torch.int32, device=dev)  # (B,) tokens sampled in this turn
+        self.room = torch.zeros(batch, dtype=torch.int32, device=dev)  # (B,) tokens the row may sample in this turn
         self.valid = torch.zeros(batch, length, dtype=torch.bool, device=dev)  # (B, L) slots a query may attend
         # The same as offsets for flash attention: row b's live slots are starts[b] - b * L .. + used[b] - 1.
+        # The fused step moves rows' state, not their K/V, so its starts may point at another row's storage.
         self.starts = torch.arange(batch + 1, dtype=torch.int32, device=dev) * length  # (B+1,)
+        self.row_base = self.starts[:-1].clone()  # (B,) static: each row's own first slot, b * L
         self.used = torch.zeros(batch, dtype=torch.int32, device=dev)  # (B,)
         self.cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev)  # (B+1,) one query per row
         self.done = torch.zeros(batch, dtype=torch.bool, device=dev)  # (B,)
@@ -311,8 +331,9 @@ class _Bucket:
         self.order = torch.arange(batch, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.views: dict[int, _Bucket] = {}  # rows -> the first rows as a bucket (see ``view``)
-        self.route_rows = torch.arange(batch, device=dev)  # (B,) static: the rows a decode step records
+        self.route_rows = torch.arange(batch, device=dev)  # (B,) static: the rows a decode step records (and writes)
         self._routes: torch.Tensor | None = None
+        self.root = self  # the whole bucket (a view's is the bucket it is the first rows of)
         # The fused step, unless a sliding window is shorter than this bucket's cache.
         self.fused = engine.fused is not None and fused_unsupported(engine.model, length) is None
 
@@ -456,34 +477,42 @@ class GraphEngine:
     # ------------------------------------------------------------------------------------------ decode step
 
     def _step(self, b: _Bucket, params: SamplingParams) -> None:
-        """One decode step on the bucket's static buffers: everything in it may be captured in a graph."""
+        """One decode step on the bucket's static buffers: everything in it may be captured in a graph.
+
+        Each row writes its fed token's K/V to its own next slot (first slot + ``fill``) and only a row still sampling
+        advances: a row whose turn has ended keeps its K/V as they are, so a multi-turn row can go on later in its own
+        cache (what it was fed meanwhile lands past its end, where the next real token overwrites it)."""
+        live = ~b.done  # (B,)
         if b.fused:
+            # The fused step's slots are flat indices into the whole bucket's cache (row r, slot s: r * L + s).
+            b.wslot.copy_(b.starts[:-1] + b.fill)
             # A row that has ended attends no slots at all (its output is masked): ended rows stop costing attention.
-            torch.where(b.done, torch.zeros_like(b.used), b.used + 1, out=b.used)
-            hidden = self.fused.forward(b.tok, b.pos, b.cache, b.cur, b.starts, b.used)  # (B, H)
+            torch.where(b.done, torch.zeros_like(b.used), b.fill + 1, out=b.used)
+            hidden = self.fused.forward(b.tok, b.pos, b.root.cache, b.wslot, b.starts, b.used)  # (B, H)
         else:
-            b.used += 1
-            b.cache.slots = b.cur
-            b.cache.rows = b.batch
-            b.valid.index_fill_(1, b.cur, True)
-            live = (b.starts, b.used, b.cu_q) if self.flash_decode else None
-            hidden = self._forward(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache, live)  # (B, H)
+            b.wslot.copy_(b.starts[:-1] - b.row_base + b.fill)  # the slot in the row's own cache row
+            torch.add(b.fill, 1, out=b.used)
+            b.cache.slots, b.cache.row_ids, b.cache.gather, b.cache.rows = b.wslot[:, None], b.route_rows, False, b.batch
+            b.valid.scatter_(1, b.wslot[:, None], live[:, None])
+            live_slots = (b.starts, b.used, b.cu_q) if self.flash_decode else None
+            hidden = self._forward(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache, live_slots)  # (B, H)
+        b.fill += live
         tok, logp = self._sample(self._logits(hidden), params)  # (B,), (B,)
         tok = torch.where(b.done, torch.full_like(tok, self.pad_id), tok)
         logp = torch.where(b.done, torch.zeros_like(logp), logp)
         b.out_tok.index_copy_(1, b.step, tok[:, None])
         b.out_logp.index_copy_(1, b.step, logp[:, None])
-        b.done |= torch.isin(tok, self._stop)
+        b.count += live
+        b.done |= torch.isin(tok, self._stop) | (b.count >= b.room)
         b.tok.copy_(tok)
         b.pos += 1
-        b.cur += 1
         b.step += 1
 
     def _graph(self, b: _Bucket, params: SamplingParams) -> torch.cuda.CUDAGraph:
         key = (params.greedy, params.temperature, params.top_p, params.top_k, id(self._gen), self._routing is not None)
         if key not in b.graphs:
             t0 = time.perf_counter()
-            state = (b.tok, b.pos, b.cur, b.step, b.valid, b.used, b.done, b.out_tok, b.out_logp)
+            state = (b.tok, b.pos, b.step, b.valid, b.used, b.fill, b.count, b.done, b.out_tok, b.out_logp)
             saved = [t.clone() for t in state]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -533,25 +562,115 @@ class GraphEngine:
         return 1 << (limit.bit_length() - 1)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Rollout:
-        """``n`` completions for each token-id prompt; row ``i`` belongs to prompt ``i // n``."""
+                 generator: torch.Generator | None = None, turns: TurnEnds | None = None) -> Rollout:
+        """``n`` completions for each token-id prompt; row ``i`` belongs to prompt ``i // n``. ``turns``: multi-turn
+        rows, as :meth:`gspo.rollout.hf.HFEngine.generate` takes them (each turn continues the row's own KV cache)."""
         check_request(self.model, prompts, n, params)
+        if turns is not None:
+            check_turns(self._routing)
         width = max(len(p) for p in prompts)
         length = -(-(width + params.max_new_tokens) // 64) * 64  # slots, in buckets of 64
         per_call = max(1, self.rows_that_fit(length) // n)  # prompts per call; more are generated in turn
         if len(prompts) > per_call:
-            return Rollout.concat([self.generate(prompts[i:i + per_call], n, params, generator)
+            return Rollout.concat([self.generate(prompts[i:i + per_call], n, params, generator,
+                                                 None if turns is None else _offset(turns, i * n))
                                    for i in range(0, len(prompts), per_call)])
         rows = len(prompts) * n
         b = self._bucket(rows, length)
         P = length - params.max_new_tokens
         self._gen = generator
         with torch.no_grad(), autocast_context(self.device, self.autocast_dtype, cache=False), attention_context():
-            self._prefill(b, prompts, n, P, params)
+            if turns is not None:
+                return self._multi_turn(b, prompts, n, P, params, turns)
+            self._prefill(b, prompts, n, P, params, params.max_new_tokens)
             self._decode(b, params)
         return self._collect(b, prompts, n, rows, params)
 
-    def _prefill(self, b: _Bucket, prompts: list[list[int]], n: int, P: int, params: SamplingParams) -> None:
+    def _multi_turn(self, b: _Bucket, prompts: list[list[int]], n: int, P: int, params: SamplingParams,
+                    turns: TurnEnds) -> Rollout:
+        """Rows of several turns. A turn is one decode of the bucket, each row ending on a stop token or its room
+        (``max_turn_tokens``, and what is left of ``max_new_tokens``); the rows ``turns`` answers get the answer's ids
+        fed in one forward into their own caches (``_extend``), and the next turn decodes them. The first turn is
+        the single-turn decode, step for step: rows that end after it are the single-turn rollout."""
+        T = params.max_new_tokens
+        per_turn = min(params.max_turn_tokens or T, T)
+        rows = len(prompts) * n
+        pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(rows)]
+        length = [0] * rows  # completion tokens so far (sampled and appended)
+        finish = [FINISH_LENGTH] * rows
+        stop = set(self.stop_ids)
+        self._prefill(b, prompts, n, P, params, per_turn)
+        going = list(range(rows))
+        while True:
+            self._decode(b, params, keep_ended=True)
+            at = torch.argsort(b.order)[:rows]  # (N,) the bucket row of each request row
+            tok, logp, count = b.out_tok[at].cpu(), b.out_logp[at].float().cpu(), b.count[at].cpu()
+            ended = []
+            for r in going:
+                k = int(count[r])
+                ids = tok[r, :k].tolist()
+                pieces[r].append((ids, logp[r, :k].tolist(), True))
+                length[r] += k
+                if ids and ids[-1] in stop:  # else out of tokens for the turn or the whole completion: cut off
+                    ended.append(r)
+                    finish[r] = FINISH_STOP
+            answers = turns(ended, [pieces[r][-1][0] for r in ended]) if ended else []
+            going = [r for r, ids in zip(ended, answers) if ids and length[r] + len(ids) < T]  # room for a token
+            if not going:
+                break
+            # The stop token that ended each turn was sampled but not fed (the row had ended): it goes in first.
+            chunks = [[pieces[r][-1][0][-1], *answers[ended.index(r)]] for r in going]
+            for r, c in zip(going, chunks):
+                pieces[r].append((c[1:], [0.0] * (len(c) - 1), False))
+                length[r] += len(c) - 1
+            self._extend(b, at[going], chunks, [min(per_turn, T - length[r]) for r in going], params)
+        return assemble_turns(self.tokenizer, self.pad_id, prompts, n, pieces, finish)
+
+    def _extend(self, b: _Bucket, at: torch.Tensor, chunks: list[list[int]], room: list[int],
+                params: SamplingParams) -> None:
+        """Feed bucket row ``at[i]`` the ids ``chunks[i]`` in one forward, into its own cache after its last slot
+        (right-aligned: the padding on the left writes to the cache's last slot, never a real one, and attends the
+        row's first slot only), sample each row's first token of its next turn, and make those rows the only live
+        ones, each with ``room[i]`` tokens for the turn."""
+        dev, L = self.device, b.length
+        R, W = len(chunks), max(len(c) for c in chunks)
+        at = at.to(dev)
+        k = torch.tensor([len(c) for c in chunks], device=dev)  # (R,)
+        ids = torch.full((R, W), self.pad_id, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            ids[i, W - len(c):] = torch.tensor(c)
+        flat = b.starts[at].long()  # (R,) each row's first slot, a flat index into the bucket's cache
+        first, fill = flat % L, b.fill[at].long()  # (R,) each
+        off = torch.arange(W, device=dev)[None, :] - (W - k)[:, None]  # (R, W): index in the chunk (< 0: padding)
+        real = off >= 0
+        last = torch.where(real, first[:, None] + fill[:, None] + off, first[:, None])  # the last slot each query sees
+        slot = torch.arange(L, device=dev)
+        attend = (slot[None, None, :] >= first[:, None, None]) & (slot[None, None, :] <= last[:, :, None])  # (R, W, L)
+        cache = b.cache
+        cache.row_ids, cache.gather, cache.rows = flat // L, True, b.batch
+        cache.slots = torch.where(real, last, L - 1)  # (R, W)
+        hidden = self._forward(ids.to(dev), (fill[:, None] + off).clamp(min=0), attend[:, None], cache)  # (R, H)
+        tok, logp = self._sample(self._logits(hidden), params)  # (R,)
+        fill = fill + k
+        b.fill[at] = fill.int()
+        b.pos[at, 0] = fill  # the position of the token just sampled, fed by the next step
+        b.valid[at] = (slot[None, :] >= first[:, None]) & (slot[None, :] < (first + fill)[:, None])  # module step
+        b.tok[at] = tok
+        room_t = torch.tensor(room, dtype=torch.int32, device=dev)
+        b.done.fill_(True)
+        b.done[at] = torch.isin(tok, self._stop) | (room_t <= 1)
+        b.count.zero_()
+        b.count[at] = 1
+        b.room[at] = room_t
+        b.out_tok.fill_(self.pad_id)
+        b.out_logp.zero_()
+        b.out_tok[at, 0], b.out_logp[at, 0] = tok, logp.to(b.out_logp.dtype)
+        b.step.fill_(1)
+
+    def _prefill(self, b: _Bucket, prompts: list[list[int]], n: int, P: int, params: SamplingParams,
+                 room: int) -> None:
+        """Prefill the unique prompts, copy their K/V to their ``n`` rows and sample each row's first token; a row may
+        sample ``room`` tokens before its turn ends."""
         dev = self.device
         ids, mask = pad_prompts(prompts, self.pad_id)  # (U, w)
         ids = F.pad(ids, (P - ids.shape[1], 0), value=self.pad_id).to(dev)  # (U, P)
@@ -595,19 +714,23 @@ class GraphEngine:
         b.out_logp.zero_()
         torch.arange(b.batch, device=dev, out=b.order)
         b.out_tok[:, 0], b.out_logp[:, 0] = tok, logp
-        b.done |= torch.isin(tok, self._stop)
+        b.count.copy_(b.done.logical_not())
+        b.room.fill_(room)
+        b.done |= torch.isin(tok, self._stop) | (b.count >= b.room)
         b.tok.copy_(tok)
         b.pos.copy_(mask.long().sum(-1)[src][:, None])
         b.valid.zero_()
         b.valid[:, :P] = mask[src]
         plen = mask.sum(-1)[src].int()  # (B,) live prompt slots: the last plen of the first P
         b.starts[:-1] = torch.arange(b.batch, device=dev, dtype=torch.int32) * b.length + (P - plen)
-        b.used.copy_(plen)
-        b.cur.fill_(P)
+        b.fill.copy_(plen)
         b.step.fill_(1)
 
-    def _decode(self, b: _Bucket, params: SamplingParams) -> None:
+    def _decode(self, b: _Bucket, params: SamplingParams, keep_ended: bool = False) -> None:
+        """Decode until every row of ``b`` has ended its turn (or ``max_new_tokens`` steps); ``keep_ended``: rows that
+        end must keep their K/V (multi-turn), so the module step does not compact."""
         T = params.max_new_tokens
+        compact = self.compact and (b.fused or not keep_ended)
         # A capture runs 2 warm-up steps ahead in the buffers (then records a third, which does not run): the last
         # steps of a request decode eagerly.
         graph_for = lambda v, j: self._graph(v, params) if self.use_graphs and T - j >= 3 else None  # noqa: E731
@@ -620,7 +743,7 @@ class GraphEngine:
                     if not live:
                         break
                     rows = max(_COMPACT_MIN, 1 << (live - 1).bit_length())
-                    if self.compact and rows < v.batch and T - j >= 3:  # not for the last eager steps
+                    if compact and rows < v.batch and T - j >= 3:  # not for the last eager steps
                         v = self._compact(b, v, rows, live)
                         graph = graph_for(v, j)
                 if graph is not None:
@@ -635,17 +758,23 @@ class GraphEngine:
         A small model's decode step is bound by its kernels' latency more than by its rows, and with a long tail of
         response lengths most steps have few rows left: on one H100 a step of SmolLM2-135M takes 2.38 ms for 256 rows,
         1.55 for 64 and 1.32 for 8 (``benchmarks/README.md#rollout-throughput``), so the whole bucket's
-        step would cost the few live rows nearly twice what a step of their own does. Their K/V rows and
-        per-row state move (``order`` remembers the request row of each); ended rows left behind keep their outputs.
-        The step then samples its Gumbel noise for fewer rows: the same distribution, another random stream."""
+        step would cost the few live rows nearly twice what a step of their own does. Their per-row state moves
+        (``order`` remembers the request row of each); ended rows left behind keep their outputs. The fused step's
+        K/V stay where they are (its slots are flat indices into the whole cache, which move with the row), so an ended
+        row keeps its cache and can go on in a later turn; the module step's live rows' K/V move to the front over the
+        ended rows'. The step then samples its Gumbel noise for fewer rows: the same distribution, another random
+        stream."""
         n = v.batch
         move = torch.argsort(v.done.to(torch.uint8), stable=True)  # (n,) live rows first, in their order
         for name in v.ROW_STATE:
             t = getattr(v, name)
             t.copy_(t[move])
-        row_start = torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length
-        v.starts[:n] = row_start + (v.starts[:n] - row_start)[move]  # each row's first live slot moves with it
-        v.cache.take_rows(move[:live])  # an ended row's K/V is never read again
+        if v.fused:  # its slots are flat indices into the bucket's cache: a row's K/V stay where they are
+            v.starts[:n] = v.starts[:n][move]
+        else:  # the module step attends each row's own cache row: the live rows' K/V move to the front
+            row_start = torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length
+            v.starts[:n] = row_start + (v.starts[:n] - row_start)[move]  # each row's first live slot moves with it
+            v.cache.take_rows(move[:live])  # an ended row's K/V is never read again
         if self._route_buffer is not None:  # a row's recorded experts move with it
             self._route_buffer[:, :n] = self._route_buffer[:, move]
         out = b.view(rows)
@@ -676,3 +805,8 @@ class GraphEngine:
         return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tok, completion_mask=mask,
                        logprobs=logp, finish_reasons=finish, texts=texts, pad_id=self.pad_id, routes=routes,
                        routes_mask=routes_mask)
+
+
+def _offset(turns: TurnEnds, offset: int) -> TurnEnds:
+    """``turns`` for a part of a request whose row 0 is the request's row ``offset``."""
+    return lambda rows, ids: turns([r + offset for r in rows], ids)

@@ -90,6 +90,38 @@ def check_request(model, prompts: list[list[int]], n: int, params: SamplingParam
                         f"model's context of {limit} positions: shorten the prompts or lower max_new_tokens.")
 
 
+def check_turns(routing) -> None:
+    """Refuse what multi-turn rows cannot do yet, in one line."""
+    if routing is not None:
+        raise UserError("moe.routing_replay = 'rollout' does not record multi-turn rows yet; use "
+                        "moe.routing_replay = 'old' with an environment.")
+
+
+def assemble_turns(tokenizer, pad_id: int, prompts: list[list[int]], n: int,
+                   pieces: list[list[tuple[list[int], list[float], bool]]], finish: list[str]) -> Rollout:
+    """Multi-turn rows from their pieces ``(ids, log-probs, sampled)``, in order, as right-padded tensors: every token,
+    which of them were sampled, their log-probs; a row's text is its last sampled turn's."""
+    seqs = [[t for ids, _, _ in row for t in ids] for row in pieces]
+    width = max(1, max(len(s) for s in seqs))
+    rows = len(seqs)
+    tokens = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.bool)
+    sampled = torch.zeros((rows, width), dtype=torch.bool)
+    logprobs = torch.zeros((rows, width), dtype=torch.float32)
+    for r, row in enumerate(pieces):
+        at = 0
+        for ids, lps, was_sampled in row:
+            tokens[r, at:at + len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[r, at:at + len(ids)] = torch.tensor(lps, dtype=torch.float32)
+            sampled[r, at:at + len(ids)] = was_sampled
+            at += len(ids)
+        mask[r, :at] = True
+    last = [next((ids for ids, _, s in reversed(row) if s), []) for row in pieces]
+    return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tokens, completion_mask=mask,
+                   logprobs=logprobs, finish_reasons=finish,
+                   texts=tokenizer.batch_decode(last, skip_special_tokens=True), pad_id=pad_id, sampled_mask=sampled)
+
+
 class HFEngine:
     """Samples completions from a Hugging Face causal LM, sharing the model object (and its weights) in place.
 
@@ -157,9 +189,7 @@ class HFEngine:
         turn ends on a stop token, and ``turns`` says for each such row the ids to append (then the row goes on in its
         own KV cache, the appended ids fed in one forward) or ``None`` (the row is finished)."""
         if turns is not None:
-            if self.routing is not None:
-                raise UserError("moe.routing_replay = 'rollout' does not record multi-turn rows yet; use "
-                                "moe.routing_replay = 'old' with an environment.")
+            check_turns(self.routing)
             check_request(self.model, prompts, n, params)
             with eval_mode(self.model), torch.no_grad(), self._autocast(), attention_context():
                 return self._multi_turn(prompts, n, params, generator, turns)
@@ -299,7 +329,7 @@ class HFEngine:
             for r, ids in going.items():
                 pieces[r].append((ids, [0.0] * len(ids), False))
                 length[r] += len(ids)
-        return self._assemble(prompts, n, pieces, finish)
+        return assemble_turns(self.tokenizer, self.pad_id, prompts, n, pieces, finish)
 
     def _extend(self, chunks, cache, attention_mask, real, next_pos):
         """Feed each continuing row its ids ``chunks[r]`` in one forward (right-aligned, padding on the left masked
@@ -320,29 +350,6 @@ class HFEngine:
                          **{self._cache_arg: cache})
         positions = pos[:, -1:]
         return out.logits[:, -1].float(), attention_mask, real, positions, next_pos + fed.sum(-1)
-
-    def _assemble(self, prompts, n, pieces, finish) -> Rollout:
-        """The rows' pieces as right-padded tensors: every token, which of them were sampled, their log-probs."""
-        seqs = [[t for ids, _, _ in row for t in ids] for row in pieces]
-        width = max(1, max(len(s) for s in seqs))
-        rows = len(seqs)
-        tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.bool)
-        sampled = torch.zeros((rows, width), dtype=torch.bool)
-        logprobs = torch.zeros((rows, width), dtype=torch.float32)
-        for r, row in enumerate(pieces):
-            at = 0
-            for ids, lps, was_sampled in row:
-                tokens[r, at:at + len(ids)] = torch.tensor(ids, dtype=torch.long)
-                logprobs[r, at:at + len(ids)] = torch.tensor(lps, dtype=torch.float32)
-                sampled[r, at:at + len(ids)] = was_sampled
-                at += len(ids)
-            mask[r, :at] = True
-        last = [next((ids for ids, _, s in reversed(row) if s), []) for row in pieces]
-        return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tokens, completion_mask=mask,
-                       logprobs=logprobs, finish_reasons=finish,
-                       texts=self.tokenizer.batch_decode(last, skip_special_tokens=True), pad_id=self.pad_id,
-                       sampled_mask=sampled)
 
     def _prefill(self, prompts, n):
         """Run the unique prompts once and repeat their cache ``n`` times; returns the logits of the first token."""

@@ -63,10 +63,11 @@ def _add_rmsnorm(res_ptr, delta_ptr, w_ptr, out_ptr, N, eps,
 
 
 @triton.jit
-def _rope_cache(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, qn_ptr, kn_ptr, eps, L,
+def _rope_cache(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, qn_ptr, kn_ptr, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
     # Program (b, h): h < HQ rotates query head h into q; else rotates key head h - HQ and writes it and its value
-    # head to the cache at slot *slot_ptr of row b. qkv row layout: [HQ*D queries | HKV*D keys | HKV*D values].
+    # head to the cache at slot slot_ptr[b], an index into the cache's (rows * L) slots: a row's slots need not be
+    # the row's own (the graph engine moves row state, not K/V). qkv row layout: [HQ*D queries | HKV*D keys | values].
     b = tl.program_id(0)
     h = tl.program_id(1)
     half = tl.arange(0, D // 2)
@@ -97,8 +98,8 @@ def _rope_cache(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, qn
         tl.store(dst + D // 2 + half, _round(o2, q_ptr.dtype.element_ty))
     else:
         kvh = h - HQ
-        slot = tl.load(slot_ptr)
-        off = ((b * L + slot) * HKV + kvh) * D
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        off = (slot * HKV + kvh) * D
         tl.store(k_cache + off + half, _round(o1, k_cache.dtype.element_ty))
         tl.store(k_cache + off + D // 2 + half, _round(o2, k_cache.dtype.element_ty))
         d = tl.arange(0, D)
@@ -179,11 +180,12 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: t
                v_cache: torch.Tensor, slot: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0) -> None:
     """Rotate the queries of ``qkv`` (B, (Hq + 2 Hkv) D) into ``q_out`` (B, Hq, D) and write the rotated keys and
-    the values to ``k_cache`` / ``v_cache`` (B, L, Hkv, D) at slot ``slot`` (1,) of every row; cos/sin (B, D)."""
+    the values to ``k_cache`` / ``v_cache`` (rows, L, Hkv, D): row b's to flat slot ``slot[b]`` (B,) of the cache's
+    ``rows * L`` (row ``r``'s slot ``s`` is ``r * L + s``); cos/sin (B, D)."""
     B = qkv.shape[0]
     _rope_cache[(B, heads + kv_heads)](qkv, cos, sin, q_out, k_cache, v_cache, slot,
                                        q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
-                                       eps, k_cache.shape[1], HQ=heads, HKV=kv_heads, D=head_dim,
+                                       eps, HQ=heads, HKV=kv_heads, D=head_dim,
                                        QK_NORM=q_norm is not None)
 
 

@@ -72,8 +72,7 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         # Under FSDP, with LoRA, and with rounded engine weights, the engine takes its own copy of the plain weights
         # before the holding shards or adapts the policy; it is fed the gathered, merged or rounded weights after every
         # optimizer step.
-        # multi-turn rows run on the simple engine only, so far
-        engine = make_engine("hf" if cfg.env.on else cfg.rollout.engine, model, tokenizer,
+        engine = make_engine(cfg.rollout.engine, model, tokenizer,
                              stop_ids=stop_token_ids(tokenizer, model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
                              compact_rows=cfg.rollout.compact_rows,
