@@ -223,6 +223,54 @@ def test_fused_decode_agrees_with_the_trainer_and_warms_up_fast(tokenizer):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "module-flash"])
+def test_multi_turn_rows_on_cuda_graphs_agree_with_the_trainer(tokenizer, fused, monkeypatch):
+    """bf16, CUDA graphs, rows of 1-3 turns with answers of 1-4 ids: every sampled token's engine log-prob is as close
+    to the trainer's recomputation over the whole row as single-turn rows' are (a later turn attending a wrong slot,
+    position or row would miss by far); the fused step compacts rows whose turn ended and brings them back, and its
+    rows that end after one turn are the single-turn rollout bit for bit."""
+    from gspo.train.passes import sequence_logprobs
+    from gspo.rollout.graph import GraphEngine
+    from gspo.types import SamplingParams
+    from test_envs import Answers
+    from test_graph_engine import _count_compactions
+    from test_rollout import force_token
+
+    cuda = torch.device("cuda")
+    model = tiny_llama(vocab_size=len(tokenizer), seed=7, init_std=0.3)
+    force_token(model, 2, 9.0)
+    model.cuda()
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story.", "Name a colour."]]
+    params = SamplingParams(max_new_tokens=120, temperature=0.9, max_turn_tokens=40)
+    engine = GraphEngine(model, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, fused=fused)
+    assert engine.use_graphs and engine.compact
+    sizes = _count_compactions(engine, monkeypatch)
+    gaps = {True: [], False: []}
+    for seed in (0, 1):  # the second call replays the graphs the first one captured
+        gen = lambda: torch.Generator(device=cuda).manual_seed(seed)  # noqa: E731
+        answers = Answers([1 + (r * 7 + seed) % 3 for r in range(32)], lambda r: list(range(100, 101 + r % 4)))
+        for multi in (True, False):
+            r = engine.generate(prompts, 8, params, generator=gen(), turns=answers if multi else None)
+            with torch.no_grad():
+                logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.9,
+                                            pad_id=r.pad_id, autocast_dtype=torch.bfloat16)
+            gaps[multi].append((logp.cpu() - r.logprobs)[r.sampled].abs())
+            assert (r.completion_mask & ~r.sampled).any() == multi
+        assert len(answers.calls) >= 2
+        if not fused:  # the module step keeps every row in multi-turn (no compaction): another random stream
+            continue
+        once = Answers([1] * 32, lambda r: [100])
+        single = engine.generate(prompts, 8, params, generator=gen())
+        again = engine.generate(prompts, 8, params, generator=gen(), turns=once)
+        width = single.completion_ids.shape[1]
+        assert torch.equal(single.completion_ids, again.completion_ids[:, :width])
+        assert torch.equal(single.logprobs, again.logprobs[:, :width])
+    if fused:  # rows whose turn ended were moved out of the step, and came back for their next turn
+        assert len(sizes) > 2
+    gap, plain = torch.cat(gaps[True]), torch.cat(gaps[False])
+    assert gap.numel() > plain.numel() and gap.mean() < 2 * plain.mean() + 1e-3 and gap.max() < 0.1
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "module-flash"])
 def test_compacted_graph_steps_agree_with_the_trainer(tokenizer, fused, monkeypatch):
     """bf16, CUDA graphs, rows of geometric lengths (a likely stop token): the live rows move to steps of 16, then 8
     rows, each captured mid-decode in the first call and replayed in the second, through the fused step and through
