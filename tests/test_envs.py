@@ -106,9 +106,11 @@ ENGINES = {
     "graph-fused-compact": lambda model, tokenizer, stop: GraphEngine(model, tokenizer, stop_ids=stop, fused=True,
                                                                       compact=True, sync_every=1),
 }
+ENGINE_PARAMS = ["hf", "graph", pytest.param("graph-fused-compact", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU tensors: with CUDA, test_gpu.py runs the fused step on the device"))]
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
 def test_rows_that_end_after_one_turn_are_the_single_turn_rollout_bit_for_bit(tiny_model, tokenizer, engine):
     """With a TurnEnds that finishes every row at its first turn, the multi-turn path draws, feeds and records exactly
     what the single-turn loop does (same seed): tokens, log-probs, masks, finish reasons."""
@@ -126,7 +128,7 @@ def test_rows_that_end_after_one_turn_are_the_single_turn_rollout_bit_for_bit(ti
     assert "stop" in single.finish_reasons and "length" in single.finish_reasons
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
 def test_later_turns_continue_the_rows_kv_cache_exactly(tiny_model, tokenizer, engine):
     """Rows of 1-3 turns with appended ids of different lengths per row: each row is its prompt, its sampled ids and
     the appended ids, in order (token-in, token-out); the appended ids are out of the sampled mask; and the log-probs
@@ -247,6 +249,7 @@ def test_a_whole_multi_turn_run_trains_only_on_sampled_tokens(tiny_dir, tmp_path
     from test_trainer import tiny_config
 
     cfg = tiny_config(tiny_dir, "env.path='env_fixtures:Echo'", "env.workers=1", "env.max_turn_tokens=4",
+                      "rollout.engine='hf'",  # the LM-head bias below is added to the trainer's model only
                       "rollout.max_new_tokens=40", "rewards.functions=[]", "rewards.workers=0")
     trainer = Trainer(cfg, tmp_path / "run")
     _biased(trainer.actor.model, trainer.tokenizer, stop_token_ids(trainer.tokenizer)[-1], 12.0)  # turns that end
@@ -298,7 +301,7 @@ def test_a_batch_whose_every_trajectory_failed_stops_the_run_in_one_line(tiny_di
     from test_trainer import tiny_config
 
     cfg = tiny_config(tiny_dir, "env.path='env_fixtures:Raises'", "env.workers=0", "rewards.functions=[]",
-                      "rollout.max_new_tokens=12")
+                      "rollout.max_new_tokens=12", "rollout.engine='hf'")  # the bias below: the trainer's model
     trainer = Trainer(cfg, tmp_path / "run")
     _biased(trainer.actor.model, trainer.tokenizer, stop_token_ids(trainer.tokenizer)[-1], 12.0)
     with pytest.raises(UserError, match="Every trajectory of a rollout batch failed in env.path = 'env_fixtures:Raises'"):

@@ -259,15 +259,16 @@ def test_multi_turn_rows_on_cuda_graphs_agree_with_the_trainer(tokenizer, fused,
         if not fused:  # the module step keeps every row in multi-turn (no compaction): another random stream
             continue
         once = Answers([1] * 32, lambda r: [100])
-        single = engine.generate(prompts, 8, params, generator=gen())
-        again = engine.generate(prompts, 8, params, generator=gen(), turns=once)
+        whole = SamplingParams(max_new_tokens=40, temperature=0.9)  # no turn limit: the single-turn rows' own
+        single = engine.generate(prompts, 8, whole, generator=gen())
+        again = engine.generate(prompts, 8, whole, generator=gen(), turns=once)
         width = single.completion_ids.shape[1]
         assert torch.equal(single.completion_ids, again.completion_ids[:, :width])
         assert torch.equal(single.logprobs, again.logprobs[:, :width])
     if fused:  # rows whose turn ended were moved out of the step, and came back for their next turn
         assert len(sizes) > 2
     gap, plain = torch.cat(gaps[True]), torch.cat(gaps[False])
-    assert gap.numel() > plain.numel() and gap.mean() < 2 * plain.mean() + 1e-3 and gap.max() < 0.1
+    assert gap.numel() > 1000 and gap.mean() < 2 * plain.mean() + 1e-3 and gap.max() < 0.1
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "module-flash"])
