@@ -92,7 +92,7 @@ def _prompts(tokenizer):
 
 def _biased(model, tokenizer, stop, bias):
     """The tiny model with its LM head biased towards the stop token, so turns end after a few tokens."""
-    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.weight.shape[0]))
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros_like(model.lm_head.weight[:, 0]))
     with torch.no_grad():
         model.lm_head.bias[stop] = bias
     return model

@@ -260,8 +260,12 @@ def test_multi_turn_rows_on_cuda_graphs_agree_with_the_trainer(tokenizer, fused,
             continue
         once = Answers([1] * 32, lambda r: [100])
         whole = SamplingParams(max_new_tokens=40, temperature=0.9)  # no turn limit: the single-turn rows' own
-        single = engine.generate(prompts, 8, whole, generator=gen())
-        again = engine.generate(prompts, 8, whole, generator=gen(), turns=once)
+        # Fresh engines: a CUDA graph's capture draws from the generator (its warm-up steps), so two calls compare
+        # step for step only when each captures at the same moment.
+        fresh = lambda: GraphEngine(model, tokenizer, stop_ids=[2], device=cuda,  # noqa: E731
+                                    autocast_dtype=torch.bfloat16, fused=fused)
+        single = fresh().generate(prompts, 8, whole, generator=gen())
+        again = fresh().generate(prompts, 8, whole, generator=gen(), turns=once)
         width = single.completion_ids.shape[1]
         assert torch.equal(single.completion_ids, again.completion_ids[:, :width])
         assert torch.equal(single.logprobs, again.logprobs[:, :width])

@@ -78,8 +78,8 @@ def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
     Otherwise SDPA with the boolean mask over all ``L`` slots, reading grouped K/V in place: HF's sdpa path repeats K
     and V for every query head of a group first, which with a static cache copies the whole cache twice per layer per
-    step (on an H200 at 512 rows, 8 of 17 ms per step). With a single query position the G query heads of one KV head
-    can instead be G queries of that head: no copy, the same result.
+    step (on an H200 at 512 rows, 8 of 17 ms per step). The G query heads of one KV head can instead be G queries of
+    that head (G * S of them for S positions): no copy, the same result.
     """
     B, H, S, D = query.shape
     if gspo_live is not None and S == 1:
@@ -93,13 +93,16 @@ def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                                       seqused_k=used)[0]  # (B, H, D)
         return out.view(B, 1, H, D), None
     Hkv = key.shape[1]
-    if S != 1 or Hkv == H:
+    if Hkv == H or attention_mask is None or attention_mask.dtype != torch.bool:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     G = H // Hkv
-    q = query.reshape(B, Hkv, G, D)  # head h = kv * G + g, the layout repeat_kv assumes
-    mask = attention_mask.expand(B, 1, G, attention_mask.shape[-1])  # (B, 1, G, L), one mask row per query head
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # (B, Hkv, G, D)
-    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+    # Several query positions (a prefill, a multi-turn extension): the G heads' S queries are G * S queries of their KV
+    # head, each with its position's mask row; no copy of K and V either.
+    q = query.reshape(B, Hkv, G * S, D)  # head h = kv * G + g, the layout repeat_kv assumes
+    mask = attention_mask.expand(B, 1, S, attention_mask.shape[-1])  # (B, 1, S, L)
+    mask = mask[:, :, None].expand(B, 1, G, S, mask.shape[-1]).reshape(B, 1, G * S, -1)  # one row per query
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # (B, Hkv, G * S, D)
+    return out.reshape(B, H, S, D).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register("gspo_decode", _decode_attention)
@@ -143,6 +146,7 @@ class StaticKV:
         self.slots = torch.zeros(1, dtype=torch.long, device=device)  # (S,) or (b, S): slots the forward writes
         self.row_ids: torch.Tensor | None = None  # (b,) the cache rows of a per-row write
         self.gather = False  # per-row writes: return the rows ``row_ids`` (True) or the first ``rows`` rows (False)
+        self.window: tuple[int, int] | None = None  # return only slots lo..hi-1 (what the forward can attend)
         self.rows = batch  # forwards may use the first `rows` rows only (prefill of the unique prompts)
 
     def view(self, rows: int) -> "StaticKV":
@@ -168,18 +172,21 @@ class StaticKV:
                 part[:, :, r:r + rows] = part.index_select(2, src[r:r + rows])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        lo, hi = self.window or (0, self.kv.shape[3])
         if self.slots.dim() == 2:  # each row its own slots: (b, S) slots, key_states (b, Hkv, S, D)
             rows = self.row_ids[:, None]  # (b, 1)
             self.k[layer_idx][rows, self.slots] = key_states.transpose(1, 2).to(self.kv.dtype)  # (b, S, Hkv, D)
             self.v[layer_idx][rows, self.slots] = value_states.transpose(1, 2).to(self.kv.dtype)
             if self.gather:
-                return self.k[layer_idx][self.row_ids].transpose(1, 2), self.v[layer_idx][self.row_ids].transpose(1, 2)
-            return self.k[layer_idx][: self.rows].transpose(1, 2), self.v[layer_idx][: self.rows].transpose(1, 2)
+                return (self.k[layer_idx][self.row_ids, lo:hi].transpose(1, 2),
+                        self.v[layer_idx][self.row_ids, lo:hi].transpose(1, 2))
+            return (self.k[layer_idx][: self.rows, lo:hi].transpose(1, 2),
+                    self.v[layer_idx][: self.rows, lo:hi].transpose(1, 2))
         k = self.k[layer_idx][: self.rows].transpose(1, 2)  # (b, Hkv, L, D) view
         v = self.v[layer_idx][: self.rows].transpose(1, 2)
         k.index_copy_(2, self.slots, key_states.to(k.dtype))
         v.index_copy_(2, self.slots, value_states.to(v.dtype))
-        return k, v
+        return k[:, :, lo:hi], v[:, :, lo:hi]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -493,6 +500,7 @@ class GraphEngine:
             b.wslot.copy_(b.starts[:-1] - b.row_base + b.fill)  # the slot in the row's own cache row
             torch.add(b.fill, 1, out=b.used)
             b.cache.slots, b.cache.row_ids, b.cache.gather, b.cache.rows = b.wslot[:, None], b.route_rows, False, b.batch
+            b.cache.window = None
             b.valid.scatter_(1, b.wslot[:, None], live[:, None])
             live_slots = (b.starts, b.used, b.cu_q) if self.flash_decode else None
             hidden = self._forward(b.tok[:, None], b.pos, b.valid[:, None, None, :], b.cache, live_slots)  # (B, H)
@@ -644,12 +652,17 @@ class GraphEngine:
         off = torch.arange(W, device=dev)[None, :] - (W - k)[:, None]  # (R, W): index in the chunk (< 0: padding)
         real = off >= 0
         last = torch.where(real, first[:, None] + fill[:, None] + off, first[:, None])  # the last slot each query sees
-        slot = torch.arange(L, device=dev)
-        attend = (slot[None, None, :] >= first[:, None, None]) & (slot[None, None, :] <= last[:, :, None])  # (R, W, L)
+        # Attention reads the slots lo..hi-1 that some row holds after this forward, not the whole cache.
+        lo, hi = int(first.min()), int((first + fill + k).max())
+        slot = torch.arange(lo, hi, device=dev)
+        attend = (slot[None, None, :] >= first[:, None, None]) & (slot[None, None, :] <= last[:, :, None])  # (R, W, .)
         cache = b.cache
-        cache.row_ids, cache.gather, cache.rows = flat // L, True, b.batch
+        cache.row_ids, cache.gather, cache.rows, cache.window = flat // L, True, b.batch, (lo, hi)
         cache.slots = torch.where(real, last, L - 1)  # (R, W)
-        hidden = self._forward(ids.to(dev), (fill[:, None] + off).clamp(min=0), attend[:, None], cache)  # (R, H)
+        with attention_implementation(self.model.config, "gspo_decode"):
+            hidden = self._forward(ids.to(dev), (fill[:, None] + off).clamp(min=0), attend[:, None], cache)  # (R, H)
+        cache.window = None
+        slot = torch.arange(L, device=dev)
         tok, logp = self._sample(self._logits(hidden), params)  # (R,)
         fill = fill + k
         b.fill[at] = fill.int()
@@ -690,7 +703,10 @@ class GraphEngine:
             self._route_buffer = b.routes(self._routing)
             first = torch.where(mask, (torch.arange(U, device=dev) * n)[:, None], b.batch)  # (U, P)
             self._route_layout = (first.reshape(-1), pos.reshape(-1))
-        hidden = self._forward(ids, pos, attn[:, None], b.cache)  # (U, H)
+        b.cache.window = (0, P)  # the prompts' slots: the rest of the cache is empty
+        with attention_implementation(self.model.config, "gspo_decode"):
+            hidden = self._forward(ids, pos, attn[:, None, :, :P], b.cache)  # (U, H)
+        b.cache.window = None
         if self._routing is not None:
             src_first = torch.arange(b.batch, device=dev).div(n, rounding_mode="floor").clamp(max=U - 1) * n
             self._route_buffer[:, :b.batch] = self._route_buffer[:, src_first]
