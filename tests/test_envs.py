@@ -241,8 +241,8 @@ def test_an_environment_that_fails_ends_its_trajectory_not_the_run(tokenizer, pa
 
 def test_a_whole_multi_turn_run_trains_only_on_sampled_tokens(tiny_dir, tmp_path):  # noqa: F811
     """`gspo train` with an environment (env_fixtures:Echo, 3 turns, reward 1 per step) on the tiny model: rows hold
-    several turns, the appended tokens are out of the loss mask, env/* metrics are logged, and the run directory
-    passes check_run_dir."""
+    several turns, the appended tokens are out of the loss mask, env/* metrics are logged, the run directory passes
+    check_run_dir, and gspo report shows the conversations with the trained tokens marked."""
     from gspo.runlog.metrics import read_jsonl
     from gspo.train import Trainer
     from test_faults import check_run_dir
@@ -264,6 +264,11 @@ def test_a_whole_multi_turn_run_trains_only_on_sampled_tokens(tiny_dir, tmp_path
     turns = [s["turns"] for s in read_jsonl(tmp_path / "run" / "samples.jsonl")]
     assert turns and any(any(not p["trained"] and "again" in p["text"] for p in t) for t in turns)
     check_run_dir(tmp_path / "run", len(rows))
+    # gspo report shows the conversations, the sampled (trained) pieces marked, the appended ones plain
+    from gspo.commands.report import write_report
+
+    page = write_report([tmp_path / "run"], tmp_path / "report").read_text()
+    assert "<h2>Conversations</h2>" in page and "<span class='trained'>" in page and "again" in page
 
 
 def test_environment_and_tool_modules_that_cannot_load_end_in_one_line(tokenizer, monkeypatch):

