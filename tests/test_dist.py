@@ -429,3 +429,40 @@ def test_a_sentinel_rollback_under_two_processes(tiny_dir, tmp_path):  # noqa: F
     assert "rolling back to step-" in done.stderr
     check_run_dir(run, 10)
     assert any(p.name.startswith("rolled-back-step-") for p in (run / "checkpoints").iterdir())
+
+
+@pytest.fixture(scope="module")
+def turn_taking_dir(tmp_path_factory, tokenizer):
+    """A tiny Llama that ends its turn with probability about 0.3 at every token, whatever it was fed (the final norm
+    keeps one dimension, which every embedding carries at 30, the stop tokens' at 36), with the tokenizer."""
+    from conftest import tiny_llama
+    from gspo.models.load import stop_token_ids
+
+    model = tiny_llama(vocab_size=len(tokenizer), seed=0)
+    stop = stop_token_ids(tokenizer, model)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 30.0
+        model.model.embed_tokens.weight[stop, 0] = 36.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+    d = tmp_path_factory.mktemp("turn_taking")
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def test_multi_turn_rows_train_under_two_processes(turn_taking_dir, tmp_path):
+    """An environment under torchrun (2 processes, DDP): each process runs its share of the trajectories in its own
+    environment workers, the rows hold several turns, the env/* metrics are the job's, and the run directory is whole."""
+    from gspo.runlog.metrics import read_jsonl
+
+    run = tmp_path / "run"
+    overrides = _overrides(turn_taking_dir, "train.steps=4", "dist.strategy='ddp'", "env.path='env_fixtures:Echo'",
+                           "env.workers=1", "env.max_turn_tokens=4", "rollout.max_new_tokens=40", "rewards.functions=[]")
+    done = _train(tmp_path, _torchrun(2), overrides, "--run-dir", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert len(rows) == 4 and all(r["env/turns_mean"] > 1 and r["env/appended_tokens_mean"] > 0 for r in rows)
+    turns = [s["turns"] for s in read_jsonl(run / "samples.jsonl")]
+    assert any(any(not p["trained"] and "again" in p["text"] for p in t) for t in turns)
+    check_run_dir(run, 4)
