@@ -336,10 +336,14 @@ def test_tool_calls_are_read_in_each_familys_format():
         ("mistral", "llama3", "hermes")
 
 
-def test_multi_turn_runs_on_the_graph_and_simple_engines_and_vllm_is_refused_in_one_line():
+def test_multi_turn_runs_on_the_graph_and_simple_engines_and_what_cannot_is_refused_in_one_line():
     from gspo.config import build_config
 
     for engine in ("auto", "graph", "hf"):
         build_config({"env": {"tools": ["gspo.envs.builtin:calculator"]}, "rollout": {"engine": engine}})
     with pytest.raises(UserError, match=r"^rollout.engine = 'vllm' does not run multi-turn rows yet .*'auto'\.$"):
         build_config({"env": {"tools": ["gspo.envs.builtin:calculator"]}, "rollout": {"engine": "vllm"}})
+    r3 = {"env": {"tools": ["gspo.envs.builtin:calculator"]}, "moe": {"routing_replay": "rollout"}}
+    build_config(r3)  # auto: the simple engine records multi-turn routes
+    with pytest.raises(UserError, match=r"^The graph engine does not record multi-turn rows' routes"):
+        build_config({**r3, "rollout": {"engine": "graph"}})

@@ -305,6 +305,47 @@ def test_the_hf_engine_records_every_fed_token_and_agrees_with_the_trainer():
     routing.close()
 
 
+def test_the_hf_engine_records_the_routes_of_multi_turn_rows_appended_tokens_included():
+    """R3 over multi-turn rows (fp32, CPU): every fed position of prompt and completion -- sampled turns and the
+    appended answers alike, the trainer feeds both -- is recorded, except the last sampled token; the trainer's
+    old-policy pass replaying the records routes the same way. The graph engine refuses R3 with turns in one line."""
+    from gspo.errors import UserError
+    from gspo.rollout import HFEngine
+    from gspo.rollout.graph import GraphEngine
+    from gspo.types import SamplingParams
+    from test_envs import Answers
+
+    class Tok:  # ids only: the tiny model's vocabulary is not a real tokenizer's
+        pad_token_id = 0
+
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return [" ".join(map(str, r)) for r in rows]
+
+    model = tiny_moe("qwen3_moe")
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.weight.shape[0]))
+    with torch.no_grad():
+        model.lm_head.bias[2] = 4.0  # turns that end on the stop token after a few tokens
+    routing = Routing(model, "rollout")
+    engine = HFEngine(model, Tok(), stop_ids=[2], device="cpu", routing=routing)
+    answers = Answers([3] * 6, lambda r: [20, 21, 22][: 1 + r % 3])
+    r = engine.generate([[5, 6, 7], [9, 10, 11, 12, 13]], 3, SamplingParams(max_new_tokens=30, max_turn_tokens=8),
+                        generator=torch.Generator().manual_seed(0), turns=answers)
+    assert len(answers.calls) >= 2 and (r.completion_mask & ~r.sampled).any()
+    for i, prompt in enumerate(r.prompt_ids):
+        fed = len(prompt) + int(r.completion_mask[i].sum()) - 1
+        assert r.routes_mask[i].nonzero().flatten().tolist() == list(range(fed)), i
+    routing.begin_batch(6, int(r.routes_mask.sum(-1).max()) + 1, torch.device("cpu"))
+    routing.load_rollout_routes(r.routes, r.routes_mask)
+    with routing.updating(), torch.no_grad():
+        sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=0, routing=routing,
+                          row_ids=torch.arange(6))
+    assert routing._slots.sum() > 0 and routing.flip_metrics()["moe/flip_rate"].item() <= 0.01
+    graph = GraphEngine(model, Tok(), stop_ids=[2], device="cpu", routing=routing)
+    with pytest.raises(UserError, match="^The graph engine does not record multi-turn rows' routes"):
+        graph.generate([[5, 6, 7]], 2, SamplingParams(max_new_tokens=4), turns=answers)
+    routing.close()
+
+
 def test_engines_that_record_routes_get_the_routing_as_they_are_built_and_the_others_are_refused(tokenizer):
     """R3 through make_engine: the hf and graph engines take the routing as they are built; the vLLM engine (which
     declares it cannot record) and the hf engine's own copy (no routing hooks) are refused in one line before anything

@@ -168,9 +168,10 @@ def check_env(cfg: Config) -> None:
     if cfg.loss.step_credit is not None:
         raise UserError("loss.step_credit with an environment is not supported yet (its steps are characters of one "
                         "reply); leave loss.step_credit unset with env.path / env.tools.")
-    if cfg.moe.routing_replay == "rollout":
-        raise UserError("moe.routing_replay = 'rollout' does not record multi-turn rows yet; use 'old' with an "
-                        "environment.")
+    if cfg.moe.routing_replay == "rollout" and cfg.rollout.engine == "graph":
+        raise UserError("The graph engine does not record multi-turn rows' routes (moe.routing_replay = 'rollout') "
+                        "yet; use rollout.engine = 'hf' (or 'auto', which picks it then), or moe.routing_replay = "
+                        "'old', with an environment.")
 
 
 def check_loss(cfg: Config) -> None:

@@ -41,7 +41,7 @@ from gspo.models import (attention_context, attention_implementation, autocast_c
                          head_dim, kv_heads, named_weights, pad_prompts, pad_token_id, stop_token_ids)
 from gspo.models.moe import Routing, find_routers
 from gspo.rollout.fused import FusedDecoder, fused_unsupported
-from gspo.rollout.hf import assemble_turns, check_request, check_turns, filter_logits
+from gspo.rollout.hf import assemble_turns, check_request, filter_logits
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
@@ -821,6 +821,13 @@ class GraphEngine:
         return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tok, completion_mask=mask,
                        logprobs=logp, finish_reasons=finish, texts=texts, pad_id=self.pad_id, routes=routes,
                        routes_mask=routes_mask)
+
+
+def check_turns(routing) -> None:
+    """Refuse what the graph engine's multi-turn rows cannot do yet, in one line."""
+    if routing is not None:
+        raise UserError("The graph engine does not record multi-turn rows' routes (moe.routing_replay = 'rollout') "
+                        "yet; use rollout.engine = 'hf', or moe.routing_replay = 'old', with an environment.")
 
 
 def _offset(turns: TurnEnds, offset: int) -> TurnEnds:

@@ -90,13 +90,6 @@ def check_request(model, prompts: list[list[int]], n: int, params: SamplingParam
                         f"model's context of {limit} positions: shorten the prompts or lower max_new_tokens.")
 
 
-def check_turns(routing) -> None:
-    """Refuse what multi-turn rows cannot do yet, in one line."""
-    if routing is not None:
-        raise UserError("moe.routing_replay = 'rollout' does not record multi-turn rows yet; use "
-                        "moe.routing_replay = 'old' with an environment.")
-
-
 def assemble_turns(tokenizer, pad_id: int, prompts: list[list[int]], n: int,
                    pieces: list[list[tuple[list[int], list[float], bool]]], finish: list[str]) -> Rollout:
     """Multi-turn rows from their pieces ``(ids, log-probs, sampled)``, in order, as right-padded tensors: every token,
@@ -189,10 +182,17 @@ class HFEngine:
         turn ends on a stop token, and ``turns`` says for each such row the ids to append (then the row goes on in its
         own KV cache, the appended ids fed in one forward) or ``None`` (the row is finished)."""
         if turns is not None:
-            check_turns(self.routing)
             check_request(self.model, prompts, n, params)
             with eval_mode(self.model), torch.no_grad(), self._autocast(), attention_context():
-                return self._multi_turn(prompts, n, params, generator, turns)
+                if self.routing is None:
+                    return self._multi_turn(prompts, n, params, generator, turns)
+                # R3: every fed token is recorded, appended ones included (the trainer feeds them too)
+                width = max(len(p) for p in prompts) + params.max_new_tokens
+                with self.routing.engine_recording(len(prompts) * n, width, self.device) as self._recording:
+                    rollout = self._multi_turn(prompts, n, params, generator, turns)
+                rollout.routes, rollout.routes_mask = self._recording.as_routes()
+                self._recording = None
+                return rollout
         check_request(self.model, prompts, n, params)
         if generator is not None and generator.device.type != self.device.type:
             raise UserError(f"generate() got a torch.Generator on {generator.device} for a model on {self.device}: "
@@ -245,9 +245,7 @@ class HFEngine:
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], -1)  # (N, P + t)
             positions = positions + 1  # (N, 1)
-            if self._recording is not None:  # the token fed now sits at `positions` of its row; ended rows feed padding
-                row_ids = torch.where(alive, torch.arange(rows, device=self.device), -1)
-                self.routing.set_layout(Layout(row_ids, positions[:, 0], torch.zeros_like(alive)))
+            self._record_at(alive[:, None], positions)  # the token fed now sits at `positions`; ended rows feed padding
             logits = self._decode_step(tokens, cache, attention_mask, positions)
         # The loop stops at the first step after which all rows ended, so T is already the longest completion.
         return (
@@ -297,6 +295,7 @@ class HFEngine:
                 real = torch.cat([real, alive[:, None]], -1)  # the token fed now is real where it was sampled
                 positions = positions + 1  # (N, 1)
                 next_pos = next_pos + alive.long()
+                self._record_at(alive[:, None], positions)
                 logits = self._decode_step(tokens, cache, attention_mask, positions)
             tok, al = torch.stack(turn_tok, 1).cpu(), torch.stack(turn_alive, 1).cpu()  # (N, S) each
             lp = torch.stack(turn_logp, 1).float().cpu()
@@ -344,6 +343,7 @@ class HFEngine:
         ids, fed = ids.to(self.device), fed.to(self.device)
         start = next_pos[:, None] - (width - fed.sum(-1, keepdim=True))  # (N, 1): real tokens continue at next_pos
         pos = (start + torch.arange(width, device=self.device)[None, :]).clamp(min=0)  # (N, width)
+        self._record_at(fed, pos)
         real = torch.cat([real, fed], -1)
         attention_mask = real.long()  # padding columns out: rows that waited never attend to what they were fed
         out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=pos, use_cache=True,
@@ -389,6 +389,14 @@ class HFEngine:
             **{self._cache_arg: cache},
         )
         return out.logits[:, -1].float()  # (N, V)
+
+    def _record_at(self, fed: torch.Tensor, positions: torch.Tensor) -> None:
+        """R3: the next forward's tokens are recorded at ``positions`` (N, S) of their rows where ``fed`` (N, S)."""
+        if self._recording is None:
+            return
+        rows = torch.arange(fed.shape[0], device=self.device)[:, None].expand_as(fed)
+        self.routing.set_layout(Layout(torch.where(fed, rows, -1).reshape(-1), positions.reshape(-1),
+                                       torch.zeros_like(fed).reshape(-1)))
 
     def _autocast(self):
         return autocast_context(self.device, self.autocast_dtype)
