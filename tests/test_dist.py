@@ -452,13 +452,15 @@ def turn_taking_dir(tmp_path_factory, tokenizer):
 
 
 def test_multi_turn_rows_train_under_two_processes(turn_taking_dir, tmp_path):
-    """An environment under torchrun (2 processes, DDP): each process runs its share of the trajectories in its own
-    environment workers, the rows hold several turns, the env/* metrics are the job's, and the run directory is whole."""
+    """An environment under torchrun (2 processes, DDP), GSPO-token with per-turn credit: each process runs its share
+    of the trajectories in its own environment workers, the rows hold several turns (their turn rewards gathered with
+    them), the env/* metrics are the job's, and the run directory is whole."""
     from gspo.runlog.metrics import read_jsonl
 
     run = tmp_path / "run"
     overrides = _overrides(turn_taking_dir, "train.steps=4", "dist.strategy='ddp'", "env.path='env_fixtures:Echo'",
-                           "env.workers=1", "env.max_turn_tokens=4", "rollout.max_new_tokens=40", "rewards.functions=[]")
+                           "env.workers=1", "env.max_turn_tokens=4", "rollout.max_new_tokens=40", "rewards.functions=[]",
+                           "algorithm='gspo_token'", "loss.step_credit='env'")  # each turn credited with its reward
     done = _train(tmp_path, _torchrun(2), overrides, "--run-dir", str(run))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_jsonl(run / "metrics.jsonl")

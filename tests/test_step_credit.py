@@ -111,3 +111,43 @@ def test_a_step_credit_module_in_the_current_folder_is_found(user_folder):
     """loss.step_credit = 'my_steps:spans' with my_steps.py in the folder the command runs in loads that function."""
     (user_folder / "cwd_steps.py").write_text("def spans(c, e):\n    return [(len(c), 1.0)]\n")
     assert load_step_credit("cwd_steps:spans")("ab", None) == [(2, 1.0)]
+
+
+def test_each_turn_of_a_multi_turn_row_is_a_step_credited_with_its_environment_reward():
+    """loss.step_credit = 'env', by hand (scale 'none' only centres the credits over the group's steps):
+    row 0: turn 1 = tokens 0-1 (reward 0), two appended tokens, turn 2 = tokens 4-6 (reward 1);
+    row 1: turn 1 = tokens 0-2 (reward 0.5), an appended token, turn 2 = token 4, cut off (no reward: no step).
+    Credits 0, 1, 0.5 have mean 0.5: centred -0.5, 0.5 (row 0) and 0 (row 1). A token gets its outcome advantage plus
+    the centred credit of its turn and every later turn: row 0: 0.5 - 0.5 + 0.5 = 0.5 on turn 1, 0.5 + 0.5 = 1.0 on
+    turn 2 (appended tokens carry a value too, out of the loss mask); row 1: -0.5 throughout. A trajectory whose
+    environment failed (NaN reward) gets no process credit."""
+    from gspo.rewards.steps import turn_advantages
+    from gspo.types import Rollout
+
+    sampled = torch.tensor([[1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 0, 1, 0, 0]], dtype=torch.bool)
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2], dtype=torch.bool)
+    rollout = Rollout(prompt_ids=[[1], [1]], completion_ids=torch.zeros(2, 7, dtype=torch.long), completion_mask=mask,
+                      logprobs=torch.zeros(2, 7), finish_reasons=["stop", "length"], texts=["", ""], pad_id=0,
+                      sampled_mask=sampled, turn_rewards=[[0.0, 1.0], [0.5]])
+    outcome = torch.tensor([0.5, -0.5])
+    adv = turn_advantages(rollout, outcome, torch.tensor([1.0, 0.5]), group_size=2, weight=1.0, scale="none")
+    assert adv.shape == (2, 7)
+    torch.testing.assert_close(adv[0], torch.tensor([0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0], dtype=adv.dtype))
+    torch.testing.assert_close(adv[1, :5], torch.full((5,), -0.5, dtype=adv.dtype))
+    failed = turn_advantages(rollout, outcome, torch.tensor([float("nan"), 0.5]), group_size=2, weight=1.0,
+                             scale="none")
+    torch.testing.assert_close(failed[0], torch.full((7,), 0.5, dtype=adv.dtype))  # one step left: centred to 0
+
+
+def test_env_step_credit_needs_an_environment_and_other_step_credits_do_not_take_one():
+    from gspo.config import build_config
+
+    env = {"env": {"path": "gspo.envs.builtin:GuessNumber"}, "data": {"task": "guess_number"},
+           "algorithm": "gspo_token"}
+    build_config({**env, "loss": {"step_credit": "env"}})
+    with pytest.raises(UserError, match=r"^loss.step_credit = 'env' credits each turn .* set env.path"):
+        build_config({"algorithm": "gspo_token", "loss": {"step_credit": "env"}})
+    with pytest.raises(UserError, match=r"^loss.step_credit = 'task' splits one reply into steps, not a multi-turn row"):
+        build_config({**env, "loss": {"step_credit": "task"}})
+    with pytest.raises(UserError, match="sequence-level ratio cannot take"):
+        build_config({**env, "algorithm": "gspo", "loss": {"step_credit": "env"}})

@@ -123,6 +123,9 @@ class Rollout(RowFields):
     # Multi-turn rows (gspo.envs): True on the tokens the engine sampled, False on the appended ones (tool results,
     # observations, template tokens), which are fed to the model but never trained on; None: every completion token
     sampled_mask: torch.Tensor | None = field(default=None, metadata={"pad": False})  # (N, T) bool
+    # Multi-turn rows: per row, the environment's step reward of each turn that ended on a stop token (0 where the
+    # turn got tool results rather than a step), in order: the turns' credit for ``loss.step_credit = "env"``
+    turn_rewards: list[list[float]] | None = None
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -165,9 +165,10 @@ def check_env(cfg: Config) -> None:
     if cfg.rollout.engine == "vllm":
         raise UserError("rollout.engine = 'vllm' does not run multi-turn rows yet (env.path / env.tools); use "
                         "rollout.engine = 'graph', 'hf' or 'auto'.")
-    if cfg.loss.step_credit is not None:
-        raise UserError("loss.step_credit with an environment is not supported yet (its steps are characters of one "
-                        "reply); leave loss.step_credit unset with env.path / env.tools.")
+    if cfg.loss.step_credit not in (None, "env"):
+        raise UserError(f"loss.step_credit = {cfg.loss.step_credit!r} splits one reply into steps, not a multi-turn "
+                        "row; with env.path use loss.step_credit = 'env' (each turn credited with its step reward), "
+                        "or leave it unset.")
     if cfg.moe.routing_replay == "rollout" and cfg.rollout.engine == "graph":
         raise UserError("The graph engine does not record multi-turn rows' routes (moe.routing_replay = 'rollout') "
                         "yet; use rollout.engine = 'hf' (or 'auto', which picks it then), or moe.routing_replay = "
@@ -245,6 +246,9 @@ def check_step_credit(cfg: Config) -> None:
     """``loss.step_credit = "task"`` needs a task that has steps, and any step credit a token-level ratio. The task
     is checked first: with both wrong, naming a function is the fix the user needs before choosing a ratio."""
     lc = cfg.loss
+    if lc.step_credit == "env" and not cfg.env.path:
+        raise UserError("loss.step_credit = 'env' credits each turn with the reward env.path's step() gives it; set "
+                        "env.path, or name a 'module:function' step credit instead.")
     if lc.step_credit == "task" and cfg.data.task not in TASK_STEP_CREDIT:
         raise UserError(f"loss.step_credit = 'task': data.task = {cfg.data.task!r} has no built-in step credit (only "
                         f"{', '.join(TASK_STEP_CREDIT)} do); name a 'module:function' instead.")

@@ -132,7 +132,8 @@ class LossConfig:
     step_credit: str | None = None
     """Per-token advantages from process credit: ``module:function`` splitting a completion into scored steps
     (``gspo.rewards.builtin:running_sum_step_spans`` / ``numbered_words_line_spans`` for the long tasks; ``task``
-    picks the one of ``data.task``). Each token
+    picks the one of ``data.task``; ``env``: with ``env.path``, each turn is a step credited with the reward its
+    ``step`` returned). Each token
     gets the outcome advantage plus the normalised credit of its step and every later one (DeepSeekMath's process
     supervision; centred on the group's steps and scaled as ``loss.advantage_scale`` says). Token-level ratios only:
     GSPO-token (``gspo_token``) or GRPO-family presets."""

@@ -51,6 +51,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     appended: int = 0  # tokens of tool results, observations and template appended to the row
+    step_rewards: list[float] = field(default_factory=list)  # per turn that ended on a stop token: its step reward
     messages: list[dict[str, str]] = field(default_factory=list)  # every message after the prompt, for the logs
 
 
@@ -115,6 +116,7 @@ class Episodes:
                 self.pool.forget([t.id for t in self.rows])
         for t, reason in zip(self.rows, rollout.finish_reasons):
             t.turns += reason == FINISH_LENGTH  # its last turn was cut off: the engine did not report it
+        rollout.turn_rewards = [list(t.step_rewards) for t in self.rows]
         return rollout, self._result()
 
     def _reset(self, examples: list[Example], prompt_ids: list[list[int]], n: int) -> list[list[int]]:
@@ -144,6 +146,7 @@ class Episodes:
         for r, ids in zip(rows, turn_ids):
             t = self.rows[r]
             t.turns += 1
+            t.step_rewards.append(0.0)
             if t.error is not None or ids[-1] != self.turns.end_id:
                 continue
             text = self.tokenizer.decode(ids[:-1], skip_special_tokens=True)
@@ -177,6 +180,7 @@ class Episodes:
             else:
                 messages, reward, finished = value
                 t.reward += reward
+                t.step_rewards[-1] = reward
                 replies[r].extend(messages)
                 if finished:
                     done.add(r)

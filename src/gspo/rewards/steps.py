@@ -49,6 +49,23 @@ def token_starts(tokenizer, ids: list[int], text: str) -> list[int]:
     return [len(tokenizer.decode(ids[:t], skip_special_tokens=True).rstrip("\ufffd")) for t in range(len(ids))]
 
 
+def turn_advantages(rollout, outcome: torch.Tensor, rewards: torch.Tensor, group_size: int, weight: float,
+                    scale: str = "group") -> torch.Tensor:
+    """Per-token advantages ``(N, T)`` of multi-turn rows (``loss.step_credit = "env"``): each turn is a step whose
+    credit is the environment's reward for it (``rollout.turn_rewards``), ending just past the turn's last sampled
+    token (see :func:`gspo.algorithms.advantages.step_advantages`). A turn cut off by a token limit has no reward and
+    keeps the outcome advantage alone; a trajectory whose environment failed (NaN reward) gets no process credit."""
+    step_ends, step_credit = [], []
+    for i, credits in enumerate(rollout.turn_rewards):
+        sampled = rollout.sampled[i].tolist()
+        ends = [t + 1 for t in range(len(sampled)) if sampled[t] and (t + 1 == len(sampled) or not sampled[t + 1])]
+        k = 0 if rewards[i] != rewards[i] else min(len(ends), len(credits))
+        step_ends.append(ends[:k])
+        step_credit.append(list(credits[:k]))
+    return step_advantages(outcome, step_ends, step_credit, group_size, rollout.completion_ids.shape[1],
+                           weight=weight, scale=scale)
+
+
 def token_advantages(spans: list[tuple[list[int], list[float]]], tokenizer, rollout, outcome: torch.Tensor,
                      group_size: int, weight: float, scale: str = "group") -> torch.Tensor:
     """Per-token advantages ``(N, T)`` of a rollout batch: each completion's steps (``spans``: character ends and

@@ -29,7 +29,7 @@ from gspo.runlog.profiler import stage
 from gspo.prompts import encode_prompts
 from gspo.envs.episodes import COUNTS as env_counts, Episodes, batch_metrics as env_metrics
 from gspo.rewards.runner import RewardRunner
-from gspo.rewards.steps import token_advantages
+from gspo.rewards.steps import token_advantages, turn_advantages
 from gspo.types import FINISH_LENGTH, Batch, Example, Groups, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
@@ -278,6 +278,9 @@ class Collector:
             spans = self.rewards.step_spans(rollout.texts, groups.examples)
             adv = token_advantages(spans, self.tokenizer, rollout, adv, cfg.rollout.group_size,
                                    cfg.loss.step_credit_weight, cfg.loss.advantage_scale)
+        elif cfg.loss.step_credit == "env":  # (N, T): the same, each turn a step credited with its environment reward
+            adv = turn_advantages(rollout, adv, groups.rewards, cfg.rollout.group_size, cfg.loss.step_credit_weight,
+                                  cfg.loss.advantage_scale)
         loss_mask = rollout.sampled.clone()  # (N, T): the tokens the policy chose
         truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
         if cfg.loss.mask_truncated:

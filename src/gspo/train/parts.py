@@ -55,7 +55,8 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
     # An environment's own rewards need no reward function; otherwise the task's verifier is the default one
     specs = ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions]
              or ([] if cfg.env.path else [RewardSpec(default_reward(cfg.data.task))]))
-    steps = TASK_STEP_CREDIT[cfg.data.task] if cfg.loss.step_credit == "task" else cfg.loss.step_credit
+    # loss.step_credit = "env": the turns' rewards come with the rollout, no function to run in the workers
+    steps = {"task": TASK_STEP_CREDIT.get(cfg.data.task), "env": None}.get(cfg.loss.step_credit, cfg.loss.step_credit)
     rewards = RewardRunner(specs, workers=cfg.rewards.workers if specs or steps else 0, timeout_s=cfg.rewards.timeout_s,
                            steps=steps, allow_empty=bool(cfg.env.path))  # starts in the background
     lap("reward_functions")
