@@ -347,3 +347,30 @@ def test_multi_turn_runs_on_the_graph_and_simple_engines_and_what_cannot_is_refu
     build_config(r3)  # auto: the simple engine records multi-turn routes
     with pytest.raises(UserError, match=r"^The graph engine does not record multi-turn rows' routes"):
         build_config({**r3, "rollout": {"engine": "graph"}})
+
+
+def test_an_environment_that_never_says_done_stops_at_max_turns_or_at_the_token_limit(tiny_model, tokenizer):
+    """env_fixtures:NeverDone answers every turn and never ends the episode: with room, each trajectory stops after
+    env.max_turns assistant turns (the last one's answer is not appended); with rollout.max_new_tokens too small for
+    that, the row ends when the completion is full -- mid-turn (finish reason "length") or when the next answer no
+    longer fits (its last turn complete: "stop"). Either way the reward is what the trajectory earned (0 here), never
+    a failure."""
+    stop = stop_token_ids(tokenizer)
+    model = _biased(tiny_model, tokenizer, stop[-1], 14.0)  # turns of a token or two
+    engine = HFEngine(model, tokenizer, stop_ids=stop)
+    ep = _episodes(tokenizer, path="env_fixtures:NeverDone", max_turns=3)
+    try:
+        examples = [Example(prompt="Say something.", answer="0")]
+        for max_new in (200, 12):
+            params = SamplingParams(max_new_tokens=max_new, temperature=1.0)
+            rollout, result = ep.run(engine, examples, ep.encode(examples), 4, params, torch.Generator().manual_seed(0))
+            assert result.first_error is None and torch.equal(result.rewards, torch.zeros(4))
+            assert (rollout.lengths <= max_new).all()
+            texts = [tokenizer.decode(rollout.completion_ids[i][rollout.completion_mask[i]]) for i in range(4)]
+            if max_new == 200:
+                assert set(rollout.finish_reasons) == {"stop"} and all(t.turns == 3 for t in result.trajectories)
+                assert all(text.count("go on") == 2 for text in texts)
+            else:  # the answers ("go on" and the template: ~10 ids) fit once at most
+                assert all(t.turns < 3 and text.count("go on") <= 1 for t, text in zip(result.trajectories, texts))
+    finally:
+        ep.close()
