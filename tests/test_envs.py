@@ -336,13 +336,11 @@ def test_tool_calls_are_read_in_each_familys_format():
         ("mistral", "llama3", "hermes")
 
 
-def test_multi_turn_runs_on_the_graph_and_simple_engines_and_what_cannot_is_refused_in_one_line():
+def test_multi_turn_runs_on_every_engine_and_what_cannot_is_refused_in_one_line():
     from gspo.config import build_config
 
-    for engine in ("auto", "graph", "hf"):
+    for engine in ("auto", "graph", "hf", "vllm"):
         build_config({"env": {"tools": ["gspo.envs.builtin:calculator"]}, "rollout": {"engine": engine}})
-    with pytest.raises(UserError, match=r"^rollout.engine = 'vllm' does not run multi-turn rows yet .*'auto'\.$"):
-        build_config({"env": {"tools": ["gspo.envs.builtin:calculator"]}, "rollout": {"engine": "vllm"}})
     r3 = {"env": {"tools": ["gspo.envs.builtin:calculator"]}, "moe": {"routing_replay": "rollout"}}
     build_config(r3)  # auto: the simple engine records multi-turn routes
     with pytest.raises(UserError, match=r"^The graph engine does not record multi-turn rows' routes"):

