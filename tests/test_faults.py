@@ -596,15 +596,16 @@ import os, signal, sys
 from gspo.cli import main
 from gspo.runlog import RunLog
 from gspo.train.loop import Trainer
+import transformers.models.llama.modeling_llama  # noqa: F401  (what every run loads: imported once, before the forks)
 
-kill_at, seen, armed = int(os.environ["GSPO_TEST_KILL_AT"]), [0], [False]
+kill_at, seen, armed = [0], [0], [False]
 
 
 def counted(real):
     def call(*args, **kwargs):
         if armed[0]:
             seen[0] += 1
-            if seen[0] == kill_at:
+            if seen[0] == kill_at[0]:
                 os.kill(os.getpid(), signal.SIGKILL)
             print(f"operation {seen[0]}: {real.__name__} {args[:1]}", file=sys.stderr, flush=True)
         return real(*args, **kwargs)
@@ -628,7 +629,27 @@ def rewind(self, step, rollout_batch):  # the rollback's last act; then one more
 
 
 Trainer.restore, RunLog.rewind = restore, rewind
-sys.exit(main(sys.argv[1:]))
+# A line "KILL_AT RUN_DIR" on stdin: `gspo train ARGV --run-dir RUN_DIR` in a process forked from this one (the imports
+# above, most of a process start, are paid once), killed at its KILL_AT-th operation; its stdout and stderr go to
+# RUN_DIR.out; the line answered is how it ended (its exit code, or minus the signal that killed it).
+while line := sys.stdin.readline():
+    at, run = line.split(maxsplit=1)
+    run = run.strip()
+    pid = os.fork()
+    if pid == 0:
+        kill_at[0] = int(at)
+        out = os.open(run + ".out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        sys.argv = ["gspo", *sys.argv[1:], "--run-dir", run]
+        try:
+            code = main(sys.argv[1:])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """
 
 
@@ -636,7 +657,11 @@ def test_kills_at_every_file_operation_of_a_rollback_leave_a_resumable_run(tiny_
     """A sentinel rollback renames the abandoned checkpoints and rewinds the log files. The run is SIGKILLed at each
     of the rollback's file operations in turn (every rename, replace and fsync after it begins, then right after it
     ends); after each kill, `--resume` trains to the end, and the run directory passes check_run_dir (every line
-    parses, steps 1..N once each, every complete checkpoint loads)."""
+    parses, steps 1..N once each, every complete checkpoint loads). Each killed `gspo train` is a process of its own,
+    forked from one that imported gspo, torch and transformers once (an import per kill point took most of the
+    test's time)."""
+    import select
+
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
     overrides = [f"model.name='{tiny_dir}'", "model.device='cpu'", "rollout.prompts_per_batch=2",
@@ -644,28 +669,43 @@ def test_kills_at_every_file_operation_of_a_rollback_leave_a_resumable_run(tiny_
                  "train.lr=1e-3", "rewards.workers=0", "log.progress=false", "log.checkpoint_every=1",
                  "log.histograms=false", "log.trace_every=0", "sentinel.action='rollback'", "sentinel.reward_drop=0.05",
                  "sentinel.window=1", "rewards.functions=[{path='trainer_rewards:collapses_in_third_batch'}]"]
+    forks = subprocess.Popen([sys.executable, "-c", KILL_IN_ROLLBACK, "train", *overrides], cwd=tmp_path,
+                             env={**env, "GSPO_TEST_COLLAPSE": "1"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
 
-    def run_killed_at(kill_at: int, run: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", KILL_IN_ROLLBACK, "train", *overrides, "--run-dir", str(run)],
-                              cwd=tmp_path, env={**env, "GSPO_TEST_KILL_AT": str(kill_at), "GSPO_TEST_COLLAPSE": "1"},
-                              capture_output=True, text=True, timeout=300)
+    def run_killed_at(kill_at: int, run: Path) -> tuple[int, str]:
+        """How `gspo train` killed at its ``kill_at``-th operation ended (minus the signal), and its stderr."""
+        forks.stdin.write(f"{kill_at} {run}\n")
+        forks.stdin.flush()
+        assert select.select([forks.stdout], [], [], 300)[0], "a run killed at a file operation never ended"
+        code = forks.stdout.readline()
+        assert code, f"the process that forks the runs died (exit {forks.wait()})"
+        return int(code), Path(f"{run}.out").read_text()
 
-    whole = run_killed_at(10**6, tmp_path / "whole")  # the rollback's file operations, in order
-    assert whole.returncode == 0 and "rollback complete" in whole.stderr, whole.stderr[-2000:]
-    check_run_dir(tmp_path / "whole", 8)
-    ops = [line for line in whole.stderr.splitlines() if line.startswith("operation ")]
-    # Every operation on the checkpoints and on metrics.jsonl (the directory's fsync after its rename included), and
-    # the last one, right after the rollback. The other logs go through the same JsonlWriter; each kill point costs a
-    # process start.
-    last_metrics = max(i for i, line in enumerate(ops, 1) if "metrics.jsonl" in line) + 1
-    points = [*range(1, last_metrics + 1), len(ops)]
-    for kill_at in points:
-        run = tmp_path / f"kill-{kill_at}"
-        assert run_killed_at(kill_at, run).returncode == -signal.SIGKILL
-        # The resume runs in this process (no collapse is asked for here): a process start per point is enough.
-        Trainer(build_config({}, overrides, device="cpu"), run, resume=True).train()
-        check_run_dir(run, 8)
-        assert not any(p.name.endswith(".tmp") for p in (run / "checkpoints").iterdir())
+    try:
+        code, err = run_killed_at(10**6, tmp_path / "whole")  # the rollback's file operations, in order
+        assert code == 0 and "rollback complete" in err, err[-2000:]
+        check_run_dir(tmp_path / "whole", 8)
+        ops = [line for line in err.splitlines() if line.startswith("operation ")]
+        # Every operation on the checkpoints and on metrics.jsonl (the directory's fsync after its rename included),
+        # and the last one, right after the rollback. The other logs go through the same JsonlWriter; each kill point
+        # costs a run up to the rollback.
+        last_metrics = max(i for i, line in enumerate(ops, 1) if "metrics.jsonl" in line) + 1
+        points = [*range(1, last_metrics + 1), len(ops)]
+        for kill_at in points:
+            run = tmp_path / f"kill-{kill_at}"
+            code, err = run_killed_at(kill_at, run)
+            assert code == -signal.SIGKILL, err[-2000:]
+            # The resume runs in this process (no collapse is asked for here).
+            Trainer(build_config({}, overrides, device="cpu"), run, resume=True).train()
+            check_run_dir(run, 8)
+            assert not any(p.name.endswith(".tmp") for p in (run / "checkpoints").iterdir())
+    finally:
+        forks.stdin.close()  # it exits once the run in progress, if any, has ended
+        try:
+            forks.wait(timeout=300)
+        finally:
+            forks.kill()
     # a rename per abandoned checkpoint, an fsync and a replace per log file and the directory's fsync, the end
     assert any("rename" in op and "step-" in op for op in ops) and any("metrics.jsonl" in op for op in ops), ops
 

@@ -34,7 +34,9 @@ from gspo.errors import UserError
 
 JOB_DIR = "GSPO_JOB_DIR"
 AGENT_FILE = "torchrun.json"
-MARGIN_S = 15.0  # past torchrun's own wait for the workers (dist.timeout_s): its SIGKILL to them, and its own exit
+# Past torchrun's own wait for the workers (dist.timeout_s): its SIGKILL to them, and its own exit. The tests shorten
+# it with GSPO_LAUNCH_MARGIN_S where torchrun is made to hang and the margin is only waited out.
+MARGIN_S = float(os.environ.get("GSPO_LAUNCH_MARGIN_S") or 15.0)
 STOP_CODES = {130: "SIGINT", 143: "SIGTERM", -signal.SIGINT: "SIGINT", -signal.SIGTERM: "SIGTERM"}
 
 
