@@ -110,10 +110,11 @@ ENGINE_PARAMS = ["hf", "graph", pytest.param("graph-fused-compact", marks=pytest
     torch.cuda.is_available(), reason="CPU tensors: with CUDA, test_gpu.py runs the fused step on the device"))]
 
 
-@pytest.mark.parametrize("engine", ENGINE_PARAMS)
+@pytest.mark.parametrize("engine", ["hf", "graph"])
 def test_rows_that_end_after_one_turn_are_the_single_turn_rollout_bit_for_bit(tiny_model, tokenizer, engine):
     """With a TurnEnds that finishes every row at its first turn, the multi-turn path draws, feeds and records exactly
-    what the single-turn loop does (same seed): tokens, log-probs, masks, finish reasons."""
+    what the single-turn loop does (same seed): tokens, log-probs, masks, finish reasons. (The fused step with
+    compaction: test_gpu.py, on CUDA graphs; in Triton's interpreter it took 45 s of CI.)"""
     stop = stop_token_ids(tokenizer)
     engine = ENGINES[engine](_biased(tiny_model, tokenizer, stop[-1], 11.0), tokenizer, stop)
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
