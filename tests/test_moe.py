@@ -292,17 +292,24 @@ def test_the_hf_engine_records_every_fed_token_and_agrees_with_the_trainer():
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     r = engine.generate(prompts, 3, SamplingParams(max_new_tokens=7), generator=torch.Generator().manual_seed(0))
     assert r.routes.shape[:2] == r.routes_mask.shape and r.routes.dtype == torch.uint8
+    _check_engine_routes(model, routing, r)
+    assert torch.equal(r.routes[0, :3], r.routes[2, :3]) and torch.equal(r.routes[3, :5], r.routes[5, :5])
+    routing.close()
+
+
+def _check_engine_routes(model, routing, r) -> None:
+    """Every fed position of each row (prompt and completion but the last sampled token) is recorded, and the
+    trainer's old-policy pass replaying the records routes the same way (flip rate ~0: same weights and precision)."""
     for i, prompt in enumerate(r.prompt_ids):
         fed = len(prompt) + int(r.completion_mask[i].sum()) - 1
-        assert r.routes_mask[i].nonzero().flatten().tolist() == list(range(fed))
-    assert torch.equal(r.routes[0, :3], r.routes[2, :3]) and torch.equal(r.routes[3, :5], r.routes[5, :5])
-    routing.begin_batch(6, int(r.routes_mask.sum(-1).max()) + 1, torch.device("cpu"))
+        assert r.routes_mask[i].nonzero().flatten().tolist() == list(range(fed)), i
+    n = len(r.prompt_ids)
+    routing.begin_batch(n, int(r.routes_mask.sum(-1).max()) + 1, torch.device("cpu"))
     routing.load_rollout_routes(r.routes, r.routes_mask)
     with routing.updating(), torch.no_grad():
         sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=0, routing=routing,
-                          row_ids=torch.arange(6))
+                          row_ids=torch.arange(n))
     assert routing._slots.sum() > 0 and routing.flip_metrics()["moe/flip_rate"].item() <= 0.01
-    routing.close()
 
 
 def test_the_hf_engine_records_the_routes_of_multi_turn_rows_appended_tokens_included():
@@ -331,15 +338,7 @@ def test_the_hf_engine_records_the_routes_of_multi_turn_rows_appended_tokens_inc
     r = engine.generate([[5, 6, 7], [9, 10, 11, 12, 13]], 3, SamplingParams(max_new_tokens=30, max_turn_tokens=8),
                         generator=torch.Generator().manual_seed(0), turns=answers)
     assert len(answers.calls) >= 2 and (r.completion_mask & ~r.sampled).any()
-    for i, prompt in enumerate(r.prompt_ids):
-        fed = len(prompt) + int(r.completion_mask[i].sum()) - 1
-        assert r.routes_mask[i].nonzero().flatten().tolist() == list(range(fed)), i
-    routing.begin_batch(6, int(r.routes_mask.sum(-1).max()) + 1, torch.device("cpu"))
-    routing.load_rollout_routes(r.routes, r.routes_mask)
-    with routing.updating(), torch.no_grad():
-        sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=0, routing=routing,
-                          row_ids=torch.arange(6))
-    assert routing._slots.sum() > 0 and routing.flip_metrics()["moe/flip_rate"].item() <= 0.01
+    _check_engine_routes(model, routing, r)
     graph = GraphEngine(model, Tok(), stop_ids=[2], device="cpu", routing=routing)
     with pytest.raises(UserError, match="^The graph engine does not record multi-turn rows' routes"):
         graph.generate([[5, 6, 7]], 2, SamplingParams(max_new_tokens=4), turns=answers)
