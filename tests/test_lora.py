@@ -13,6 +13,7 @@ from gspo.types import SamplingParams  # noqa: E402
 
 from test_moe import moe_dir  # noqa: E402,F401  (a tiny Mixtral, module fixture)
 from test_trainer import tiny_config, tiny_dir  # noqa: E402,F401  (the module fixture)
+from test_dist import turn_taking_dir  # noqa: E402,F401  (a tiny model that ends turns often, module fixture)
 
 LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
 
@@ -190,3 +191,28 @@ def test_lora_targets_that_miss_or_hit_the_wrong_things_are_refused(tiny_dir, tm
     """peft accepts a list of targets when one entry matches: each entry must name a module of the model."""
     with pytest.raises(UserError, match=match):
         Trainer(_lora(tiny_dir, *overrides), tmp_path / "run")
+
+
+def test_adapters_train_on_multi_turn_rows(turn_taking_dir, tmp_path):
+    """LoRA with an environment (env_fixtures:Echo) on a tiny model that ends turns often: rows hold several turns,
+    only the adapters move, and the engine's copy of the merged weights gives the adapted policy's log-probs on every
+    sampled token of every turn (appended answers out of the comparison, as out of the loss)."""
+    from test_envs import Answers
+
+    cfg = tiny_config(turn_taking_dir, *LORA, "train.steps=2", "env.path='env_fixtures:Echo'", "env.workers=0",
+                      "env.max_turn_tokens=4", "rollout.max_new_tokens=40", "rewards.functions=[]")
+    trainer = Trainer(cfg, tmp_path / "run")
+    before = {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}
+    trainer.train()
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert rows and all(r["env/turns_mean"] > 1 for r in rows)
+    changed = {n for n, p in trainer.actor.model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all(".lora_" in n for n in changed)
+    trainer.engine.sync_weights(trainer.actor.weights())
+    answers = Answers([3] * 4, lambda r: [100, 101])
+    rollout = trainer.engine.generate([[1, 5, 9, 13], [1, 7, 7]], 2,
+                                      SamplingParams(max_new_tokens=30, temperature=1.0, max_turn_tokens=6),
+                                      generator=torch.Generator().manual_seed(0), turns=answers)
+    assert (rollout.completion_mask & ~rollout.sampled).any()
+    logp, _ = trainer.actor.logprobs(rollout)
+    assert (logp - rollout.logprobs)[rollout.sampled].abs().max() < 1e-4
