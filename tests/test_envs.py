@@ -142,7 +142,7 @@ def test_later_turns_continue_the_rows_kv_cache_exactly(tiny_model, tokenizer, e
     rows = 12
     appended = {r: list(range(100 + r, 100 + r + 1 + r % 4)) for r in range(rows)}  # 1-4 ids, different per row
     answers = Answers([3, 2, 3, 1, 2, 3, 1, 3, 2, 2, 1, 3], lambda r: appended[r])
-    params = SamplingParams(max_new_tokens=60, temperature=1.0, max_turn_tokens=10)
+    params = SamplingParams(max_new_tokens=36, temperature=1.0, max_turn_tokens=8)
     compacted = []
     if getattr(engine, "compact", False):  # the rows moved by each compaction (the step's rows, in their new order)
         move = engine._compact
