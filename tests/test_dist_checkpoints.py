@@ -91,8 +91,10 @@ def test_a_damaged_sharded_checkpoint_is_skipped_on_resume(sharded_run, tmp_path
 
 def _error_lines(stderr: str) -> list[str]:
     """Each process's `gspo: error:` line; under plain torchrun two processes may write theirs into one line of the
-    shared stderr, so they are split at the prefix, not at newlines."""
-    return ["gspo: error: " + part.split("\n", 1)[0] for part in stderr.split("gspo: error: ")[1:]]
+    shared stderr, or one's log line (`[gspo] ...`) may land right after the other's error line before its newline,
+    so they are split at the prefixes, not at newlines."""
+    return ["gspo: error: " + part.split("\n", 1)[0].split("[gspo] ", 1)[0]
+            for part in stderr.split("gspo: error: ")[1:]]
 
 
 def test_no_checkpoint_that_loads_ends_in_one_line(sharded_run, tmp_path, tiny_dir):  # noqa: F811
