@@ -8,7 +8,7 @@ import pytest
 
 from gspo.envs.turns import Turns, build_row, check_template, random_conversation
 from gspo.errors import UserError
-from gspo.models.load import stop_token_ids
+from gspo.models.load import load_model, stop_token_ids
 
 
 @pytest.fixture
@@ -270,6 +270,24 @@ def test_a_whole_multi_turn_run_trains_only_on_sampled_tokens(tiny_dir, tmp_path
 
     page = write_report([tmp_path / "run"], tmp_path / "report").read_text()
     assert "<h2>Conversations</h2>" in page and "<span class='trained'>" in page and "again" in page
+
+
+def test_eval_plays_the_environment_and_reports_its_reward_and_turns(tiny_dir, monkeypatch):  # noqa: F811
+    """`gspo eval` with an environment runs whole trajectories: env_fixtures:Echo pays 1 a step and ends after 3, and
+    turns that end (the LM head biased to the stop token) give every trajectory, greedy or sampled, 3 turns and 3."""
+    import gspo.commands.evaluate as evaluation
+    from test_trainer import tiny_config
+
+    def biased_model(*args, **kwargs):
+        model, tokenizer = load_model(*args, **kwargs)
+        return _biased(model, tokenizer, stop_token_ids(tokenizer)[-1], 12.0), tokenizer
+
+    monkeypatch.setattr(evaluation, "load_model", biased_model)
+    cfg = tiny_config(tiny_dir, "env.path='env_fixtures:Echo'", "env.workers=1", "env.max_turn_tokens=4",
+                      "rollout.max_new_tokens=40", "rewards.functions=[]", "rewards.workers=0")
+    out = evaluation.evaluate(cfg, n=3, samples=2, batch_size=2)
+    assert out["greedy_turns"] == out["turns"] == 3.0 and out["greedy_reward"] == out["reward"] == 3.0
+    assert out["greedy_accuracy"] == out["pass@1"] == 1.0  # a score >= 1 counts as correct
 
 
 def test_environment_and_tool_modules_that_cannot_load_end_in_one_line(tokenizer, monkeypatch):

@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--algos", type=_presets, default="gspo,grpo",
                    help="comma-separated arms (default gspo,grpo): a preset, each optionally with suffixes: +r2 / +r3 "
                         "(Routing Replay R2 / R3), +enginelp (the engine's log-probs as the old policy's), +int8 (the "
-                        "engine samples from int8-rounded weights), +credit (the task's per-token step credit), "
+                        "engine samples from int8-rounded weights), +credit (the task's per-token step credit), +envcredit (per-turn credit from the environment's step rewards), "
                         "+mb<N> (N minibatches per rollout batch), +lr<X> (learning rate X); e.g. grpo+mb8,gspo+enginelp")
     m.add_argument("--seeds", type=_int_list, default="1", help="comma-separated seeds (default 1)")
     m.add_argument("--out", type=_out_dir, required=True, help="directory for the runs (<arm>-seed<seed>) and report/")
