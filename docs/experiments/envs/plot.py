@@ -1,4 +1,7 @@
-"""The figure of docs/experiments/envs/README.md from runs.json (per rollout batch: step, seconds, mean reward)."""
+"""The figure of docs/experiments/envs/README.md from runs.json (per rollout batch: step, seconds, mean reward).
+
+Left: the calculator's three-seed runs of lease 2, coloured by objective (the short ones ran out of GPU memory), and
+lease 1's run without the worked example (grey). Right: guess_number's three seeds of each arm."""
 import json
 from pathlib import Path
 
@@ -9,13 +12,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 here = Path(__file__).resolve().parent
 runs = json.loads((here / "runs.json").read_text())["runs"]
+colors = {"gspo": "tab:blue", "grpo": "tab:orange", "gspo_token": "tab:green", "gspo_token+envcredit": "tab:red"}
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-for ax, prefix, title in ((axes[0], "calculator", "calculator tool: 3-digit products (accuracy)"),
-                          (axes[1], "guess_number", "guess a number 1-10 (reward, optimum ~0.81)")):
+for ax, task, title, last in ((axes[0], "calculator", "calculator tool: 3-digit products (accuracy)", 1000),
+                              (axes[1], "guess_number", "guess a number 1-10 (reward, optimum ~0.81)", 300)):
+    shown = set()
     for label, run in runs.items():
-        if label.startswith(prefix):
-            b = run["batches"]
-            ax.plot([r[0] for r in b], [r[2] for r in b], label=label.removeprefix(prefix + " "), lw=1.2)
+        b = [r for r in run["batches"] if r[0] <= last]
+        steps, reward = [r[0] for r in b], [r[2] for r in b]
+        if task == "calculator" and label == "lease 1: calculator gspo, no example":
+            ax.plot(steps, reward, color="grey", ls="--", lw=1, label="gspo, no worked example (lease 1)")
+        if not label.startswith(f"lease 2: {task} "):
+            continue
+        arm = label.split(" ")[3].split("-seed")[0]
+        ax.plot(steps, reward, color=colors[arm], lw=1, alpha=0.8, label=None if arm in shown else arm)
+        shown.add(arm)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward of the rollout batch")
