@@ -173,7 +173,8 @@ def test_a_full_disk_while_logging_ends_in_one_line_and_keeps_whole_lines(small_
 
 
 def test_sigterm_to_the_process_group_during_scoring_loses_no_reward(tiny_dir, tmp_path):  # noqa: F811
-    """SIGTERM to the whole process group (how Slurm and systemd stop a job) while reward workers are scoring: the fork
+    """SIGTERM to the trainer and then to its whole process group (how `timeout`, Slurm and systemd stop a job) while
+    reward workers are scoring: the trainer takes the two as one request, the fork
     server and the workers ignore it, the batch is scored in full (no NaN reward), trained, checkpointed, and
     `gspo train` exits 143; --resume then completes the run. (The fork server used to die, taking the workers with it:
     the batch was trained on NaN rewards without a word.)"""
@@ -190,6 +191,10 @@ def test_sigterm_to_the_process_group_during_scoring_loses_no_reward(tiny_dir, t
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert marker.exists(), "the reward never ran"
+    # as GNU `timeout` stops a command: SIGTERM to it, then to its whole process group (the trainer gets two; it
+    # used to take the second as "stop now" and lose the checkpoint)
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.1)  # delivered by then: two pending SIGTERMs would merge into one in the kernel
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 143, err[-2000:]

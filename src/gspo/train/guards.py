@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -28,12 +29,19 @@ class StopSignals:
     once: it acknowledges the first signal when it comes, and after a second it interrupts the main thread
     (``KeyboardInterrupt`` at its next bytecode) and, if the main thread is still inside native code ``grace_s``
     later, flushes the log and ends the process (exit 130 / 143). Every line written so far is flushed per line and
-    checkpoints are complete or absent, so the run directory stays valid."""
+    checkpoints are complete or absent, so the run directory stays valid.
 
-    def __init__(self, describe=lambda: "the current rollout batch", grace_s: float = 5.0):
+    A SIGTERM repeated within ``repeat_s`` of the first is the same request delivered twice, not a second one: GNU
+    ``timeout`` signals the command and then its whole process group, and a job manager may do the same. Taken as a
+    second signal, it stopped ``timeout 300 gspo train ...`` without its checkpoint. (Ctrl-C reaches each process once,
+    so two SIGINTs are always two presses.)"""
+
+    def __init__(self, describe=lambda: "the current rollout batch", grace_s: float = 5.0, repeat_s: float = 1.0):
         self.received: str | None = None
         self._describe = describe
         self._grace_s = grace_s
+        self._repeat_s = repeat_s
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
         self._count = 0
         self._interrupted = False
@@ -55,8 +63,12 @@ class StopSignals:
         """The watcher's reaction to one signal."""
         name = signal.Signals(signum).name
         with self._lock:
+            if (self._count == 1 and signum == signal.SIGTERM and self.received == name
+                    and time.monotonic() - self._first_at < self._repeat_s):
+                return  # the first SIGTERM delivered again (to the process and to its group)
             self._count += 1
             count = self._count
+            self._first_at = self._first_at if count > 1 else time.monotonic()
         if count == 1:
             self.received = name
             log.warning("%s: finishing %s, then writing a checkpoint (%s again to stop now)", name, self._describe(),
