@@ -41,7 +41,8 @@ from gspo.models import (attention_context, attention_implementation, autocast_c
                          head_dim, kv_heads, named_weights, pad_prompts, pad_token_id, stop_token_ids)
 from gspo.models.moe import Routing, find_routers
 from gspo.rollout.fused import FusedDecoder, fused_unsupported
-from gspo.rollout.hf import assemble_turns, check_request, filter_logits
+from gspo.rollout.hf import check_request, filter_logits
+from gspo.rollout.turns import TurnRows
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
@@ -617,39 +618,24 @@ class GraphEngine:
         (``max_turn_tokens``, and what is left of ``max_new_tokens``); the rows ``turns`` answers get the answer's ids
         fed in one forward into their own caches (``_extend``), and the next turn decodes them. The first turn is
         the single-turn decode, step for step: rows that end after it are the single-turn rollout."""
-        T = params.max_new_tokens
-        per_turn = min(params.max_turn_tokens or T, T)
         rows = len(prompts) * n
-        pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(rows)]
-        length = [0] * rows  # completion tokens so far (sampled and appended)
-        finish = [FINISH_LENGTH] * rows
-        stop = set(self.stop_ids)
-        self._prefill(b, prompts, n, P, params, per_turn)
+        book = TurnRows(rows, params, turns, self.stop_ids)
+        self._prefill(b, prompts, n, P, params, book.per_turn)
         going = list(range(rows))
         while True:
             self._decode(b, params, keep_ended=True)
             at = torch.argsort(b.order)[:rows]  # (N,) the bucket row of each request row
             tok, logp, count = b.out_tok[at].cpu(), b.out_logp[at].float().cpu(), b.count[at].cpu()
-            ended = []
-            for r in going:
-                k = int(count[r])
-                ids = tok[r, :k].tolist()
-                pieces[r].append((ids, logp[r, :k].tolist(), True))
-                length[r] += k
-                if ids and ids[-1] in stop:  # else out of tokens for the turn or the whole completion: cut off
-                    ended.append(r)
-                    finish[r] = FINISH_STOP
-            answers = turns(ended, [pieces[r][-1][0] for r in ended]) if ended else []
-            going = [r for r, ids in zip(ended, answers) if ids and length[r] + len(ids) < T]  # room for a token
-            if not going:
+            ended = [r for r in going if book.sampled(r, tok[r, :int(count[r])].tolist(),
+                                                      logp[r, :int(count[r])].tolist())]
+            answers = book.answer(ended)
+            if not answers:
                 break
+            going = list(answers)
             # The stop token that ended each turn was sampled but not fed (the row had ended): it goes in first.
-            chunks = [[pieces[r][-1][0][-1], *answers[ended.index(r)]] for r in going]
-            for r, c in zip(going, chunks):
-                pieces[r].append((c[1:], [0.0] * (len(c) - 1), False))
-                length[r] += len(c) - 1
-            self._extend(b, at[going], chunks, [min(per_turn, T - length[r]) for r in going], params)
-        return assemble_turns(self.tokenizer, self.pad_id, prompts, n, pieces, finish)
+            self._extend(b, at[going], [[book.stop_token(r), *answers[r]] for r in going],
+                         [book.room(r) for r in going], params)
+        return book.rollout(self.tokenizer, self.pad_id, prompts, n)
 
     def _extend(self, b: _Bucket, at: torch.Tensor, chunks: list[list[int]], room: list[int],
                 params: SamplingParams) -> None:

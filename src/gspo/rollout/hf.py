@@ -30,6 +30,7 @@ from gspo.errors import UserError
 from gspo.models import (attention_context, autocast_context, cache_kwarg, eval_mode, pad_prompts, pad_token_id,
                          positions_from_mask, stop_token_ids)
 from gspo.models.moe import Layout, Routing, padded_layout
+from gspo.rollout.turns import TurnRows
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
 
@@ -88,31 +89,6 @@ def check_request(model, prompts: list[list[int]], n: int, params: SamplingParam
     if limit is not None and longest + params.max_new_tokens > limit:
         raise UserError(f"A prompt of {longest} tokens plus max_new_tokens={params.max_new_tokens} exceeds the "
                         f"model's context of {limit} positions: shorten the prompts or lower max_new_tokens.")
-
-
-def assemble_turns(tokenizer, pad_id: int, prompts: list[list[int]], n: int,
-                   pieces: list[list[tuple[list[int], list[float], bool]]], finish: list[str]) -> Rollout:
-    """Multi-turn rows from their pieces ``(ids, log-probs, sampled)``, in order, as right-padded tensors: every token,
-    which of them were sampled, their log-probs; a row's text is its last sampled turn's."""
-    seqs = [[t for ids, _, _ in row for t in ids] for row in pieces]
-    width = max(1, max(len(s) for s in seqs))
-    rows = len(seqs)
-    tokens = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.bool)
-    sampled = torch.zeros((rows, width), dtype=torch.bool)
-    logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    for r, row in enumerate(pieces):
-        at = 0
-        for ids, lps, was_sampled in row:
-            tokens[r, at:at + len(ids)] = torch.tensor(ids, dtype=torch.long)
-            logprobs[r, at:at + len(ids)] = torch.tensor(lps, dtype=torch.float32)
-            sampled[r, at:at + len(ids)] = was_sampled
-            at += len(ids)
-        mask[r, :at] = True
-    last = [next((ids for ids, _, s in reversed(row) if s), []) for row in pieces]
-    return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tokens, completion_mask=mask,
-                   logprobs=logprobs, finish_reasons=finish,
-                   texts=tokenizer.batch_decode(last, skip_special_tokens=True), pad_id=pad_id, sampled_mask=sampled)
 
 
 class HFEngine:
@@ -265,15 +241,12 @@ class HFEngine:
         real = attention_mask.bool()  # (N, P + t): the columns each row really holds
         next_pos = positions[:, 0] + 1  # (N,): where each row's next real token goes
         stop_ids = torch.tensor(self.stop_ids, device=self.device)
-        per_turn = params.max_turn_tokens or params.max_new_tokens
-        pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(rows)]
-        length = [0] * rows  # completion tokens so far (sampled and appended)
-        finish = [FINISH_LENGTH] * rows
+        book = TurnRows(rows, params, turns, self.stop_ids)
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)  # (N,): finished for good
         while True:
             waiting = torch.zeros(rows, dtype=torch.bool, device=self.device)  # (N,): turn ended, not yet answered
             cut = torch.zeros(rows, dtype=torch.bool, device=self.device)  # (N,): out of tokens, turn or row
-            room = torch.tensor([min(per_turn, params.max_new_tokens - n_) for n_ in length], device=self.device)
+            room = torch.tensor([book.room(r) for r in range(rows)], device=self.device)
             count = torch.zeros(rows, dtype=torch.long, device=self.device)
             turn_tok: list[torch.Tensor] = []
             turn_logp: list[torch.Tensor] = []
@@ -299,36 +272,19 @@ class HFEngine:
                 logits = self._decode_step(tokens, cache, attention_mask, positions)
             tok, al = torch.stack(turn_tok, 1).cpu(), torch.stack(turn_alive, 1).cpu()  # (N, S) each
             lp = torch.stack(turn_logp, 1).float().cpu()
-            ended = []
-            for r in range(rows):
-                if done[r]:
-                    continue
-                ids = tok[r][al[r]].tolist()
-                pieces[r].append((ids, lp[r][al[r]].tolist(), True))
-                length[r] += len(ids)
-                if waiting[r]:
-                    ended.append(r)
-                    finish[r] = FINISH_STOP
-                else:  # out of tokens for this turn or the whole completion: the row ends, cut off
-                    done[r] = True
+            ended = [r for r in range(rows) if not done[r] and book.sampled(r, tok[r][al[r]].tolist(),
+                                                                          lp[r][al[r]].tolist())]
             # the last token sampled in the segment has not been fed yet: it is, in the extension (or never)
-            answers = turns(ended, [pieces[r][-1][0] for r in ended]) if ended else []
-            going = {r: ids for r, ids in zip(ended, answers)
-                     if ids and length[r] + len(ids) < params.max_new_tokens}  # room for the answer and a token
-            for r in ended:
-                if r not in going:
-                    done[r] = True
+            going = book.answer(ended)
+            done |= torch.tensor([r not in going for r in range(rows)], device=self.device)
             if not going:
                 break
             # A turn that ended before the segment's last step had its stop token fed with the others' next tokens;
             # one that ended on the last step (`hit`) has not: it goes in first with the appended ids.
-            chunks = {r: ([pieces[r][-1][0][-1]] if hit[r] else []) + ids for r, ids in going.items()}
+            chunks = {r: ([book.stop_token(r)] if hit[r] else []) + ids for r, ids in going.items()}
             logits, attention_mask, real, positions, next_pos = self._extend(
                 chunks, cache, attention_mask, real, next_pos)
-            for r, ids in going.items():
-                pieces[r].append((ids, [0.0] * len(ids), False))
-                length[r] += len(ids)
-        return assemble_turns(self.tokenizer, self.pad_id, prompts, n, pieces, finish)
+        return book.rollout(self.tokenizer, self.pad_id, prompts, n)
 
     def _extend(self, chunks, cache, attention_mask, real, next_pos):
         """Feed each continuing row its ids ``chunks[r]`` in one forward (right-aligned, padding on the left masked

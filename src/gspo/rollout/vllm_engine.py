@@ -35,7 +35,8 @@ import torch
 
 from gspo.errors import UserError
 from gspo.models import pad_token_id
-from gspo.rollout.hf import assemble_turns, check_request
+from gspo.rollout.hf import check_request
+from gspo.rollout.turns import TurnRows
 from gspo.runtime import rng_state, set_rng_state
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
@@ -152,35 +153,24 @@ class VLLMEngine:
         """Rows of several turns: every row still going is one request a turn, its history as the prompt (row ``r``
         of turn ``k`` seeded ``base + k * N + r``); a turn ends on a stop token or its room, as in gspo's engines."""
         rows = len(prompts) * n
-        T = params.max_new_tokens
-        per_turn = min(params.max_turn_tokens or T, T)
+        book = TurnRows(rows, params, turns, self.stop_ids)
         history = [list(prompts[r // n]) for r in range(rows)]
-        pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(rows)]
-        length, finish = [0] * rows, [FINISH_LENGTH] * rows
         going, turn = list(range(rows)), 0
         while going:
-            requests = [self._request(params, min(per_turn, T - length[r]), base + turn * rows + r) for r in going]
+            requests = [self._request(params, book.room(r), base + turn * rows + r) for r in going]
             outs = self.llm.generate([{"prompt_token_ids": list(history[r])} for r in going], requests, use_tqdm=False)
             ended = []
             for r, out in zip(going, outs):
                 c = out.outputs[0]
                 ids = list(c.token_ids)
-                pieces[r].append((ids, [step[t].logprob for step, t in zip(c.logprobs, ids)], True))
-                length[r] += len(ids)
                 history[r] += ids
-                if ids and ids[-1] in self.stop_ids:  # else out of tokens for the turn or the completion: cut off
+                if book.sampled(r, ids, [step[t].logprob for step, t in zip(c.logprobs, ids)]):
                     ended.append(r)
-                    finish[r] = FINISH_STOP
-            answers = turns(ended, [pieces[r][-1][0] for r in ended]) if ended else []
-            going = []
-            for r, ids in zip(ended, answers):
-                if ids and length[r] + len(ids) < T:  # room for the answer and a token
-                    pieces[r].append((list(ids), [0.0] * len(ids), False))
-                    length[r] += len(ids)
-                    history[r] += ids
-                    going.append(r)
-            turn += 1
-        return assemble_turns(self.tokenizer, self.pad_id, prompts, n, pieces, finish)
+            answers = book.answer(ended)
+            for r, ids in answers.items():
+                history[r] += ids
+            going, turn = list(answers), turn + 1
+        return book.rollout(self.tokenizer, self.pad_id, prompts, n)
 
     def close(self) -> None:
         """Remove the config directory (vLLM's own memory goes with the object)."""
