@@ -624,6 +624,8 @@ class GraphEngine:
         going = list(range(rows))
         while True:
             self._decode(b, params, keep_ended=True)
+            if b.fused:
+                self._home(b)
             at = torch.argsort(b.order)[:rows]  # (N,) the bucket row of each request row
             tok, logp, count = b.out_tok[at].cpu(), b.out_logp[at].float().cpu(), b.count[at].cpu()
             ended = [r for r in going if book.sampled(r, tok[r, :int(count[r])].tolist(),
@@ -644,9 +646,10 @@ class GraphEngine:
         turn.
 
         One forward of every row of the bucket over a width of ``W`` ids, ``W`` the longest chunk rounded up to a power
-        of two: the shapes are static, so on CUDA the forward is a graph captured once per width and replayed (as
-        one eager forward it cost a roughly fixed 38-57 ms of kernel launches on an H200, 14-47% of re-prefilling the
-        history). Rows with nothing to feed are all padding and end at once; the host only fills the inputs."""
+        of two, attending the slots ``0 .. S-1``, ``S`` the furthest slot a fed row reaches rounded up to a power of two
+        (at least 64, at most the cache's length): the shapes are static, so on CUDA the forward is a graph captured
+        once per ``(W, S)`` and replayed (as one eager forward it cost a roughly fixed 38-57 ms of kernel launches on an
+        H200, 14-47% of re-prefilling the history). Rows with nothing to feed are all padding and end at once."""
         W = max(8, 1 << (max(len(c) for c in chunks) - 1).bit_length())
         ids = torch.full((b.batch, W), self.pad_id, dtype=torch.long)
         k = torch.zeros(b.batch, dtype=torch.int32)
@@ -658,40 +661,43 @@ class GraphEngine:
             b.extension[W] = tuple(t.to(self.device) for t in (ids, k, rooms))
         for buffer, value in zip(b.extension[W], (ids, k, rooms)):
             buffer.copy_(value)
+        reach = int((b.starts[:-1] % b.length + b.fill + b.extension[W][1]).max())  # slots the furthest row holds after
+        S = min(b.length, max(64, 1 << (reach - 1).bit_length()))
         if self.use_graphs:
             if b.extension_pool is None:
                 b.extension_pool = torch.cuda.graph_pool_handle()
-            self._capture(b, ("extend", W, *self._sampling_key(params)),
-                          lambda: self._extend_step(b, W, params), pool=b.extension_pool).replay()
+            self._capture(b, ("extend", W, S, *self._sampling_key(params)),
+                          lambda: self._extend_step(b, W, S, params), pool=b.extension_pool).replay()
         else:
-            self._extend_step(b, W, params)
+            self._extend_step(b, W, S, params)
 
-    def _extend_step(self, b: _Bucket, W: int, params: SamplingParams) -> None:
+    def _extend_step(self, b: _Bucket, W: int, S: int, params: SamplingParams) -> None:
         """The work of ``_extend`` on the bucket's static buffers (``b.extension[W]``: ids ``(B, W)``, right-aligned;
-        ids to feed ``(B,)``, 0 for a row that goes on no more; its room ``(B,)``); graph-safe.
+        ids to feed ``(B,)``, 0 for a row that goes on no more; its room ``(B,)``), attending slots ``0 .. S-1`` of
+        each row's own cache row (see ``_home``); graph-safe.
 
         Right-aligned: the padding on the left writes to the cache's last slot, which no row ever fills (a row's
-        last sampled token is never fed), and attends the row's first slot only. Each bucket row's cache row is where
-        its ``starts`` points (the fused step's compaction moves row state, not K/V)."""
+        last sampled token is never fed), and attends the row's first slot only."""
         dev, L = self.device, b.length
         ids, k, room = b.extension[W]
-        flat = b.starts[:-1].long()  # (B,) each row's first slot, a flat index into the bucket's cache
-        first, fill, k = flat % L, b.fill.long(), k.long()  # (B,) each
+        first, fill, k = (b.starts[:-1] % L).long(), b.fill.long(), k.long()  # (B,) each
         on = k > 0  # (B,) the rows fed
         off = torch.arange(W, device=dev)[None, :] - (W - k)[:, None]  # (B, W): index in the chunk (< 0: padding)
         real = off >= 0
         last = torch.where(real, first[:, None] + fill[:, None] + off, first[:, None])  # the last slot each query sees
-        slot = torch.arange(L, device=dev)
-        attend = (slot[None, None, :] >= first[:, None, None]) & (slot[None, None, :] <= last[:, :, None])  # (B, W, L)
+        slot = torch.arange(S, device=dev)
+        attend = (slot[None, None, :] >= first[:, None, None]) & (slot[None, None, :] <= last[:, :, None])  # (B, W, S)
         cache = b.cache
-        cache.row_ids, cache.gather, cache.rows, cache.window = flat // L, True, b.batch, None
+        cache.row_ids, cache.gather, cache.rows, cache.window = b.route_rows, False, b.batch, (0, S)
         cache.slots = torch.where(real, last, L - 1)  # (B, W)
         with attention_implementation(self.model.config, "gspo_decode"):
             hidden = self._forward(ids, (fill[:, None] + off).clamp(min=0), attend[:, None], cache)  # (B, H)
+        cache.window = None
         tok, logp = self._sample(self._logits(hidden), params)  # (B,)
         fill = fill + k
         b.fill.copy_(fill)
         b.pos.copy_(torch.where(on, fill, b.pos[:, 0])[:, None])  # the position of the token just sampled
+        slot = torch.arange(L, device=dev)
         b.valid.copy_(torch.where(on[:, None], (slot[None, :] >= first[:, None]) & (slot[None, :] < (first + fill)[:, None]),
                                   b.valid))  # the module step's mask
         b.tok.copy_(torch.where(on, tok, b.tok))
@@ -703,6 +709,16 @@ class GraphEngine:
         b.out_tok[:, 0] = torch.where(on, tok, torch.full_like(tok, self.pad_id))
         b.out_logp[:, 0] = torch.where(on, logp, torch.zeros_like(logp)).to(b.out_logp.dtype)
         b.step.fill_(1)
+
+    def _home(self, b: _Bucket) -> None:
+        """Put every row's state back over its own cache row (``starts[i] // L == i``), in place: the fused step's
+        compaction moves rows' state and leaves their K/V where they are, and the extension then reads K/V in place
+        (``order`` keeps each request row's place)."""
+        home = torch.argsort(b.starts[:-1] // b.length)  # (B,) the bucket row whose state goes to row i
+        for name in b.ROW_STATE:
+            t = getattr(b, name)
+            t.copy_(t[home])
+        b.starts[:-1] = b.starts[:-1][home]
 
     def _prefill(self, b: _Bucket, prompts: list[list[int]], n: int, P: int, params: SamplingParams,
                  room: int) -> None:
