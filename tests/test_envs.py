@@ -361,9 +361,8 @@ def test_multi_turn_runs_on_every_engine_and_what_cannot_is_refused_in_one_line(
     for engine in ("auto", "graph", "hf", "vllm"):
         build_config({"env": {"tools": ["gspo.envs.builtin:calculator"]}, "rollout": {"engine": engine}})
     r3 = {"env": {"tools": ["gspo.envs.builtin:calculator"]}, "moe": {"routing_replay": "rollout"}}
-    build_config(r3)  # auto: the simple engine records multi-turn routes
-    with pytest.raises(UserError, match=r"^The graph engine does not record multi-turn rows' routes"):
-        build_config({**r3, "rollout": {"engine": "graph"}})
+    for engine in ("auto", "graph", "hf"):  # both of gspo's engines record multi-turn rows' routes
+        build_config({**r3, "rollout": {"engine": engine}})
 
 
 def test_an_environment_that_never_says_done_stops_at_max_turns_or_at_the_token_limit(tiny_model, tokenizer):

@@ -312,11 +312,12 @@ def _check_engine_routes(model, routing, r) -> None:
     assert routing._slots.sum() > 0 and routing.flip_metrics()["moe/flip_rate"].item() <= 0.01
 
 
-def test_the_hf_engine_records_the_routes_of_multi_turn_rows_appended_tokens_included():
-    """R3 over multi-turn rows (fp32, CPU): every fed position of prompt and completion -- sampled turns and the
-    appended answers alike, the trainer feeds both -- is recorded, except the last sampled token; the trainer's
-    old-policy pass replaying the records routes the same way. The graph engine refuses R3 with turns in one line."""
-    from gspo.errors import UserError
+@pytest.mark.parametrize("engine", ["hf", "graph"])
+def test_engines_record_the_routes_of_multi_turn_rows_appended_tokens_included(engine):
+    """R3 over multi-turn rows (fp32, CPU), on the simple engine and the graph engine's module step: every fed
+    position of prompt and completion -- sampled turns and the appended answers alike, the trainer feeds both -- is
+    recorded, except the last sampled token; the trainer's old-policy pass replaying the records routes the same
+    way."""
     from gspo.rollout import HFEngine
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams
@@ -333,15 +334,13 @@ def test_the_hf_engine_records_the_routes_of_multi_turn_rows_appended_tokens_inc
     with torch.no_grad():
         model.lm_head.bias[2] = 4.0  # turns that end on the stop token after a few tokens
     routing = Routing(model, "rollout")
-    engine = HFEngine(model, Tok(), stop_ids=[2], device="cpu", routing=routing)
+    make = {"hf": HFEngine, "graph": GraphEngine}[engine]
+    built = make(model, Tok(), stop_ids=[2], device="cpu", routing=routing)
     answers = Answers([3] * 6, lambda r: [20, 21, 22][: 1 + r % 3])
-    r = engine.generate([[5, 6, 7], [9, 10, 11, 12, 13]], 3, SamplingParams(max_new_tokens=30, max_turn_tokens=8),
-                        generator=torch.Generator().manual_seed(0), turns=answers)
+    r = built.generate([[5, 6, 7], [9, 10, 11, 12, 13]], 3, SamplingParams(max_new_tokens=30, max_turn_tokens=8),
+                       generator=torch.Generator().manual_seed(0), turns=answers)
     assert len(answers.calls) >= 2 and (r.completion_mask & ~r.sampled).any()
     _check_engine_routes(model, routing, r)
-    graph = GraphEngine(model, Tok(), stop_ids=[2], device="cpu", routing=routing)
-    with pytest.raises(UserError, match="^The graph engine does not record multi-turn rows' routes"):
-        graph.generate([[5, 6, 7]], 2, SamplingParams(max_new_tokens=4), turns=answers)
     routing.close()
 
 

@@ -166,10 +166,6 @@ def check_env(cfg: Config) -> None:
         raise UserError(f"loss.step_credit = {cfg.loss.step_credit!r} splits one reply into steps, not a multi-turn "
                         "row; with env.path use loss.step_credit = 'env' (each turn credited with its step reward), "
                         "or leave it unset.")
-    if cfg.moe.routing_replay == "rollout" and cfg.rollout.engine == "graph":
-        raise UserError("The graph engine does not record multi-turn rows' routes (moe.routing_replay = 'rollout') "
-                        "yet; use rollout.engine = 'hf' (or 'auto', which picks it then), or moe.routing_replay = "
-                        "'old', with an environment.")
 
 
 def check_loss(cfg: Config) -> None:

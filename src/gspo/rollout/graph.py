@@ -519,7 +519,7 @@ class GraphEngine:
         b.count += live
         b.done |= torch.isin(tok, self._stop) | (b.count >= b.room)
         b.tok.copy_(tok)
-        b.pos += 1
+        b.pos += live[:, None]  # an ended row stays at its last position: its routes record stays inside the buffer
         b.step += 1
 
     def _graph(self, b: _Bucket, params: SamplingParams) -> torch.cuda.CUDAGraph:
@@ -592,8 +592,6 @@ class GraphEngine:
         """``n`` completions for each token-id prompt; row ``i`` belongs to prompt ``i // n``. ``turns``: multi-turn
         rows, as :meth:`gspo.rollout.hf.HFEngine.generate` takes them (each turn continues the row's own KV cache)."""
         check_request(self.model, prompts, n, params)
-        if turns is not None:
-            check_turns(self._routing)
         width = max(len(p) for p in prompts)
         length = -(-(width + params.max_new_tokens) // 64) * 64  # slots, in buckets of 64
         per_call = max(1, self.rows_that_fit(length) // n)  # prompts per call; more are generated in turn
@@ -626,6 +624,7 @@ class GraphEngine:
             self._decode(b, params, keep_ended=True)
             if b.fused:
                 self._home(b)
+            self._route_layout = (b.route_rows, b.pos[:, 0])  # eager steps record the whole bucket's rows again
             at = torch.argsort(b.order)[:rows]  # (N,) the bucket row of each request row
             tok, logp, count = b.out_tok[at].cpu(), b.out_logp[at].float().cpu(), b.count[at].cpu()
             ended = [r for r in going if book.sampled(r, tok[r, :int(count[r])].tolist(),
@@ -637,7 +636,13 @@ class GraphEngine:
             # The stop token that ended each turn was sampled but not fed (the row had ended): it goes in first.
             self._extend(b, at[going], [[book.stop_token(r), *answers[r]] for r in going],
                          [book.room(r) for r in going], params)
-        return book.rollout(self.tokenizer, self.pad_id, prompts, n)
+        rollout = book.rollout(self.tokenizer, self.pad_id, prompts, n)
+        if self._routing is not None:  # every fed position: the prompt, sampled turns and appended ids, not the last
+            rollout.routes = self._route_buffer[:, at].permute(1, 2, 0, 3).cpu()  # (N, L, Lr, k)
+            fed = torch.tensor([len(prompts[i // n]) for i in range(rows)]) + rollout.completion_mask.sum(-1) - 1
+            rollout.routes_mask = torch.arange(rollout.routes.shape[1])[None, :] < fed[:, None]  # (N, L)
+            self._route_layout = self._route_buffer = None
+        return rollout
 
     def _extend(self, b: _Bucket, at: torch.Tensor, chunks: list[list[int]], room: list[int],
                 params: SamplingParams) -> None:
@@ -670,6 +675,7 @@ class GraphEngine:
                           lambda: self._extend_step(b, W, S, params), pool=b.extension_pool).replay()
         else:
             self._extend_step(b, W, S, params)
+        self._route_layout = (b.route_rows, b.pos[:, 0])  # decode: every row, at its fed token's position
 
     def _extend_step(self, b: _Bucket, W: int, S: int, params: SamplingParams) -> None:
         """The work of ``_extend`` on the bucket's static buffers (``b.extension[W]``: ids ``(B, W)``, right-aligned;
@@ -690,8 +696,11 @@ class GraphEngine:
         cache = b.cache
         cache.row_ids, cache.gather, cache.rows, cache.window = b.route_rows, False, b.batch, (0, S)
         cache.slots = torch.where(real, last, L - 1)  # (B, W)
+        pos = (fill[:, None] + off).clamp(min=0)  # (B, W)
+        if self._routing is not None:  # the fed ids' experts at their positions; padding goes to the spare row
+            self._route_layout = (torch.where(real, b.route_rows[:, None], b.batch).reshape(-1), pos.reshape(-1))
         with attention_implementation(self.model.config, "gspo_decode"):
-            hidden = self._forward(ids, (fill[:, None] + off).clamp(min=0), attend[:, None], cache)  # (B, H)
+            hidden = self._forward(ids, pos, attend[:, None], cache)  # (B, H)
         cache.window = None
         tok, logp = self._sample(self._logits(hidden), params)  # (B,)
         fill = fill + k
@@ -719,6 +728,8 @@ class GraphEngine:
             t = getattr(b, name)
             t.copy_(t[home])
         b.starts[:-1] = b.starts[:-1][home]
+        if self._route_buffer is not None:  # a row's recorded experts move with it
+            self._route_buffer[:, :b.batch] = self._route_buffer[:, home]
 
     def _prefill(self, b: _Bucket, prompts: list[list[int]], n: int, P: int, params: SamplingParams,
                  room: int) -> None:
@@ -861,13 +872,6 @@ class GraphEngine:
         return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tok, completion_mask=mask,
                        logprobs=logp, finish_reasons=finish, texts=texts, pad_id=self.pad_id, routes=routes,
                        routes_mask=routes_mask)
-
-
-def check_turns(routing) -> None:
-    """Refuse what the graph engine's multi-turn rows cannot do yet, in one line."""
-    if routing is not None:
-        raise UserError("The graph engine does not record multi-turn rows' routes (moe.routing_replay = 'rollout') "
-                        "yet; use rollout.engine = 'hf', or moe.routing_replay = 'old', with an environment.")
 
 
 def _offset(turns: TurnEnds, offset: int) -> TurnEnds:

@@ -73,10 +73,7 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         # Under FSDP, with LoRA, and with rounded engine weights, the engine takes its own copy of the plain weights
         # before the holding shards or adapts the policy; it is fed the gathered, merged or rounded weights after every
         # optimizer step.
-        # R3 over multi-turn rows: the simple engine records every fed token's routes, the graph engine not yet
-        r3_turns = cfg.env.on and cfg.moe.routing_replay == "rollout" and cfg.rollout.engine == "auto"
-        kind = "hf" if r3_turns else cfg.rollout.engine
-        engine = make_engine(kind, model, tokenizer,
+        engine = make_engine(cfg.rollout.engine, model, tokenizer,
                              stop_ids=stop_token_ids(tokenizer, model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
                              compact_rows=cfg.rollout.compact_rows,
