@@ -92,3 +92,29 @@ class DifferentPrompts:
 
 def undocumented(x):
     return x
+
+
+class ChatML:
+    """SmolLM2's chat format written out by hand, without the template's default system message: a renderer for
+    ``env.renderer`` (``env_fixtures:chatml``)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def render(self, messages, tools, generation_prompt):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return self.tokenize(text + ("<|im_start|>assistant\n" if generation_prompt else ""))
+
+    def tokenize(self, text):
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids):
+        return self.tok.decode(ids)
+
+
+def chatml(tokenizer):
+    return ChatML(tokenizer)
+
+
+def not_a_renderer(tokenizer):
+    return object()

@@ -290,6 +290,37 @@ def test_eval_plays_the_environment_and_reports_its_reward_and_turns(tiny_dir, m
     assert out["greedy_accuracy"] == out["pass@1"] == 1.0  # a score >= 1 counts as correct
 
 
+def test_a_renderer_named_in_env_renderer_builds_the_rows(tiny_dir, tmp_path):  # noqa: F811
+    """env.renderer = env_fixtures:chatml (SmolLM2's format by hand, without its template's default system message):
+    the prompts and the appended ids are the renderer's, the run trains; a factory that returns no renderer, one
+    set without an environment, and one not written 'module:name' are refused in one line."""
+    from gspo.config import build_config
+    from gspo.train import Trainer
+    from test_trainer import tiny_config
+
+    cfg = tiny_config(tiny_dir, "env.path='env_fixtures:Echo'", "env.renderer='env_fixtures:chatml'", "env.workers=1",
+                      "env.max_turn_tokens=4", "rollout.engine='hf'", "rollout.max_new_tokens=40",
+                      "rewards.functions=[]", "rewards.workers=0")
+    trainer = Trainer(cfg, tmp_path / "run")
+    tok = trainer.tokenizer
+    _biased(trainer.actor.model, tok, stop_token_ids(tok)[-1], 12.0)
+    batch = trainer.collector.collect()
+    r = batch.rollout
+    assert tok.decode(r.prompt_ids[0]).startswith("<|im_start|>user\n")  # the template would open with its system
+    appended = [tok.decode([t for t, s, m in zip(row, sampled, mask) if m and not s])
+                for row, sampled, mask in zip(r.completion_ids.tolist(), r.sampled.tolist(), r.completion_mask.tolist())]
+    assert any("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n" in a for a in appended)
+    trainer.train()
+    for settings, match in (({"env": {"path": "env_fixtures:Echo", "renderer": "env_fixtures:not_a_renderer"}},
+                             "returned object, which has no render, tokenize, decode"),
+                            ({"env": {"renderer": "env_fixtures:chatml"}}, "there are none"),
+                            ({"env": {"path": "env_fixtures:Echo", "renderer": "chatml"}}, "must be 'module:name'")):
+        with pytest.raises(UserError, match=match) as err:
+            cfg = build_config(settings, [f"model.name='{tiny_dir}'", "rollout.max_new_tokens=8"], device="cpu")
+            Trainer(cfg, tmp_path / "refused")
+        assert "\n" not in str(err.value)
+
+
 def test_environment_and_tool_modules_that_cannot_load_end_in_one_line(tokenizer, monkeypatch):
     """A tool whose docstring and hints cannot describe it, an environment module that blocks at import (never in the
     trainer's own process), an environment that is not a class: one line at start-up or at the first call."""

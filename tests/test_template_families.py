@@ -127,68 +127,26 @@ def test_deepseek_r1_trains_exactly_on_its_training_template(deepseek_r1):
 # --- families with their own renderer, through gspo.envs.turns.Renderer -------------------------------------------
 
 
-class Llama3:
-    """Meta's Llama 3 chat format (``llama-models``: its ChatFormat and tiktoken vocabulary, the reference the Hugging
-    Face template reproduces); a ``tool`` message is Llama 3.1's ``ipython`` turn."""
+def Llama3():  # noqa: N802  the shipped renderer, or a skip where its package is missing
+    package_dir("llama_models")
+    from gspo.envs.renderers import Llama3 as Renderer
 
-    def __init__(self):
-        package_dir("llama_models")
-        from llama_models.datatypes import RawMessage
-        from llama_models.llama3.chat_format import ChatFormat
-        from llama_models.llama3.tokenizer import Tokenizer
+    return Renderer()
 
-        self.message = RawMessage
-        self.tok = Tokenizer.get_instance()
-        self.format = ChatFormat(self.tok)
-        # the assistant header it ends every prompt with: what an empty dialog holds past <|begin_of_text|>
-        self.opening = len(self.format.encode_dialog_prompt([]).tokens) - 1
 
-    def render(self, messages, tools, generation_prompt):
-        ids = self.format.encode_dialog_prompt([self.message(role=m["role"], content=m["content"])
-                                                for m in messages]).tokens
-        return ids if generation_prompt else ids[: -self.opening]
+def Mistral(name):  # noqa: N802
+    package_dir("mistral_common")
+    from gspo.envs.renderers import Mistral as Renderer
 
-    def tokenize(self, text):
-        return self.tok.encode(text, bos=False, eos=False)
-
-    def decode(self, ids):
-        return self.tok.decode(ids)
+    return Renderer(name=name)
 
 
 def test_llama3_reference_format_is_exact():
+    """gspo.envs.renderers:llama3 (env.renderer) over Meta's ChatFormat: exact with user and tool replies."""
     renderer = Llama3()
     turns = Turns(None, renderer.tok.stop_tokens, system=SYSTEM, renderer=renderer)
     assert renderer.tok.decode([turns.end_id]) == "<|eot_id|>"
     check_template(turns, samples=SAMPLES)
-
-
-class Mistral:
-    """mistral-common's request encoder over one of the tokenizers its wheel ships (``tekken_240911.json``: the v3
-    Tekken of Mistral NeMo / Pixtral; ``..._241114.model.v7``: the v7 SentencePiece of Mistral Large 2411)."""
-
-    def __init__(self, name: str):
-        data = package_dir("mistral_common") / "data"
-        from mistral_common.protocol.instruct import messages as m
-        from mistral_common.protocol.instruct.request import ChatCompletionRequest
-        from mistral_common.protocol.instruct.validator import ValidationMode
-        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
-        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
-
-        self.types = {"system": m.SystemMessage, "user": m.UserMessage, "assistant": m.AssistantMessage}
-        self.request = ChatCompletionRequest
-        self.mistral = MistralTokenizer.from_file(str(data / name), mode=ValidationMode.agnostic)
-        self.tok = self.mistral.instruct_tokenizer.tokenizer
-        self.keep = SpecialTokenPolicy.KEEP
-
-    def render(self, messages, tools, generation_prompt):  # the format has no assistant opening to add
-        msgs = [self.types[m["role"]](content=m["content"]) for m in messages]
-        return self.mistral.encode_chat_completion(self.request(messages=msgs)).tokens
-
-    def tokenize(self, text):
-        return self.tok.encode(text, bos=False, eos=False)
-
-    def decode(self, ids):
-        return self.tok.decode(ids, special_token_policy=self.keep)
 
 
 @pytest.mark.parametrize("name, system", [("tekken_240911.json", None),
@@ -201,7 +159,7 @@ def test_mistral_is_exact(name, system):
         pytest.skip("mistral-common reads its v7 tokenizer with sentencepiece, which is not installed")
     renderer = Mistral(name)
     turns = Turns(None, [renderer.tok.eos_id], system=system, renderer=renderer)
-    check_template(turns, samples=SAMPLES, roles=("user",))
+    check_template(turns, samples=SAMPLES, roles=renderer.roles)
 
 
 def test_mistral_tekken_with_a_system_prompt_is_refused():
@@ -212,3 +170,17 @@ def test_mistral_tekken_with_a_system_prompt_is_refused():
         check_template(Turns(None, [renderer.tok.eos_id], system=SYSTEM, renderer=renderer), samples=SAMPLES,
                        roles=("user",))
     assert "\n" not in str(err.value)
+
+
+def test_a_renderer_of_another_vocabulary_is_refused_in_one_line(tokenizer):
+    """env.renderer = gspo.envs.renderers:llama3 on SmolLM2 (another vocabulary): refused at start-up in one line,
+    before any row is built from ids the model would read as other tokens."""
+    from gspo.config.schema import EnvConfig
+    from gspo.envs.episodes import load_renderer
+
+    Llama3()  # skips without llama-models
+    with pytest.raises(UserError) as err:
+        load_renderer(EnvConfig(tools=["gspo.envs.builtin:calculator"], renderer="gspo.envs.renderers:llama3"),
+                      tokenizer)
+    assert "not one vocabulary" in str(err.value) and "\n" not in str(err.value)
+

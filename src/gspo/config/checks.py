@@ -157,10 +157,14 @@ def check_env(cfg: Config) -> None:
                   "use 0 (rollout.max_new_tokens) or a positive count"),
                  (env.workers >= 0, "env.workers", env.workers, "use 0 (in-process) or more"),
                  (env.timeout_s > 0, "env.timeout_s", env.timeout_s, "use a positive number of seconds")))
-    for key, path in [("env.path", env.path)] * bool(env.path) + [("env.tools", p) for p in env.tools]:
+    named = [("env.path", env.path)] * bool(env.path) + [("env.renderer", env.renderer)] * bool(env.renderer)
+    for key, path in named + [("env.tools", p) for p in env.tools]:
         if not isinstance(path, str) or ":" not in path:
             raise UserError(f"{key} entry {path!r} must be 'module:name', e.g. 'gspo.envs.builtin:calculator'.")
     if not env.on:
+        if env.renderer:
+            raise UserError("env.renderer sets the chat format of multi-turn rows, and there are none; set env.path or "
+                            "env.tools, or unset env.renderer.")
         return
     if cfg.loss.step_credit not in (None, "env"):
         raise UserError(f"loss.step_credit = {cfg.loss.step_credit!r} splits one reply into steps, not a multi-turn "

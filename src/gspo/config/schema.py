@@ -227,6 +227,11 @@ class EnvConfig:
     tool_format: str = "auto"
     """How the model writes tool calls: ``hermes`` (``<tool_call>{json}</tool_call>``), ``llama3`` (a bare JSON
     object), ``mistral`` (``[TOOL_CALLS][...]``), or ``auto`` (what the chat template uses; ``hermes`` where none)."""
+    renderer: str | None = None
+    """The chat format, when it is not the tokenizer's Jinja template: ``module:factory``, ``factory(tokenizer)``
+    returning a renderer (``render(messages, tools, generation_prompt) -> ids``, ``tokenize``, ``decode``). Built in:
+    ``gspo.envs.renderers:llama3`` (``llama-models``), ``:mistral_tekken`` and ``:mistral_v7``
+    (``mistral-common``). Checked at start-up: its ids must be the model tokenizer's, and it must keep earlier turns."""
     max_turns: int = 4
     """Assistant turns per trajectory; the trajectory ends after this many (its reward is what it earned)."""
     max_turn_tokens: int = 0

@@ -17,7 +17,8 @@ import torch
 
 from gspo.envs.pool import EnvPool
 from gspo.envs.tools import detect_format, parse_calls, system_text
-from gspo.envs.turns import Turns, check_template
+from gspo.envs.turns import Turns, check_template, check_vocabulary
+from gspo import user_code
 from gspo.errors import UserError
 from gspo.prompts import messages_for
 from gspo.types import FINISH_LENGTH, Example, Rollout, SamplingParams
@@ -74,16 +75,22 @@ class Episodes:
         self.tokenizer = tokenizer
         self.pool = EnvPool(env.path, env.tools, env.workers, env.timeout_s)
         try:
-            template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-            self.format = detect_format(template) if env.tool_format == "auto" else env.tool_format
+            renderer = load_renderer(env, tokenizer)
+            if renderer is None:
+                template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+                auto, in_template = detect_format(template), "tools" in template  # the template renders tools= itself
+            else:
+                auto, in_template = getattr(renderer, "tool_format", "hermes"), False
+            self.format = auto if env.tool_format == "auto" else env.tool_format
             schemas = self._schemas() if env.tools else []
             self.tool_names = {s["function"]["name"] for s in schemas}
-            in_template = bool(schemas) and "tools" in template  # the template renders tools= itself
+            in_template = bool(schemas) and in_template
             system = system_prompt
             if schemas and not in_template:
                 system = "\n\n".join(x for x in (system_prompt, system_text(schemas, self.format)) if x)
-            self.turns = Turns(tokenizer, stop_ids, system=system, tools=schemas if in_template else None)
-            check_template(self.turns, samples=100)
+            self.turns = Turns(tokenizer, stop_ids, system=system, tools=schemas if in_template else None,
+                               renderer=renderer)
+            check_template(self.turns, samples=100, roles=getattr(renderer, "roles", ("user", "tool")))
         except BaseException:
             self.pool.close()
             raise
@@ -207,3 +214,32 @@ class Episodes:
 
     def close(self) -> None:
         self.pool.close()
+
+
+RENDERER_EXAMPLE = "gspo.envs.renderers:llama3"
+
+
+def load_renderer(env, tokenizer):
+    """The renderer ``env.renderer`` names, built for ``tokenizer`` and checked to share its vocabulary (``None``:
+    the tokenizer's own chat template). It runs in this process: it renders the ids the engine is fed."""
+    if not env.renderer:
+        return None
+    what = f"env.renderer = {env.renderer!r}"
+    factory = user_code.load_function(env.renderer, what, RENDERER_EXAMPLE)
+    try:
+        renderer = factory(tokenizer)
+    except UserError:
+        raise
+    except Exception as e:  # the user's factory: one line, not a traceback
+        raise UserError(f"{what} failed to build a renderer ({type(e).__name__}: {e}); fix the factory.") from None
+    missing = [m for m in ("render", "tokenize", "decode") if not callable(getattr(renderer, m, None))]
+    if missing:
+        raise UserError(f"{what} returned {type(renderer).__name__}, which has no {', '.join(missing)}; return a "
+                        f"renderer (render(messages, tools, generation_prompt), tokenize(text), decode(ids)), as "
+                        f"{RENDERER_EXAMPLE} does.")
+    if env.tools and "tool" not in getattr(renderer, "roles", ("user", "tool")):
+        raise UserError(f"{what} cannot render tool messages, and env.tools is set; leave env.tools empty (the "
+                        "environment replies as the user), or use a renderer whose format has tool turns.")
+    check_vocabulary(renderer, tokenizer, what)
+    return renderer
+

@@ -206,3 +206,21 @@ def check_template(turns: Turns, samples: int = 200, seed: int = 0, roles: Seque
             raise UserError(f"the chat template does not keep earlier turns as they are: a conversation built turn "
                             f"by turn reads {built!r} where the template renders {rendered!r}; use a model whose "
                             "template keeps them, or a corrected template (model.tokenizer).")
+
+
+def check_vocabulary(renderer: Renderer, tokenizer, what: str, samples: int = 200, seed: int = 0) -> None:
+    """Refuse, in one line, a renderer (``what`` names it) whose ids are not the policy tokenizer's: the engine samples
+    in the tokenizer's vocabulary and the renderer's ids go to the same model. Random texts must tokenize alike, and
+    a rendered conversation (special tokens included) must decode alike."""
+    rng = random.Random(seed)
+    for _ in range(samples):
+        text = _text(rng, assistant=False)
+        ours, theirs = renderer.tokenize(text), tokenizer(text, add_special_tokens=False)["input_ids"]
+        if ours != theirs:
+            raise UserError(f"{what} tokenizes {text!r} as {ours[:8]} where the model's tokenizer gives "
+                            f"{theirs[:8]}: they are not one vocabulary; use the renderer of the model's family.")
+    ids = renderer.render([*BASE, {"role": "user", "content": "ok"}], None, True)
+    if renderer.decode(ids) != tokenizer.decode(ids):
+        raise UserError(f"{what} renders ids the model's tokenizer reads otherwise ({tokenizer.decode(ids)[:60]!r}); "
+                        "they are not one vocabulary; use the renderer of the model's family.")
+
