@@ -321,6 +321,21 @@ def test_a_renderer_named_in_env_renderer_builds_the_rows(tiny_dir, tmp_path):  
         assert "\n" not in str(err.value)
 
 
+def test_running_total_pays_each_right_total_its_share():
+    """gspo.envs.builtin:RunningTotal by hand, numbers 3, 4, 3: a right total earns 1/3, a wrong one 0 and the true
+    total is told, so the next turn's reward is its own doing; done after the last number."""
+    from gspo.envs.builtin import RunningTotal
+
+    env = RunningTotal()
+    first = env.reset(Example(prompt="", answer="10", meta={"numbers": [3, 4, 3]}))
+    assert first.startswith("Keep a running total, starting at 0.") and first.endswith("Add 3.")
+    assert env.step("3") == ("The total is 3. Add 4.", 1 / 3, False)
+    assert env.step("It is 8.") == ("The total is 7. Add 3.", 0.0, False)
+    assert env.step("10") == (None, 1 / 3, True)
+    env.reset(Example(prompt="", answer="5", meta={"numbers": [5]}))
+    assert env.step("no number") == (None, 0.0, True)
+
+
 def test_environment_and_tool_modules_that_cannot_load_end_in_one_line(tokenizer, monkeypatch):
     """A tool whose docstring and hints cannot describe it, an environment module that blocks at import (never in the
     trainer's own process), an environment that is not a class: one line at start-up or at the first call."""

@@ -219,7 +219,7 @@ class EnvConfig:
     path: str | None = None
     """Multi-turn: the environment class, ``module:Class`` with ``reset(example)`` (the first messages, or ``None`` for
     the example's prompt) and ``step(reply) -> (observation, reward, done)``; one object per trajectory, run in the
-    environment workers. Built in: ``gspo.envs.builtin:GuessNumber``. Unset: single-turn (or tools only)."""
+    environment workers. Built in: ``gspo.envs.builtin:GuessNumber``, ``gspo.envs.builtin:RunningTotal``. Unset: single-turn (or tools only)."""
     tools: list[str] = field(default_factory=list)
     """Tool functions (``module:function``, type hints and a Google-style docstring), described to the model through
     its chat template and called when a turn holds tool calls; their results come back as ``tool`` messages. Built

@@ -4,6 +4,9 @@
   ``data.task = "arithmetic"``, ``data.ops = ["*"]`` and 3-digit ranges, the task's verifier scores the final answer.
 - :class:`GuessNumber`, an environment: guess a whole number with "higher" / "lower" feedback; the fewer guesses, the
   higher the reward (``data.task = "guess_number"`` draws the numbers).
+- :class:`RunningTotal`, an environment whose turns earn their own rewards: add one number a turn to a running total
+  (``data.task = "running_sum"`` draws the numbers), each right total paying its share, so per-turn credit
+  (``loss.step_credit = "env"``) has a signal that a trajectory's one reward does not carry.
 """
 from __future__ import annotations
 
@@ -69,3 +72,26 @@ class GuessNumber:
         if guess == self.secret:
             return None, max(0.1, 1.0 - 0.1 * (self.guesses - 1)), True
         return ("Higher." if guess < self.secret else "Lower."), 0.0, False
+
+
+class RunningTotal:
+    """Keep a running total, one number a turn: the example's numbers (``meta["numbers"]``, from ``data.task =
+    "running_sum"``) are given one at a time, and each reply's last whole number is read as the new total. A right one
+    earns ``1 / n`` (``n`` numbers), a wrong or missing one 0; either way the next message states the true total and
+    the next number, so a mistake costs its own turn only. Done after the last number."""
+
+    def reset(self, example) -> str:
+        self.numbers = [int(x) for x in example.meta["numbers"]]
+        self.turn, self.total = 0, 0
+        return (f"Keep a running total, starting at 0. I give you one number at a time; reply with the new total "
+                f"only. Add {self.numbers[0]}.")
+
+    def step(self, reply: str):
+        self.total += self.numbers[self.turn]
+        self.turn += 1
+        numbers = _NUMBER.findall(reply)
+        reward = 1.0 / len(self.numbers) if numbers and int(numbers[-1]) == self.total else 0.0
+        if self.turn == len(self.numbers):
+            return None, reward, True
+        return f"The total is {self.total}. Add {self.numbers[self.turn]}.", reward, False
+
