@@ -772,6 +772,9 @@ def test_a_second_ctrl_c_between_native_calls_raises_keyboard_interrupt():
     the first only sets ``received``."""
     from gspo.train.guards import StopSignals
 
+    # What was there before (a command started in the background by a shell inherits SIGINT ignored, and so does
+    # every process it starts, pytest's workers included)
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         with StopSignals(grace_s=60) as stop:
             os.kill(os.getpid(), signal.SIGINT)
@@ -783,7 +786,7 @@ def test_a_second_ctrl_c_between_native_calls_raises_keyboard_interrupt():
             os.kill(os.getpid(), signal.SIGINT)
             for _ in range(1000):
                 time.sleep(0.01)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the guard put the handlers back
+    assert signal.getsignal(signal.SIGINT) is before  # the guard put the handlers back
 
 
 def test_the_signal_watcher_is_gone_when_the_guard_is():
