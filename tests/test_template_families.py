@@ -183,4 +183,3 @@ def test_a_renderer_of_another_vocabulary_is_refused_in_one_line(tokenizer):
         load_renderer(EnvConfig(tools=["gspo.envs.builtin:calculator"], renderer="gspo.envs.renderers:llama3"),
                       tokenizer)
     assert "not one vocabulary" in str(err.value) and "\n" not in str(err.value)
-

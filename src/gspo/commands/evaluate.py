@@ -7,11 +7,11 @@ from typing import Any
 import torch
 
 from gspo.config import Config
-from gspo.data import build_dataset, dataset_args, default_reward
+from gspo.data import build_dataset, dataset_args
 from gspo.envs.episodes import Episodes
 from gspo.models import load_model, stop_token_ids
 from gspo.prompts import encode_prompts
-from gspo.rewards.runner import RewardRunner, RewardSpec
+from gspo.rewards.runner import RewardRunner, config_specs
 from gspo.rollout import make_engine
 from gspo.runtime import Runtime
 from gspo.types import SamplingParams
@@ -37,9 +37,7 @@ def evaluate(cfg: Config, *, model_name: str | None = None, n: int = 200, sample
                          vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
     dataset = build_dataset(dataset_args(cfg.data, cfg.seed + 10_000))  # generated tasks: other items than training saw
     examples = [dataset[i] for i in range(min(n, len(dataset)))]
-    # An environment's own reward needs no reward function (as in training)
-    spec = ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions[:1]]
-            or ([] if cfg.env.path else [RewardSpec(default_reward(cfg.data.task))]))
+    spec = config_specs(cfg)[:1]  # the first reward function, as in training (none beside an environment's reward)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     greedy, sampled = _Scores(), _Scores()
     lengths, t0 = [], time.time()

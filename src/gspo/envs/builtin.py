@@ -94,4 +94,3 @@ class RunningTotal:
         if self.turn == len(self.numbers):
             return None, reward, True
         return f"The total is {self.total}. Add {self.numbers[self.turn]}.", reward, False
-

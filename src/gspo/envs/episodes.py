@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gspo import user_code
 from gspo.envs.pool import EnvPool
 from gspo.envs.tools import detect_format, parse_calls, system_text
 from gspo.envs.turns import Turns, check_template, check_vocabulary
-from gspo import user_code
 from gspo.errors import UserError
 from gspo.prompts import messages_for
 from gspo.types import FINISH_LENGTH, Example, Rollout, SamplingParams
@@ -242,4 +242,3 @@ def load_renderer(env, tokenizer):
                         "environment replies as the user), or use a renderer whose format has tool turns.")
     check_vocabulary(renderer, tokenizer, what)
     return renderer
-

@@ -223,4 +223,3 @@ def check_vocabulary(renderer: Renderer, tokenizer, what: str, samples: int = 20
     if renderer.decode(ids) != tokenizer.decode(ids):
         raise UserError(f"{what} renders ids the model's tokenizer reads otherwise ({tokenizer.decode(ids)[:60]!r}); "
                         "they are not one vocabulary; use the renderer of the model's family.")
-

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gspo.data import default_reward
 from gspo.errors import UserError
 from gspo.example import Example
 from gspo.rewards.worker import RewardFn, call as _call, call_steps, locate, resolve, what, worker_main  # noqa: F401
@@ -107,6 +108,13 @@ def worker_context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["gspo.rewards.forkserver"])
     return ctx
+
+
+def config_specs(cfg) -> list[RewardSpec]:
+    """The reward functions a config scores with: ``rewards.functions``, else the task's verifier, except that an
+    environment's own rewards need none (training and ``gspo eval`` both take them from here)."""
+    return ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions]
+            or ([] if cfg.env.path else [RewardSpec(default_reward(cfg.data.task))]))
 
 
 def _as_spec(spec: RewardSpec | str | dict) -> RewardSpec:

@@ -724,12 +724,16 @@ class GraphEngine:
         compaction moves rows' state and leaves their K/V where they are, and the extension then reads K/V in place
         (``order`` keeps each request row's place)."""
         home = torch.argsort(b.starts[:-1] // b.length)  # (B,) the bucket row whose state goes to row i
-        for name in b.ROW_STATE:
-            t = getattr(b, name)
-            t.copy_(t[home])
+        self._permute_rows(b, home)
         b.starts[:-1] = b.starts[:-1][home]
+
+    def _permute_rows(self, v: _Bucket, order: torch.Tensor) -> None:
+        """Row ``i`` of view ``v``'s per-row state (and its recorded experts) becomes what row ``order[i]`` held."""
+        for name in v.ROW_STATE:
+            t = getattr(v, name)
+            t.copy_(t[order])
         if self._route_buffer is not None:  # a row's recorded experts move with it
-            self._route_buffer[:, :b.batch] = self._route_buffer[:, home]
+            self._route_buffer[:, :v.batch] = self._route_buffer[:, order]
 
     def _prefill(self, b: _Bucket, prompts: list[list[int]], n: int, P: int, params: SamplingParams,
                  room: int) -> None:
@@ -833,17 +837,13 @@ class GraphEngine:
         stream."""
         n = v.batch
         move = torch.argsort(v.done.to(torch.uint8), stable=True)  # (n,) live rows first, in their order
-        for name in v.ROW_STATE:
-            t = getattr(v, name)
-            t.copy_(t[move])
+        self._permute_rows(v, move)
         if v.fused:  # its slots are flat indices into the bucket's cache: a row's K/V stay where they are
             v.starts[:n] = v.starts[:n][move]
         else:  # the module step attends each row's own cache row: the live rows' K/V move to the front
             row_start = torch.arange(n, device=move.device, dtype=v.starts.dtype) * b.length
             v.starts[:n] = row_start + (v.starts[:n] - row_start)[move]  # each row's first live slot moves with it
             v.cache.take_rows(move[:live])  # an ended row's K/V is never read again
-        if self._route_buffer is not None:  # a row's recorded experts move with it
-            self._route_buffer[:, :n] = self._route_buffer[:, move]
         out = b.view(rows)
         if self._routing is not None:
             self._route_layout = (out.route_rows, out.pos[:, 0])

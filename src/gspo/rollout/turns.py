@@ -81,5 +81,3 @@ def assemble_turns(tokenizer, pad_id: int, prompts: list[list[int]], n: int,
     return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tokens, completion_mask=mask,
                    logprobs=logprobs, finish_reasons=finish,
                    texts=tokenizer.batch_decode(last, skip_special_tokens=True), pad_id=pad_id, sampled_mask=sampled)
-
-

@@ -68,7 +68,8 @@ class StopSignals:
                 return  # the first SIGTERM delivered again (to the process and to its group)
             self._count += 1
             count = self._count
-            self._first_at = self._first_at if count > 1 else time.monotonic()
+            if count == 1:
+                self._first_at = time.monotonic()
         if count == 1:
             self.received = name
             log.warning("%s: finishing %s, then writing a checkpoint (%s again to stop now)", name, self._describe(),

@@ -14,11 +14,11 @@ import torch
 
 from gspo.config import TASK_STEP_CREDIT, Config
 from gspo.envs.episodes import Episodes
-from gspo.data import DataStream, build_dataset, dataset_args, default_reward
+from gspo.data import DataStream, build_dataset, dataset_args
 from gspo.models import load_model, stop_token_ids
 from gspo.parallel.holding import hold
 from gspo.parallel.strategy import choose as choose_strategy
-from gspo.rewards.runner import RewardRunner, RewardSpec
+from gspo.rewards.runner import RewardRunner, config_specs
 from gspo.rollout import RolloutEngine, make_engine
 from gspo.runtime import Runtime, precision_name, seed_everything
 from gspo.train.actor import Actor, prepare_model
@@ -53,8 +53,7 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
 
     seed_everything(cfg.seed)
     # An environment's own rewards need no reward function; otherwise the task's verifier is the default one
-    specs = ([RewardSpec(r.path, r.weight, r.name) for r in cfg.rewards.functions]
-             or ([] if cfg.env.path else [RewardSpec(default_reward(cfg.data.task))]))
+    specs = config_specs(cfg)
     # loss.step_credit = "env": the turns' rewards come with the rollout, no function to run in the workers
     steps = {"task": TASK_STEP_CREDIT.get(cfg.data.task), "env": None}.get(cfg.loss.step_credit, cfg.loss.step_credit)
     rewards = RewardRunner(specs, workers=cfg.rewards.workers if specs or steps else 0, timeout_s=cfg.rewards.timeout_s,
