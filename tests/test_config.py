@@ -87,6 +87,9 @@ def test_malformed_toml_and_missing_file(tmp_path):
     ({}, ["rollout.engine_weight_bits=1"], "must be 0 \\(off\\) or 2-16"),
     ({}, ["rollout.engine_weight_bits=17"], "must be 0 \\(off\\) or 2-16"),
     ({"algorithm": "grpo"}, ["loss.step_credit='task'"], "data.task = 'arithmetic' has no built-in step credit"),
+    ({}, ["model.gpu_memory=0"], "share of the GPU in \\(0, 1\\]"),
+    ({}, ["model.gpu_memory=1.5"], "model.gpu_memory = 1.5"),
+    ({}, ["model.gpu_memory=0.2", "rollout.engine='vllm'"], "must be below model.gpu_memory = 0.2"),
 ])
 def test_every_guard_raises_with_the_fix(data, overrides, match):
     """Each invalid setting raises a UserError whose message names the fix."""

@@ -455,6 +455,53 @@ def test_r3_records_inside_the_captured_decode_graph(tmp_path, tokenizer):
     assert all(r.get("moe/flip_rate") is not None and r.get("moe/engine_flip_rate") is not None for r in rows)
 
 
+def test_r3_records_the_appended_turns_inside_the_captured_extension(tokenizer):
+    """R3 over multi-turn rows on CUDA graphs (bf16, the fused MoE step): a later turn's appended ids are fed by the
+    captured extension graph, which records their experts; after row compaction and ``_home`` every fed position is
+    recorded, and the trainer's pass replaying the records routes as the engine did (a record in the wrong row or
+    slot would flip about half of the appended quarter of the positions)."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo.models.moe import Routing, find_routers
+    from gspo.rollout.graph import GraphEngine
+    from gspo.train.passes import sequence_logprobs
+    from gspo.types import SamplingParams
+    from test_envs import Answers
+    from test_moe import _configs
+    from test_rollout import force_token
+
+    cfg = _configs()["mixtral"]
+    cfg.vocab_size, cfg.pad_token_id = len(tokenizer), 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().cuda().eval()
+    for router in find_routers(model):
+        torch.nn.init.normal_(router.weight, std=0.5)
+    force_token(model, 2, 6.0)
+    routing = Routing(model, "rollout")
+    engine = GraphEngine(model, tokenizer, stop_ids=[2], autocast_dtype=torch.bfloat16, routing=routing)
+    assert engine.use_graphs and engine.fused is not None and engine.compact
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat."]]
+    answers = Answers([3] * 24, lambda r: list(range(100, 106 + r % 5)))
+    r = engine.generate(prompts, 8, SamplingParams(max_new_tokens=96, temperature=0.9, max_turn_tokens=12),
+                        generator=torch.Generator(device="cuda").manual_seed(0), turns=answers)
+    assert len(answers.calls) >= 2  # later turns ran, through captured extension graphs:
+    assert any(key[0] == "extend" for b in engine._buckets.values() for key in b.graphs)
+    appended = (r.completion_mask & ~r.sampled).sum().item()
+    assert appended >= 0.15 * r.completion_mask.sum().item()
+    for i, prompt in enumerate(r.prompt_ids):
+        fed = len(prompt) + int(r.completion_mask[i].sum()) - 1
+        assert r.routes_mask[i].nonzero().flatten().tolist() == list(range(fed)), i
+    n = len(r.prompt_ids)
+    routing.begin_batch(n, int(r.routes_mask.sum(-1).max()) + 1, torch.device("cuda"))
+    routing.load_rollout_routes(r.routes.cuda(), r.routes_mask.cuda())
+    with routing.updating(), torch.no_grad():
+        sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.9, pad_id=r.pad_id,
+                          routing=routing, row_ids=torch.arange(n), autocast_dtype=torch.bfloat16)
+    flips = routing.flip_metrics()["moe/flip_rate"].item()
+    routing.close()
+    assert flips <= 0.03, flips
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_two_gpus_train_with_nccl_fsdp2_and_the_graph_engine(tmp_path, tokenizer, strategy):

@@ -128,6 +128,8 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
                 aside = run_dir.with_name(f"{run_dir.name}.incomplete-{int(time.time())}")
                 run_dir.rename(aside)
                 print(f"[compare] {run_dir} had no checkpoint; moved to {aside}", file=sys.stderr)
+            if cfg.model.gpu_memory is not None:  # the config file's share, which start_next must see and keep
+                run_overrides.append(f"model.gpu_memory={cfg.model.gpu_memory!r}")
             todo.append((run_overrides, run_dir, resume))
     return run_dirs, todo
 
@@ -210,6 +212,7 @@ class _Runs:
     def __init__(self, config: str | None, todo: list[Todo], logs: Path, jobs: int):
         self.config, self.jobs, self.logs = config, jobs, logs
         self.gpus = _visible_gpus()
+        self.runs = len(todo)
         logs.mkdir(parents=True, exist_ok=True)
         self.pending, self.running = list(todo), {}  # running: Popen -> (run_dir, log path, GPU or None)
         self.failed, self.halted, self.stopped = [], [], None  # halted: runs that stopped on a signal (they resume)
@@ -229,6 +232,16 @@ class _Runs:
             load[g] += 1
         return min(self.gpus, key=lambda g: load[g])
 
+    def gpu_share(self) -> float | None:
+        """Each run's share of its GPU's memory (``model.gpu_memory``) when ``--jobs`` puts several on one GPU: an
+        equal part of 90% of it (the rest is the CUDA contexts' and the allocator's slack), so that no run's cache of
+        freed blocks crowds out another's allocations. None with a GPU a run (or none)."""
+        at_once = min(self.jobs, self.runs)
+        if not self.gpus or at_once <= len(self.gpus):
+            return None
+        per_gpu = -(-at_once // len(self.gpus))
+        return round(0.9 / per_gpu, 4)
+
     def start_next(self) -> None:
         overrides, run_dir, resume = self.pending.pop(0)
         env = dict(os.environ)
@@ -238,6 +251,9 @@ class _Runs:
         # As torchrun does for its processes: one CPU thread on a GPU (see gspo.runtime.limit_cpu_threads);
         # CPU runs share the host's cores (each would otherwise start as many OpenMP threads as it has)
         env.setdefault("OMP_NUM_THREADS", "1" if self.gpus else str(max(1, (os.cpu_count() or 1) // self.jobs)))
+        share = self.gpu_share()
+        if share is not None and not any(o.startswith("model.gpu_memory=") for o in overrides):
+            overrides = [*overrides, f"model.gpu_memory={share}"]
         cmd = [sys.executable, "-m", "gspo.cli", "train", *([self.config] if self.config else []), *overrides,
                "--run-dir", str(run_dir), *(["--resume"] if resume else [])]
         log_path = self.logs / f"{run_dir.name}.log"

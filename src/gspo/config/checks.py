@@ -110,6 +110,9 @@ def check_model(cfg: Config) -> None:
     if m.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", m.device):
         raise UserError(f"model.device = {m.device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'.")
     _one_of(m.precision, PRECISIONS, "model.precision")
+    if m.gpu_memory is not None and not 0 < m.gpu_memory <= 1:
+        raise UserError(f"model.gpu_memory = {m.gpu_memory} must be a share of the GPU in (0, 1], e.g. 0.25, or unset "
+                        "for the whole GPU.")
 
 
 def check_run(cfg: Config) -> None:
@@ -215,6 +218,11 @@ def check_rollout(cfg: Config) -> None:
         raise UserError("rollout.top_p must be in (0, 1] and rollout.top_k >= 0 (0 disables it).")
     if not 0 < r.vllm_gpu_memory < 1:
         raise UserError(f"rollout.vllm_gpu_memory = {r.vllm_gpu_memory} must be a share of the GPU in (0, 1), e.g. 0.3.")
+    share = cfg.model.gpu_memory
+    if r.engine == "vllm" and share is not None and r.vllm_gpu_memory >= share:
+        raise UserError(f"rollout.vllm_gpu_memory = {r.vllm_gpu_memory} is a share of the whole GPU and must be below "
+                        f"model.gpu_memory = {share}, the run's own share (vLLM's part is taken from it); lower the first "
+                        "or raise the second.")
 
 
 def check_moe(cfg: Config) -> None:

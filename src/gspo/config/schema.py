@@ -29,6 +29,10 @@ class ModelConfig:
     overrides what is read off the CPU."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, ~30% more time per update."""
+    gpu_memory: float | None = None
+    """The share of the GPU's memory this process may take, in (0, 1]: PyTorch's allocator is capped there, and the
+    engine's batch and the update's CUDA graphs size themselves within it. Unset: the whole GPU, except under
+    ``gspo compare --jobs N`` with more runs than GPUs, which gives each run an equal share of 90% of its GPU."""
 
 
 @dataclass

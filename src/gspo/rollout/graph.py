@@ -43,6 +43,7 @@ from gspo.models.moe import Routing, find_routers
 from gspo.rollout.fused import FusedDecoder, fused_unsupported
 from gspo.rollout.hf import check_request, filter_logits
 from gspo.rollout.turns import TurnRows
+from gspo.runtime import free_gpu_bytes
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
@@ -579,8 +580,7 @@ class GraphEngine:
         free memory (buckets already allocated count as free: they are reused)."""
         limit = self.max_batch or 1 << 20
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            free += sum(b.cache.nbytes() for b in self._buckets.values())
+            free = free_gpu_bytes(self.device) + sum(b.cache.nbytes() for b in self._buckets.values())
             limit = min(limit, int(0.9 * free) // self._bytes_per_row(length))
         if limit < 8:
             raise UserError(f"Not even 8 rollout rows of {length} cache slots fit in the free GPU memory; lower "

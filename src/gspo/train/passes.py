@@ -30,7 +30,7 @@ from gspo.errors import UserError
 from gspo.models import (attention_context, attention_implementation, autocast_context, final_logits, pad_sequences,
                          positions_from_mask)
 from gspo.models.moe import Routing, packed_layout, padded_layout
-from gspo.runtime import to_device
+from gspo.runtime import free_gpu_bytes, to_device
 
 
 def sequence_logprobs(model, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -284,7 +284,7 @@ class PackedGraphs:
         cu_b = torch.cat([cu, cu.new_full((1,), size)])  # (N+2,)
         key = (size, cu_b.numel())
         if key not in self.graphed and not graph_fits(size, len(self.graphed), self.max_graphs, self.max_tokens,
-                                                      self.bytes_per_token, _free_gpu_bytes(ids.device)):
+                                                      self.bytes_per_token, free_gpu_bytes(ids.device)):
             return None
         if torch.is_grad_enabled():
             # The backward hands autograd views of the graph's gradient buffers; a parameter whose .grad is None would
@@ -323,12 +323,6 @@ def graph_fits(size: int, graphs: int, max_graphs: int, max_tokens: int, bytes_p
     if graphs >= max_graphs or size > max_tokens:
         return False
     return 2 * bytes_per_token * size <= free_bytes
-
-
-def _free_gpu_bytes(device: torch.device) -> int:
-    """Free GPU memory, counting what PyTorch's allocator holds reserved but unused."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
