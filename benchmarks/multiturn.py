@@ -1,11 +1,17 @@
 """Multi-turn rollouts: what a later turn's prefill costs, and tokens/s against single-turn rows.
 
   python benchmarks/multiturn.py --model /root/smollm2/model.gguf --out $OUT/multiturn.json
+  python benchmarks/multiturn.py --model /root/smollm2/model.gguf --system-file benchmarks/agent_system.txt ...
 
 Each row is a conversation: the arithmetic prompt in the chat template, then ``--turns`` assistant turns, each answered
 with a user message (``--reply``, rendered by the model's chat template through :class:`gspo.envs.turns.Turns`, as
 in a run). The LM head gets a bias of ``--stop-bias`` on the end-of-turn token so turns end after a few dozen tokens
 (a model's natural turn length varies too much to compare); ``--turn-tokens`` caps a turn.
+
+With ``--system-file`` every row starts with that system message: ``benchmarks/agent_system.txt`` is an agent's usual
+preamble (five tool schemas in Hermes format and the calling convention, ~700 tokens), where the short default rows
+(~40 prompt tokens) are a worst case for the ratio below: appended ids over history tokens is its floor when both
+prefills cost the same per token.
 
 1. **Prefill of later turns.** Each time the engine feeds the answers into the rows' own KV caches (``_extend``, one
    forward of the appended ids), the same rows' whole history -- prompt, earlier turns, the answer -- is also prefilled
@@ -81,6 +87,8 @@ def main() -> None:
     p.add_argument("--turn-tokens", type=int, default=128)
     p.add_argument("--reply", default="Check that once more, step by step, and give the answer again.")
     p.add_argument("--stop-bias", type=float, default=4.0)
+    p.add_argument("--system-file", help="a system message for every row (e.g. benchmarks/agent_system.txt: five tool "
+                   "schemas in Hermes format, an agent's usual preamble)")
     p.add_argument("--engines", default="graph,hf")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -93,13 +101,15 @@ def main() -> None:
     with torch.no_grad():
         head.bias[stop[-1]] = a.stop_bias
     task = ArithmeticTask(seed=0)
-    prompts = encode_prompts(tok, [task[i] for i in range(a.rows)])
+    system = Path(a.system_file).read_text().strip() if a.system_file else None
+    prompts = encode_prompts(tok, [task[i] for i in range(a.rows)], system)
     appended = Turns(tok, stop).after([{"role": "user", "content": a.reply}])
     total = a.turns * a.turn_tokens
     multi = SamplingParams(max_new_tokens=total + a.turns * len(appended), temperature=1.0, max_turn_tokens=a.turn_tokens)
     single = SamplingParams(max_new_tokens=total, temperature=1.0)
     results = {"model": a.model, "card": card, "torch": torch.__version__, "rows": a.rows, "turns": a.turns,
-               "turn_tokens": a.turn_tokens, "appended_ids": len(appended), "stop_bias": a.stop_bias, "engines": {}}
+               "turn_tokens": a.turn_tokens, "appended_ids": len(appended), "stop_bias": a.stop_bias, "system_file": a.system_file,
+               "prompt_tokens_mean": statistics.mean(map(len, prompts)), "engines": {}}
     for name in a.engines.split(","):
         engine = (GraphEngine(model, tok, stop_ids=stop, device=device, autocast_dtype=autocast) if name == "graph"
                   else HFEngine(model, tok, stop_ids=stop, device=device, autocast_dtype=autocast))
@@ -163,19 +173,20 @@ def main() -> None:
             "sampled_tokens_per_row": statistics.mean(n for _, n, _ in mt) / a.rows, "later_turns": per_turn}
         Path(a.out).write_text(json.dumps(results, indent=1))
         engine = None
-    print(f"\n{a.model} on {card}: {a.rows} rows, up to {a.turns} turns of up to {a.turn_tokens} tokens, "
-          f"{len(appended)} appended ids a turn")
+    print(f"\n{a.model} on {card}: {a.rows} rows, prompts of {results['prompt_tokens_mean']:.0f} tokens, up to {a.turns} "
+          f"turns of up to {a.turn_tokens} tokens, {len(appended)} appended ids a turn")
     print("| engine | single-turn tokens/s | multi-turn tokens/s | multi / single | turns a row |")
     print("|---|---|---|---|---|")
     for name, r in results["engines"].items():
         print(f"| {name} | {r['single_turn_tokens_per_s']:,.0f} | {r['multi_turn_tokens_per_s']:,.0f} | "
               f"{r['multi_over_single']:.2f} | {r['turns_per_row_mean']:.2f} |")
-    print("\n| engine | turn | rows | history tokens | later turn's prefill ms | re-prefill ms | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    # appended / history: the ratio's floor where both prefills cost the same per token
+    print("\n| engine | turn | rows | history tokens | later turn's prefill ms | re-prefill ms | ratio | appended / history |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results["engines"].items():
         for t in r["later_turns"]:
             print(f"| {name} | {t['turn']} | {t['rows']} | {t['history_tokens_mean']:.0f} | {t['extend_ms']:.1f} | "
-                  f"{t['reprefill_ms']:.1f} | {t['ratio']:.3f} |")
+                  f"{t['reprefill_ms']:.1f} | {t['ratio']:.3f} | {len(appended) / t['history_tokens_mean']:.3f} |")
 
 
 def run_prefill(engine, prompts, params, gen, device) -> float:

@@ -476,7 +476,7 @@ def test_r3_records_the_appended_turns_inside_the_captured_extension(tokenizer):
     model = AutoModelForCausalLM.from_config(cfg).float().cuda().eval()
     for router in find_routers(model):
         torch.nn.init.normal_(router.weight, std=0.5)
-    force_token(model, 2, 6.0)
+    force_token(model, 2, 9.0)
     routing = Routing(model, "rollout")
     engine = GraphEngine(model, tokenizer, stop_ids=[2], autocast_dtype=torch.bfloat16, routing=routing)
     assert engine.use_graphs and engine.fused is not None and engine.compact

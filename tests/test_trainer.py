@@ -541,7 +541,14 @@ def test_out_of_memory_names_the_knob(tiny_dir, tmp_path, monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(t, "update", oom)
-    with pytest.raises(UserError, match="out of memory in the update at step 0; lower train.micro_batch_size"):
+    with pytest.raises(UserError, match="out of memory in the update at step 0; lower train.micro_batch_size") as e:
+        t.train()
+    assert "model.gpu_memory" not in str(e.value)
+    monkeypatch.setattr("gspo.train.guards.gpu_memory_cap", lambda: 0.15)  # a run capped at a share of its GPU
+    t = Trainer(tiny_config(tiny_dir), tmp_path / "run2")
+    monkeypatch.setattr(t, "update", oom)
+    with pytest.raises(UserError, match=r"or give the run more than model.gpu_memory = 0.15 of the GPU \(gspo compare "
+                                        r"--jobs sets it when runs share a GPU: run fewer at once\); no checkpoint"):
         t.train()
 
 

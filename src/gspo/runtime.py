@@ -74,6 +74,11 @@ def limit_gpu_memory(device: torch.device, share: float | None) -> None:
     _GPU_SHARE[index] = share
 
 
+def gpu_memory_cap() -> float | None:
+    """The share of its GPU this process capped itself at (:func:`limit_gpu_memory`), None when it did not."""
+    return next(iter(_GPU_SHARE.values()), None)
+
+
 def free_gpu_bytes(device: torch.device) -> int:
     """GPU memory this process can still allocate on ``device``: what the GPU has free plus what PyTorch's allocator
     holds unused, within the share :func:`limit_gpu_memory` capped it at."""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from gspo.errors import UserError
+from gspo.runtime import gpu_memory_cap
 
 log = logging.getLogger("gspo")
 
@@ -136,6 +137,10 @@ def out_of_memory(phase: str, step: Callable[[], int], newest_checkpoint: Callab
                  else "train.micro_batch_size (or turn on model.gradient_checkpointing)")
         newest = newest_checkpoint()
         last = f"the last checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
+        share = gpu_memory_cap()
+        if share is not None:  # the cap, not the GPU, may be what ran out
+            knobs += (f", or give the run more than model.gpu_memory = {share} of the GPU (gspo compare --jobs sets it "
+                      "when runs share a GPU: run fewer at once)")
         raise UserError(f"The GPU ran out of memory in {phase} at step {step()}; lower {knobs}; {last}.") from e
 
 
