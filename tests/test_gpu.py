@@ -473,10 +473,11 @@ def test_r3_records_the_appended_turns_inside_the_captured_extension(tokenizer):
     cfg = _configs()["mixtral"]
     cfg.vocab_size, cfg.pad_token_id = len(tokenizer), 2
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float().cuda().eval()
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
     for router in find_routers(model):
         torch.nn.init.normal_(router.weight, std=0.5)
     force_token(model, 2, 9.0)
+    model.cuda()
     routing = Routing(model, "rollout")
     engine = GraphEngine(model, tokenizer, stop_ids=[2], autocast_dtype=torch.bfloat16, routing=routing)
     assert engine.use_graphs and engine.fused is not None and engine.compact
