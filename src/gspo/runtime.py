@@ -65,8 +65,10 @@ _GPU_SHARE: dict[int, float] = {}  # device index -> the share of its memory thi
 
 def limit_gpu_memory(device: torch.device, share: float | None) -> None:
     """Cap PyTorch's allocator at ``share`` of ``device``'s memory (``model.gpu_memory``; None: no cap). Several runs
-    on one GPU otherwise each grow a cache of freed blocks until one of them cannot allocate: six runs of the
-    embedded model on one H200 held about 21 GB each, mostly cache, and 5 of 9 ran out of memory."""
+    on one GPU otherwise race for it, and which one runs out is luck: 5 of 9 multi-turn runs of the embedded model,
+    5-6 on one H200 with allocation peaks of 24-34 GB each. Capped, each run's engine batch and update graphs size
+    themselves within its share, cached blocks are given back before the cap is hit, and a run that needs more fails
+    in one line naming the share."""
     if device.type != "cuda" or share is None:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()

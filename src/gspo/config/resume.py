@@ -15,7 +15,8 @@ RESUMABLE = (
     "train.lr",  # the usual reaction to instability; the metrics log the learning rate of every step
     "train.micro_batch_size", "train.logprob_chunk", "train.packing", "train.cuda_graphs",  # memory / speed only
     "train.max_nonfinite_steps",
-    "model.device", "model.gradient_checkpointing", "model.gpu_memory",  # where and how memory is spent, not what is computed
+    # where and how memory is spent, not what is computed
+    "model.device", "model.gradient_checkpointing", "model.gpu_memory",
     "rollout.engine", "rollout.fused_step", "rollout.compact_rows", "rollout.vllm_gpu_memory",
     "rewards.workers", "rewards.timeout_s", "env.workers", "env.timeout_s",
     "log.", "sentinel.",  # what is written and watched
