@@ -436,3 +436,31 @@ def test_an_environment_that_never_says_done_stops_at_max_turns_or_at_the_token_
                 assert all(t.turns < 3 and text.count("go on") <= 1 for t, text in zip(result.trajectories, texts))
     finally:
         ep.close()
+
+
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+               "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_whose_roles_must_alternate_gets_its_replies_joined(tokenizer):
+    """A template that takes only user and assistant turns, alternating (Gemma's, Llama 2's): rendering finds that, two
+    replies in a row become one user turn (a blank line apart) in the rows and in the whole rendering alike, the rows
+    stay exact, and env.tools is refused in one line (no tool turns to answer a call with)."""
+    import copy
+
+    from gspo.envs.turns import Turns, check_template
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ALTERNATING
+    turns = Turns(tok, stop_token_ids(tok))
+    assert turns.renderer.roles == ("user",) and turns.renderer.alternates
+    joined = tok.decode(turns.after([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]))
+    assert joined == "\n<|im_start|>user\na\n\nb<|im_end|>\n<|im_start|>assistant\n"
+    check_template(turns, samples=200, roles=turns.renderer.roles)
+    plain = Turns(tokenizer, stop_token_ids(tokenizer))  # SmolLM2's own: any order, tool turns
+    assert plain.renderer.roles == ("user", "tool") and not plain.renderer.alternates
+    with pytest.raises(UserError, match=r"the chat template has no tool turns .* leave env.tools empty") as err:
+        Episodes(EnvConfig(tools=["gspo.envs.builtin:calculator"], workers=1, timeout_s=3.0), tok, stop_token_ids(tok))
+    assert "\n" not in str(err.value)

@@ -202,44 +202,6 @@ def test_probe_noise_writes_a_report_figure(tiny_dir, two_runs, tmp_path, capsys
     (run / "probe_noise.json").unlink()  # the other tests of this module expect no probe
 
 
-def test_compare_jobs_runs_concurrently_passes_a_stop_signal_on_and_resumes(tiny_dir, tmp_path):  # noqa: F811
-    """`gspo compare --jobs 2` trains two runs at once in processes of their own (their output in <out>/logs). A
-    SIGTERM to the command reaches both runs, which checkpoint and stop (exit 143, one line saying how to go on); the
-    same command then resumes them and writes the report."""
-    import os
-    import signal
-    import sys
-    import time
-    from pathlib import Path
-
-    out = tmp_path / "cmp"
-    cmd = [sys.executable, "-m", "gspo.cli", "compare", "--algos", "gspo,grpo", "--seeds", "1", "--jobs", "2",
-           "--out", str(out), f"model.name='{tiny_dir}'", "model.device='cpu'", "rollout.prompts_per_batch=2",
-           "rollout.group_size=4", "rollout.max_new_tokens=6", "train.minibatches=2", "rewards.workers=0",
-           "log.progress=false", "log.checkpoint_every=1", "rewards.functions=[{path='trainer_rewards:text_length'}]"]
-    tests = str(Path(__file__).parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([*cmd, "train.steps=400"], env=env, stderr=subprocess.PIPE, text=True)
-    runs = [out / "gspo-seed1", out / "grpo-seed1"]
-    deadline = time.time() + 240
-    while not all((r / "metrics.jsonl").exists() and (r / "metrics.jsonl").stat().st_size for r in runs):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    err = proc.communicate(timeout=240)[1]
-    assert proc.returncode == 143, err
-    assert "stopped by SIGTERM: " in err and "run the same command again to continue" in err
-    for r in runs:
-        assert list((r / "checkpoints").glob("step-*/COMPLETE")), r
-        assert "SIGTERM received" in (out / "logs" / f"{r.name}.log").read_text()
-    steps = {r.name: int(sorted((r / "checkpoints").glob("step-*/COMPLETE"))[-1].parent.name[5:]) for r in runs}
-    done = subprocess.run([*cmd, f"train.steps={max(steps.values()) + 2}"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stderr.count("(resumed)") == 2 and (out / "report" / "index.html").exists()
-    assert "| grpo (mean of 1) |" in done.stdout
-
-
 def test_compare_moves_a_run_without_checkpoint_aside(tiny_dir, tmp_path, capsys):  # noqa: F811
     """A run directory left without any checkpoint (killed early) is moved aside, not deleted, and trained again."""
     out = tmp_path / "cmp"
@@ -567,7 +529,7 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_compare_jobs_survives_a_failed_run_a_killed_run_and_ctrl_c_then_resumes(tiny_dir, tmp_path):  # noqa: F811
+def test_compare_jobs_survives_a_failed_run_a_killed_run_and_sigterm_then_resumes(tiny_dir, tmp_path):  # noqa: F811
     """`gspo compare --jobs 2` over three arms, with real faults at chosen moments (tests/compare_rewards.py holds a run
     inside its second rollout batch, after its first checkpoint, until the test releases it):
 
@@ -575,8 +537,8 @@ def test_compare_jobs_survives_a_failed_run_a_killed_run_and_ctrl_c_then_resumes
        trains to its end; compare ends in one line naming each of the two runs and its directory, how it ended and
        what to do, exit 2, no report, no process left.
     2. The same command: gspo resumes from its checkpoint, grpo's directory (no checkpoint) is moved aside and trained
-       again; a real SIGINT to compare while both are in a batch: each finishes it, checkpoints and stops; one line
-       naming both runs, exit 130, no process left.
+       again; a real SIGTERM to compare (what a scheduler or `timeout` sends) while both are in a batch: each finishes
+       it, checkpoints and stops; one line naming both runs, exit 143, no process left.
     3. The same command: both resume to the end, the finished one is kept, and the report holds the three runs, each
        a whole run directory (check_run_dir)."""
     import os
@@ -618,17 +580,17 @@ def test_compare_jobs_survives_a_failed_run_a_killed_run_and_ctrl_c_then_resumes
                                       "GSPO_TEST_HOLD": str(hold)}, stderr=subprocess.PIPE, text=True)
     _wait_for([Path(f"{hold}.{gspo.name}"), Path(f"{hold}.{grpo.name}"), grpo / "checkpoints" / "step-000002" /
                "COMPLETE", gspo / "checkpoints" / "step-000004" / "COMPLETE"], proc, "both held")
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
     logs = [out / "logs" / f"{r.name}.log" for r in (gspo, grpo)]
     _wait_for(logs, proc, "logs")
-    while not all("SIGINT: finishing" in log.read_text() for log in logs):  # the signal reached both runs
+    while not all("SIGTERM: finishing" in log.read_text() for log in logs):  # the signal reached both runs
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     hold.unlink()
     err = proc.communicate(timeout=600)[1]
-    assert proc.returncode == 130 and "Traceback" not in err and "gspo: error" not in err, err[-3000:]
+    assert proc.returncode == 143 and "Traceback" not in err and "gspo: error" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("[compare] stopped by SIGINT: ") and f"{gspo.name} ({gspo})" in last, last
+    assert last.startswith("[compare] stopped by SIGTERM: ") and f"{gspo.name} ({gspo})" in last, last
     assert f"{grpo.name} ({grpo})" in last and "run the same command again" in last
     assert "had no checkpoint; moved to" in err and len(list(out.glob("grpo-seed1.incomplete-*"))) == 1
     assert not (out / "report").exists() and not _processes_under(out)
@@ -681,3 +643,50 @@ def test_a_run_that_fails_in_compare_without_jobs_is_named_with_its_directory(ti
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"gspo: error: gspo-seed7 ({out / 'gspo-seed7'}) failed: ") and "failed on all" in err, err
     assert "run the same command again" in err and not (out / "report").exists()
+
+
+def test_compare_gives_runs_sharing_a_gpu_an_equal_share_of_its_memory(tmp_path, monkeypatch):
+    """``gspo compare --jobs N`` with more runs than GPUs caps each at 90% of its GPU divided by the runs placed on it
+    (``model.gpu_memory``), keeps a share the user set, and leaves runs with a GPU each uncapped."""
+    from gspo.commands import compare
+
+    def share(gpus, jobs, runs, overrides=()):
+        monkeypatch.setattr(compare, "_visible_gpus", lambda: gpus)
+        started = []
+        monkeypatch.setattr(compare.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or object())
+        todo = [([*overrides], tmp_path / f"run{i}", False) for i in range(runs)]
+        r = compare._Runs(None, todo, tmp_path / "logs", jobs)
+        r.start_next()
+        given = [a for a in started[0] if a.startswith("model.gpu_memory=")]
+        return [float(a.split("=")[1]) for a in given]
+
+    assert share(["0", "1", "2", "3"], 9, 21) == [0.3]  # 3, 2, 2, 2 runs a GPU: each may take 0.9 / 3
+    assert share(["0"], 6, 21) == [0.15]
+    assert share(["0"], 6, 2) == [0.45]  # only 2 runs to train: they are all that share it
+    assert share(["0", "1"], 2, 5) == []  # a GPU each
+    assert share([], 4, 8) == []  # CPU
+    assert share(["0"], 6, 21, ["model.gpu_memory=0.5"]) == [0.5]  # the user's share stands
+
+
+def test_compare_passes_sigint_and_sigterm_to_every_run_and_exits_as_each_asks(tmp_path):
+    """`gspo compare --jobs`: a stop signal reaches every running run and no other starts; SIGINT ends the command with
+    130, SIGTERM with 143 (tests/test_report.py sends a real SIGTERM through the same handler)."""
+    import signal
+
+    from gspo.commands import compare
+
+    class Run:
+        def __init__(self):
+            self.got = []
+
+        def send_signal(self, signum):
+            self.got.append(signum)
+
+    for signum, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        runs = compare._Runs(None, [([], tmp_path / "late", False)], tmp_path / "logs", 2)
+        running = [Run(), Run()]
+        runs.running = {r: (tmp_path / f"run{i}", tmp_path / "log", None) for i, r in enumerate(running)}
+        runs.forward(signum, None)
+        assert [r.got for r in running] == [[signum], [signum]] and not runs.pending
+        runs.running, runs.halted = {}, [tmp_path / "run0", tmp_path / "run1"]
+        assert runs.outcome() == code

@@ -144,25 +144,3 @@ def test_every_global_stream_is_seeded_captured_and_put_back_together():
     finally:
         set_rng_state(outer)
 
-
-def test_compare_gives_runs_sharing_a_gpu_an_equal_share_of_its_memory(tmp_path, monkeypatch):
-    """``gspo compare --jobs N`` with more runs than GPUs caps each at 90% of its GPU divided by the runs placed on it
-    (``model.gpu_memory``), keeps a share the user set, and leaves runs with a GPU each uncapped."""
-    from gspo.commands import compare
-
-    def share(gpus, jobs, runs, overrides=()):
-        monkeypatch.setattr(compare, "_visible_gpus", lambda: gpus)
-        started = []
-        monkeypatch.setattr(compare.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or object())
-        todo = [([*overrides], tmp_path / f"run{i}", False) for i in range(runs)]
-        r = compare._Runs(None, todo, tmp_path / "logs", jobs)
-        r.start_next()
-        given = [a for a in started[0] if a.startswith("model.gpu_memory=")]
-        return [float(a.split("=")[1]) for a in given]
-
-    assert share(["0", "1", "2", "3"], 9, 21) == [0.3]  # 3, 2, 2, 2 runs a GPU: each may take 0.9 / 3
-    assert share(["0"], 6, 21) == [0.15]
-    assert share(["0"], 6, 2) == [0.45]  # only 2 runs to train: they are all that share it
-    assert share(["0", "1"], 2, 5) == []  # a GPU each
-    assert share([], 4, 8) == []  # CPU
-    assert share(["0"], 6, 21, ["model.gpu_memory=0.5"]) == [0.5]  # the user's share stands

