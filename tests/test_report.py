@@ -247,7 +247,9 @@ def test_compare_arms_parse_and_refuse_unknown_suffixes():
     for bad in ("grpo+r9", "grpo+mb", "grpo+mbx", "grpo+lr", "grpo+lrfast", "grpo+"):
         with pytest.raises(UserError, match="unknown suffix"):
             parse_arm(bad)
-    for twice in ("grpo+r2+r3", "gspo+mb8+mb16"):
+    assert parse_arm("gspo+int8+seqmask") == ("gspo", {"rollout.engine_weight_bits": 8,
+                                                      "loss.mismatch_correction": "sequence_mask"})
+    for twice in ("grpo+r2+r3", "gspo+mb8+mb16", "grpo+tis+icepop"):
         with pytest.raises(UserError, match="twice; keep one suffix"):
             parse_arm(twice)
     # a run's arm: the suffixes its settings switch on, or the label compare gave it

@@ -250,11 +250,15 @@ def policy_loss(
     max_length: int | None = None,
     num_seqs: float | Tensor | None = None,
     num_tokens: float | Tensor | None = None,
+    weights: Tensor | None = None,
     with_metrics: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped GSPO / GSPO-token / GRPO objective (to minimise) and its diagnostics.
 
-    J(theta) = E[ agg_{i,t} min(r_{i,t} A_{i,t}, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t}) ] - beta KL
+    J(theta) = E[ agg_{i,t} w_{i,t} min(r_{i,t} A_{i,t}, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t}) ] - beta KL
+
+    with w = 1 unless ``weights`` are given: the behaviour-policy correction of :mod:`gspo.algorithms.corrections`
+    ((B, T) constants; a position they leave out must be off ``mask`` too, so that it leaves the denominators).
 
     Args:
         logp: (B, T) log pi_theta of the sampled tokens (differentiable).
@@ -290,6 +294,8 @@ def policy_loss(
 
     ratio = importance_ratio(logp, old_logp, mask, level)  # (B, T)
     per_token, clipped_low, clipped_high = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (B, T)
+    if weights is not None:
+        per_token = per_token * weights.detach().to(per_token.dtype)
     kl_term = None
     if ref_logp is not None and beta != 0.0:
         kl_term = k3_kl(logp, ref_logp.detach().to(logp.dtype), mask)  # (B, T)

@@ -30,6 +30,9 @@ ARM_SUFFIXES: dict[str, dict[str, Any]] = {
     "int8": {"rollout.engine_weight_bits": 8},  # the engine samples from int8-rounded weights
     "credit": {"loss.step_credit": "task"},  # per-token process credit of the task's steps
     "envcredit": {"loss.step_credit": "env"},  # per-turn credit from an environment's step rewards
+    "tis": {"loss.mismatch_correction": "tis"},  # engine-mismatch corrections (gspo.algorithms.corrections)
+    "seqmask": {"loss.mismatch_correction": "sequence_mask"},
+    "icepop": {"loss.mismatch_correction": "icepop"},
 }
 # Suffixes with a number: +mb8 (8 minibatches per rollout batch), +lr2e-5 (learning rate 2e-5)
 ARM_NUMBERED: dict[str, tuple[str, type]] = {"mb": ("train.minibatches", int), "lr": ("train.lr", float)}

@@ -15,6 +15,7 @@ import string
 from typing import Any
 
 from gspo.algorithms.advantages import SCALES
+from gspo.algorithms.corrections import CORRECTIONS
 from gspo.algorithms.losses import AGGREGATIONS, LEVELS
 from gspo.config.presets import TASK_STEP_CREDIT
 from gspo.config.schema import Config
@@ -189,6 +190,17 @@ def check_loss(cfg: Config) -> None:
         raise UserError(f"Clip ranges must satisfy 0 <= loss.eps_low < 1 and loss.eps_high >= 0 (got {lc.eps_low}, {lc.eps_high}).")
     if lc.beta < 0:
         raise UserError(f"loss.beta = {lc.beta} must be >= 0.")
+    _one_of(lc.mismatch_correction, CORRECTIONS, "loss.mismatch_correction")
+    if lc.mismatch_correction == "off" and lc.mismatch_bounds is not None:
+        raise UserError(f"loss.mismatch_bounds = {lc.mismatch_bounds} is set but loss.mismatch_correction = 'off'; pick "
+                        "a correction ('tis', 'sequence_mask', 'icepop') or leave the bounds unset.")
+    b = lc.mismatch_bounds
+    if b is not None and (len(b) != 2 or not 0 <= b[0] < b[1]):
+        raise UserError(f"loss.mismatch_bounds = {b} must be [low, high] with 0 <= low < high, e.g. [0.5, 5.0].")
+    if lc.mismatch_correction != "off" and cfg.train.old_logprobs != "recompute":
+        raise UserError(f"loss.mismatch_correction = {lc.mismatch_correction!r} weighs the recomputed old policy against "
+                        "the engine's log-probs, but train.old_logprobs = 'rollout' makes them one and the same (every "
+                        "weight 1); set train.old_logprobs = 'recompute'.")
 
 
 def check_lora(cfg: Config) -> None:

@@ -143,6 +143,16 @@ class LossConfig:
     GSPO-token (``gspo_token``) or GRPO-family presets."""
     step_credit_weight: float = 1.0
     """Weight of the process-credit term against the outcome advantage (with ``loss.step_credit``)."""
+    mismatch_correction: str = "off"
+    """Correct for the engine sampling from other numbers than the trainer's (vLLM, ``rollout.engine_weight_bits``,
+    bf16 kernels): each term weighted by w = pi_old / pi_engine, the recomputed old policy over the engine's
+    log-probs. ``off``; ``tis``: w truncated at the upper bound, per token for GRPO, per sequence (geometric mean) for
+    GSPO; ``sequence_mask``: sequences whose geometric-mean w leaves the bounds are left out; ``icepop``: tokens whose
+    w leaves the bounds are left out, the others weighted by w. Needs ``train.old_logprobs = "recompute"``; left-out
+    tokens leave every denominator."""
+    mismatch_bounds: list[float] | None = None
+    """``[low, high]`` of ``loss.mismatch_correction`` (``tis`` uses only high). Unset: ``tis`` [0, 2],
+    ``sequence_mask`` [0.99, 1.01], ``icepop`` [0.5, 5]."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from gspo.algorithms import logprob_gap, policy_loss
+from gspo.algorithms.corrections import DEFAULT_BOUNDS, mismatch_weights
 from gspo.config import Config
 from gspo.errors import UserError
 from gspo.train.passes import PackedGraphs, as_fsdp_forward, packing_available, packing_unsupported, sequence_logprobs
@@ -245,17 +246,29 @@ class Actor:
                 routing_pass = self.routing.updating()
             else:  # the old-policy pass records (R2 replays it; without replay, the flip rate compares with it)
                 routing_pass = self.routing.recording()
+        correction = self.cfg.loss.mismatch_correction
         if self.cfg.train.old_logprobs == "recompute":
             # Minibatch 0 fills its own rows from its update forward (see step); the others need the frozen pass now.
-            later, hints = plan.micro_of(range(1, len(plan.micro)))
+            # A mismatch correction needs every row's before the first update (its masks change the denominators).
+            first = 1 if correction == "off" else 0
+            later, hints = plan.micro_of(range(first, len(plan.micro)))
             with routing_pass:
                 batch.old_logprobs = self.frozen_logprobs(rollout, later, pack_tokens=hints)  # (N, T)
-            self._share(batch.old_logprobs, plan, range(1, len(plan.minibatches)))
+            self._share(batch.old_logprobs, plan, range(first, len(plan.minibatches)))
             if replay == "rollout" and later:  # the trainer re-routing what the engine routed, same weights
                 self.routing.sum_counts(comm.all_sum)
                 batch.metrics["moe/engine_flip_rate"] = self.routing.flip_metrics()["moe/flip_rate"]
         else:
             batch.old_logprobs = to_device(rollout.logprobs, dev)
+        self._on_device["weights"] = None
+        if correction != "off":  # pi_old / pi_engine, and what it leaves out of the loss (gspo.algorithms.corrections)
+            low, high = self.cfg.loss.mismatch_bounds or DEFAULT_BOUNDS[correction]
+            engine = to_device(rollout.logprobs, dev)
+            weights, kept, metrics = mismatch_weights(batch.old_logprobs, engine, self._on_device["loss_mask"],
+                                                      correction, self.cfg.loss.level, low, high)
+            self._on_device["loss_mask"], self._on_device["weights"] = kept, weights
+            batch.metrics.update(metrics)
+            batch.metrics.update(logprob_gap(engine, batch.old_logprobs, self._on_device["sampled"]))
         if self.ref_model is not None or (self.holding.peft is not None and self.cfg.loss.beta > 0):
             every, hints = plan.micro_of(range(len(plan.micro)))
             batch.ref_logprobs = self.frozen_logprobs(rollout, every, model=self.ref_model,
@@ -275,7 +288,8 @@ class Actor:
         rows = plan.minibatches[k]
         mask, adv = self._on_device["loss_mask"], self._on_device["advantages"]  # (N, T), (N,) or (N, T)
         old, ref = batch.old_logprobs, batch.ref_logprobs
-        on_policy_fill = cfg.train.old_logprobs == "recompute" and k == 0
+        weights = self._on_device["weights"]  # (N, T) or None: the mismatch correction's
+        on_policy_fill = cfg.train.old_logprobs == "recompute" and k == 0 and weights is None
         # Denominators of the whole minibatch, so micro-batches sum to its exact loss; rows left entirely out of the loss
         # (DAPO overlong filtering) do not count as sequences (the sequence-level TRL #6369).
         rows_dev = to_device(rows, dev)
@@ -302,8 +316,8 @@ class Actor:
                 if on_policy_fill:
                     old[sub_dev] = logp.detach()
                 loss, _ = policy_loss(logp, old[sub_dev], adv[sub_dev], mask[sub_dev],
-                                      ref_logp=None if ref is None else ref[sub_dev], with_metrics=False, **counts,
-                                      **loss_kw)
+                                      ref_logp=None if ref is None else ref[sub_dev], with_metrics=False,
+                                      weights=None if weights is None else weights[sub_dev], **counts, **loss_kw)
                 aux = self.routing.aux_loss() if self.routing is not None else None
                 if aux is not None:  # a mean over the micro-batch's tokens: weighted by its share of the minibatch
                     aux = aux * (len(sub) / len(rows))
@@ -340,7 +354,8 @@ class Actor:
         # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
         with torch.no_grad(), stage("step_metrics"):
             _, metrics = policy_loss(mb_logp, old[rows_dev], adv[rows_dev], mb_mask,
-                                     ref_logp=None if ref is None else ref[rows_dev], **loss_kw)
+                                     ref_logp=None if ref is None else ref[rows_dev],
+                                     weights=None if weights is None else weights[rows_dev], **loss_kw)
         completion = self._on_device["sampled"][rows_dev]  # (mb, T)
         tokens = completion.sum()
         metrics["entropy"] = torch.where(completion, mb_ent, 0.0).sum() / tokens.clamp(min=1)
