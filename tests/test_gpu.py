@@ -321,17 +321,9 @@ def test_fused_moe_step_agrees_with_the_trainer_as_the_module_step_does(tokenize
     expert than the trainer's bf16 pass for a few tokens, and such a token's log-prob moves by tenths (on an H100 the
     fused step's largest gap was 0.40 at a mean of 0.026, the module step's mean 0.024). Both paths have those flips,
     so they are compared on the mean, the 90th percentile and the count of gaps above 0.1."""
-    from transformers import AutoModelForCausalLM
+    from test_moe import sharp_moe
 
-    from gspo.models.moe import find_routers
-    from test_moe import _configs
-
-    cfg = _configs()["mixtral"]
-    cfg.vocab_size, cfg.pad_token_id = len(tokenizer), 2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float().cuda().eval()
-    for router in find_routers(model):
-        torch.nn.init.normal_(router.weight, std=0.5)
+    model = sharp_moe("mixtral", len(tokenizer)).cuda()
     engine, fused_gap = _engine_vs_trainer(model, tokenizer)
     assert engine.fused is not None
     _, module_gap = _engine_vs_trainer(model, tokenizer, fused=False)
@@ -405,18 +397,13 @@ def test_r3_records_inside_the_captured_decode_graph(tmp_path, tokenizer):
     a bf16 MoE training run with R3 on the graph engine logs the flip rates."""
     from transformers import AutoModelForCausalLM
 
-    from gspo.models.moe import Routing, find_routers
+    from gspo.models.moe import Routing
     from gspo.rollout import HFEngine
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams
-    from test_moe import _configs
+    from test_moe import sharp_moe
 
-    cfg = _configs()["mixtral"]
-    cfg.vocab_size, cfg.pad_token_id = len(tokenizer), 2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float().cuda().eval()
-    for router in find_routers(model):
-        torch.nn.init.normal_(router.weight, std=0.5)
+    model = sharp_moe("mixtral", len(tokenizer)).cuda()
     routing = Routing(model, "rollout")
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat."]]
     params = SamplingParams(max_new_tokens=16, greedy=True)
@@ -441,7 +428,7 @@ def test_r3_records_inside_the_captured_decode_graph(tmp_path, tokenizer):
     assert agree >= 0.98, agree
     routing.close()
     d = tmp_path / "moe"
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    AutoModelForCausalLM.from_config(model.config).save_pretrained(d)
     tokenizer.save_pretrained(d)
     run_cfg = build_config({}, [f"model.name='{d}'", "model.device='cuda'", "rollout.prompts_per_batch=4",
                                 "rollout.group_size=4", "rollout.max_new_tokens=8", "train.steps=4",
@@ -460,22 +447,15 @@ def test_r3_records_the_appended_turns_inside_the_captured_extension(tokenizer):
     captured extension graph, which records their experts; after row compaction and ``_home`` every fed position is
     recorded, and the trainer's pass replaying the records routes as the engine did (a record in the wrong row or
     slot would flip about half of the appended quarter of the positions)."""
-    from transformers import AutoModelForCausalLM
-
-    from gspo.models.moe import Routing, find_routers
+    from gspo.models.moe import Routing
     from gspo.rollout.graph import GraphEngine
     from gspo.train.passes import sequence_logprobs
     from gspo.types import SamplingParams
     from test_envs import Answers
-    from test_moe import _configs
+    from test_moe import sharp_moe
     from test_rollout import force_token
 
-    cfg = _configs()["mixtral"]
-    cfg.vocab_size, cfg.pad_token_id = len(tokenizer), 2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    for router in find_routers(model):
-        torch.nn.init.normal_(router.weight, std=0.5)
+    model = sharp_moe("mixtral", len(tokenizer))
     force_token(model, 2, 9.0)
     model.cuda()
     routing = Routing(model, "rollout")

@@ -17,6 +17,18 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_l
               bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
+def sharp_moe(family: str, vocab_size: int):
+    """A fp32 model of ``family`` (from :func:`_configs`) over ``vocab_size`` ids with routers sharp enough that a
+    misplaced record shows (std 0.5), seed 0, in eval mode, on the CPU."""
+    cfg = _configs()[family]
+    cfg.vocab_size, cfg.pad_token_id = vocab_size, 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    for router in find_routers(model):
+        torch.nn.init.normal_(router.weight, std=0.5)
+    return model
+
+
 def _configs():
     return {
         "mixtral": MixtralConfig(**COMMON, num_local_experts=4),
@@ -371,9 +383,8 @@ def test_engines_that_record_routes_get_the_routing_as_they_are_built_and_the_ot
 def test_training_with_r3_and_dapo_refill_logs_engine_and_update_flips(moe_dir, tmp_path):
     """moe.routing_replay = 'rollout' with DAPO's dynamic sampling (rounds of rollouts concatenated, routes padded by
     position): every step logs moe/flip_rate (minibatch 0 too: it compares with the engine), the batch logs
-    moe/engine_flip_rate; the graph engine is refused for R3 in one line."""
+    moe/engine_flip_rate."""
     from gspo.config import build_config
-    from gspo.errors import UserError
     from gspo.runlog.metrics import read_jsonl
     from gspo.train import Trainer
 
@@ -398,12 +409,7 @@ def test_the_graph_engine_records_the_same_routes_as_the_hf_engine(tokenizer):
     from gspo.rollout.graph import GraphEngine
     from gspo.types import SamplingParams
 
-    cfg = _configs()["qwen2_moe"]
-    cfg.vocab_size, cfg.pad_token_id = len(tokenizer), 2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    for router in find_routers(model):
-        torch.nn.init.normal_(router.weight, std=0.5)
+    model = sharp_moe("qwen2_moe", len(tokenizer))
     routing = Routing(model, "rollout")
     prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat."]]
     params = SamplingParams(max_new_tokens=9, greedy=True)
