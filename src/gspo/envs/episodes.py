@@ -76,7 +76,7 @@ class Episodes:
         self.pool = EnvPool(env.path, env.tools, env.workers, env.timeout_s)
         try:
             renderer = load_renderer(env, tokenizer)
-            if renderer is None:
+            if isinstance(renderer, TemplateRenderer):
                 template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
                 auto, in_template = detect_format(template), "tools" in template  # the template renders tools= itself
             else:
@@ -88,12 +88,6 @@ class Episodes:
             system = system_prompt
             if schemas and not in_template:
                 system = "\n\n".join(x for x in (system_prompt, system_text(schemas, self.format)) if x)
-            if renderer is None:
-                renderer = TemplateRenderer(tokenizer)
-                if schemas and "tool" not in renderer.roles:
-                    raise UserError("the chat template has no tool turns (it takes only user and assistant messages), "
-                                    "and env.tools is set; leave env.tools empty (the environment replies as the user), "
-                                    "or use a model whose template renders tool messages.")
             self.turns = Turns(tokenizer, stop_ids, system=system, tools=schemas if in_template else None,
                                renderer=renderer)
             check_template(self.turns, samples=100, roles=getattr(renderer, "roles", ("user", "tool")))
@@ -226,10 +220,16 @@ RENDERER_EXAMPLE = "gspo.envs.renderers:llama3"
 
 
 def load_renderer(env, tokenizer):
-    """The renderer ``env.renderer`` names, built for ``tokenizer`` and checked to share its vocabulary (``None``:
-    the tokenizer's own chat template). It runs in this process: it renders the ids the engine is fed."""
+    """The renderer ``env.renderer`` names, built for ``tokenizer`` and checked to share its vocabulary, or unset, the
+    tokenizer's own chat template; either way refused in one line when ``env.tools`` is set and it has no tool turns.
+    It runs in this process: it renders the ids the engine is fed."""
     if not env.renderer:
-        return None
+        renderer = TemplateRenderer(tokenizer)
+        if env.tools and "tool" not in renderer.roles:
+            raise UserError("the chat template has no tool turns (it takes only user and assistant messages), and "
+                            "env.tools is set; leave env.tools empty (the environment replies as the user), or use a "
+                            "model whose template renders tool messages.")
+        return renderer
     what = f"env.renderer = {env.renderer!r}"
     factory = user_code.load_function(env.renderer, what, RENDERER_EXAMPLE)
     try:
