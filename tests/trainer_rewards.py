@@ -47,6 +47,12 @@ def declining_later(completion, example):
     return 1.0 if len(_CALLS) <= 16 else 0.0
 
 
+def declining_after_four(completion, example):
+    """1.0 for the first 32 calls (four rollout batches of the tiny config), 0.0 after."""
+    _CALLS.append(1)
+    return 1.0 if len(_CALLS) <= 32 else 0.0
+
+
 _RISE_FALL = [1.0, 1.0, 0.7, 0.6, 0.4]  # then 0.0
 
 

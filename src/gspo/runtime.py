@@ -34,6 +34,7 @@ import math
 import os
 import random
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,11 @@ from gspo.errors import UserError
 log = logging.getLogger("gspo")
 
 PRECISIONS = ("auto", "fp32", "bf16-autocast")
+
+# Held by a thread while it captures a CUDA graph in torch's default global mode (the update's graphs), and by the
+# asynchronous rollout thread while it collects (gspo.train.pipeline): a global-mode capture forbids other threads the
+# calls (allocations, synchronisations) that the engine makes, so the two never overlap.
+CAPTURE_LOCK = threading.RLock()
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:

@@ -230,6 +230,14 @@ def check_rollout(cfg: Config) -> None:
         raise UserError("rollout.top_p must be in (0, 1] and rollout.top_k >= 0 (0 disables it).")
     if not 0 < r.vllm_gpu_memory < 1:
         raise UserError(f"rollout.vllm_gpu_memory = {r.vllm_gpu_memory} must be a share of the GPU in (0, 1), e.g. 0.3.")
+    _one_of(r.overlap, ("thread", "off"), "rollout.overlap")
+    if r.max_staleness < 0:
+        raise UserError(f"rollout.max_staleness = {r.max_staleness!r} must be a whole number of rollout batches >= 0 "
+                        "(0: synchronous; 1: the engine samples the next batch while the actor trains this one).")
+    if r.max_staleness and r.overlap == "thread" and r.engine == "vllm":
+        raise UserError("rollout.max_staleness > 0 with rollout.overlap = 'thread' and rollout.engine = 'vllm': vLLM "
+                        "is not run from a background thread here; set rollout.overlap = 'off', or rollout.engine = "
+                        "'auto'.")
     share = cfg.model.gpu_memory
     if r.engine == "vllm" and share is not None and r.vllm_gpu_memory >= share:
         raise UserError(f"rollout.vllm_gpu_memory = {r.vllm_gpu_memory} is a share of the whole GPU and must be below "

@@ -112,6 +112,16 @@ class RolloutConfig:
     weight matrix rounded to signed integers of this many bits (symmetric, one scale per output row, as weight-only
     int8 inference does); norms and biases are kept. The trainer's weights are untouched; the gap shows in
     ``logprob/engine_diff_*``. 0 (default) = off; 2-16."""
+    max_staleness: int = 0
+    """Asynchronous training: eta > 0 collects the next rollout batches while the actor trains on the current one, each
+    sampled by the policy exactly eta rollout batches older than the one that trains it (fewer in the first eta
+    batches; at most eta collected batches wait, none is thrown away). 0 (default): the synchronous loop. Counted in
+    rollout batches, the unit the engine's weights change by (eta batches = eta x train.minibatches optimizer steps).
+    A fixed lag, so a run is the same whatever the timing, and resumes exactly. See docs/async.md."""
+    overlap: str = "thread"
+    """With ``rollout.max_staleness`` > 0: ``thread`` collects in a background thread (on its own CUDA stream) while
+    the actor trains; ``off`` collects in turn with the update (no speed-up, the same numbers bit for bit: the
+    reference the threaded run is checked against)."""
 
 
 @dataclass

@@ -550,7 +550,8 @@ class GraphEngine:
             graph = torch.cuda.CUDAGraph()
             if self._gen is not None:
                 graph.register_generator_state(self._gen)
-            with torch.cuda.graph(graph, pool=pool):
+            # thread-local: an update on another thread (asynchronous rollouts) may allocate and synchronise meanwhile
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 body()
             for t, s in zip(state, saved):
                 t.copy_(s)

@@ -244,12 +244,15 @@ class Checkpoints:
         self.run_dir, self.cfg, self.runtime = run_dir, cfg, runtime
         self.actor, self.collector, self.tokenizer = actor, collector, tokenizer
         self.writer = CheckpointWriter(run_dir)
+        self.queued: list = []  # the asynchronous collect's batches that the restored checkpoint had waiting
 
-    def save(self, state: TrainState, t_start: float, pinned: int | None) -> None:
+    def save(self, state: TrainState, t_start: float, pinned: int | None, queued: list | None = None) -> None:
         """Start writing a checkpoint of the run as it is now; pruning keeps checkpoint ``pinned`` (a step) however old
-        it gets."""
+        it gets. ``queued``: rollout batches collected ahead of the update (``rollout.max_staleness`` > 0)."""
         self.writer.pinned = pinned
         parts = {**self.actor.state_dict(), **self.collector.state_dict(), "world_size": self.runtime.world_size}
+        if queued is not None:
+            parts["async_queue"] = queued
         self.actor.holding.save(self.writer, state, parts, self.tokenizer, self.cfg.log.keep_checkpoints, t_start)
 
     def restore(self, before_batch: int | None, metrics: list[dict] | None) -> tuple[Path, TrainState]:
@@ -265,6 +268,7 @@ class Checkpoints:
         set_rng_state(payload["rng"])
         self.actor.load_state_dict(payload)
         self.collector.load_state_dict(payload)
+        self.queued = payload.get("async_queue", [])
         self._restore_process_rng(ckpt, payload, int(payload["step"]))
         return payload
 
@@ -305,7 +309,7 @@ class Checkpoints:
         pruning must keep however old it gets; None unless the sentinel rolls back on reward drops."""
         sc = self.cfg.sentinel
         peak = best_window_end(sc, rewards_seen) if sc.action == "rollback" else None
-        kept = self.through(peak) if peak is not None else []  # waits for the write in flight: it may be the one
+        kept = self.through(peak - self.lag) if peak is not None else []  # waits for the write in flight: it may be the one
         return checkpoint_step(kept[-1]) if kept else None
 
     def before_collapse(self, trigger: int, rewards_seen: dict[int, float | None]) -> list[Path]:
@@ -315,7 +319,14 @@ class Checkpoints:
         for the other detectors."""
         sc = self.cfg.sentinel
         peak = best_window_end(sc, rewards_seen, before_newest=True) if reward_drop(sc, rewards_seen) else None
-        return self.through(rollback_limit(trigger, peak)) or self.through(rollback_limit(trigger, None))
+        lag = self.lag
+        return self.through(rollback_limit(trigger, peak) - lag) or self.through(rollback_limit(trigger, None) - lag)
+
+    @property
+    def lag(self) -> int:
+        """Batches between a checkpoint's policy and the batches it samples: a checkpoint resuming at batch b holds the
+        weights that sample batch b + rollout.max_staleness (the ones before it are saved in it, already sampled)."""
+        return self.cfg.rollout.max_staleness
 
     def abandon_after(self, step: int) -> None:
         """A rollback abandons the timeline after ``step``: its checkpoints are renamed out of the way (to

@@ -34,6 +34,7 @@ from gspo.runtime import Runtime, finite, seconds_since
 from gspo.train.checkpoint import Checkpoints, TrainState, checkpoint_batch
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, out_of_memory
 from gspo.train.parts import build, describe_run
+from gspo.train.pipeline import Pipeline
 from gspo.train.run_dir import RunDir
 from gspo.train.sentinel import collapse_findings, response, stop_reason
 from gspo.types import Batch
@@ -81,10 +82,15 @@ class Trainer:
             self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
             self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
             self.rewards_seen: dict[int, float | None] = {}  # rollout batch -> reward/mean, for the sentinel
+            self.pipeline = None  # rollout.max_staleness > 0: the batches collected ahead of the update
+            if cfg.rollout.max_staleness:
+                self.pipeline = Pipeline(cfg.rollout.max_staleness, cfg.rollout.overlap == "thread",
+                                         self.collector.collect, self.engine, self.engine_weights, self.runtime.device)
             if from_start:
                 log.warning("%s has no checkpoint yet: --resume trains it from the start", self.run_dir)
             elif resume:
                 self.restore()
+            self.reset_pipeline()
             if self.runtime.is_main:
                 self.dir.record(self.state.step)
             self.timings["trainer_ready_at"] = self.since_start()
@@ -141,6 +147,8 @@ class Trainer:
         finally:
             if runlog is not None:
                 runlog.close(failed=failed)
+            if self.pipeline is not None:  # done (or idle after the final checkpoint) unless the run failed
+                self.pipeline.close(timeout=None if not failed else 10.0)
             self.collector.close()
             if failed:  # an earlier checkpoint in flight still completes; the loop's own error is the one to report
                 try:
@@ -162,11 +170,9 @@ class Trainer:
         """One rollout batch: weights to the engine, collect, update; its metrics lines are left in ``last_rows``."""
         state = self.state
         t_sync = time.perf_counter()
-        with stage("sync_weights"):
-            weights = self.actor.weights()
-            if self.cfg.rollout.engine_weight_bits:  # an injected engine-trainer gap (the engine's copy only)
-                weights = rounded_weights(weights, self.cfg.rollout.engine_weight_bits)
-            self.engine.sync_weights(weights)
+        if self.pipeline is None:  # synchronous: the engine samples with the weights the update starts from
+            with stage("sync_weights"):
+                self.engine.sync_weights(self.engine_weights())
         t_sync = time.perf_counter() - t_sync
         first = "first_rollout_at" not in self.timings
         if first:
@@ -176,8 +182,11 @@ class Trainer:
                      ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k != "first_rollout_at"))
         t_collect = time.perf_counter()
         with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint), stage("collect"):
-            batch = self.collector.collect()
-        batch.metrics["time/sync_weights"] = t_sync
+            if self.pipeline is None:
+                batch = self.collector.collect()
+                batch.metrics["time/sync_weights"] = t_sync
+            else:  # collected ahead (or now), by a policy up to rollout.max_staleness batches older
+                batch = self.pipeline.take(state.rollout_batch)
         if first:
             self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
             self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
@@ -189,6 +198,25 @@ class Trainer:
         with self.writing_log():
             runlog.flush()
         state.rollout_batch += 1
+        if self.pipeline is not None:
+            with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint), stage("publish"):
+                self.pipeline.publish(state.rollout_batch)
+
+    def engine_weights(self):
+        """The policy's ``(name, tensor)`` pairs as the engine gets them (rounded, for an injected engine-trainer gap)."""
+        weights = self.actor.weights()
+        if self.cfg.rollout.engine_weight_bits:  # an injected engine-trainer gap (the engine's copy only)
+            weights = rounded_weights(weights, self.cfg.rollout.engine_weight_bits)
+        return weights
+
+    def reset_pipeline(self) -> None:
+        """Point the asynchronous collect at where the run is now (a new run, a resume, a rollback), with the batches
+        the checkpoint it came from had collected ahead."""
+        if self.pipeline is None:
+            return
+        state, t = self.state, self.cfg.train
+        total = state.rollout_batch + max(0, t.steps - state.step) // t.minibatches
+        self.pipeline.reset(state.rollout_batch, total, self.checkpoints.queued)
 
     @contextlib.contextmanager
     def writing_log(self) -> Iterator[None]:
@@ -266,7 +294,10 @@ class Trainer:
                         "of %d)", state.step, self.collapse, older[-1].name, sc.lr_factor, rollbacks, sc.max_rollbacks)
             self.actor.lr_scale *= sc.lr_factor
             state.rollbacks = rollbacks
+            if self.pipeline is not None:  # the batches collected ahead belong to the abandoned timeline
+                self.pipeline.close()
             self.restore(before_batch=checkpoint_batch(older[-1]) + 1)
+            self.reset_pipeline()
             if self.runtime.is_main:
                 self.checkpoints.abandon_after(state.step)
             comm.barrier()
@@ -281,7 +312,18 @@ class Trainer:
     def checkpoint(self) -> None:
         """Start writing a checkpoint of the run as it is now (see :meth:`Checkpoints.save`), keeping the one a reward
         drop would roll back to (:meth:`Checkpoints.rollback_target`)."""
-        self.checkpoints.save(self.state, self.t_start, self.checkpoints.rollback_target(self.rewards_seen))
+        pinned = self.checkpoints.rollback_target(self.rewards_seen)
+        if self.pipeline is None:
+            self.checkpoints.save(self.state, self.t_start, pinned)
+            return
+        # the engine finishes the batches older policies sample and stays idle while the checkpoint takes its copy, so
+        # the batches it saves and the data position and sampling stream agree
+        with out_of_memory("the rollout", lambda: self.state.step, self.newest_checkpoint):
+            queued = self.pipeline.pause()
+        try:
+            self.checkpoints.save(self.state, self.t_start, pinned, queued)
+        finally:
+            self.pipeline.resume()
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""

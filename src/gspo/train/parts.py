@@ -76,7 +76,9 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
                              stop_ids=stop_token_ids(tokenizer, model),
                              device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
                              compact_rows=cfg.rollout.compact_rows,
-                             replica=strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0,
+                             # (and with asynchronous rollouts, which sample while the update changes the policy)
+                             replica=(strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0
+                                      or cfg.rollout.max_staleness > 0),
                              vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
                              # R3 replays the experts that sampled each token: the engine records them
                              routing=routing if cfg.moe.routing_replay == "rollout" else None)

@@ -30,7 +30,7 @@ from gspo.errors import UserError
 from gspo.models import (attention_context, attention_implementation, autocast_context, final_logits, pad_sequences,
                          positions_from_mask)
 from gspo.models.moe import Routing, packed_layout, padded_layout
-from gspo.runtime import free_gpu_bytes, to_device
+from gspo.runtime import CAPTURE_LOCK, free_gpu_bytes, to_device
 
 
 def sequence_logprobs(model, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -300,7 +300,9 @@ class PackedGraphs:
             try:
                 module = _GraphableDecoder(self.decoder, size, self.autocast_dtype)
                 module.training = True  # the graphed forward runs while this flag matches; the decoder's own modes stay
-                with torch.enable_grad():  # the first use may be a no-grad pass; the backward graph is captured too
+                # the first use may be a no-grad pass; the backward graph is captured too. CAPTURE_LOCK: not while an
+                # asynchronous rollout collects (see gspo.runtime)
+                with torch.enable_grad(), CAPTURE_LOCK:
                     self.graphed[key] = torch.cuda.make_graphed_callables(module, (ids_b, pos_b, cu_b), pool=self.pool)
                 grown = torch.cuda.memory_reserved(ids.device) - reserved
                 self.bytes_per_token = max(self.bytes_per_token, grown / size)

@@ -1,0 +1,126 @@
+"""Asynchronous rollouts against the synchronous loop: the reference run (configs/quickstart.toml) at several
+``rollout.max_staleness`` values, one process at a time on one GPU, then a table of wall-clock and reward.
+
+  python benchmarks/async_runs.py run --model /root/smollm2/model.gguf --out $OUT \\
+      --runs gspo:0:1,gspo:1:1,gspo:1:1:off [-- key=value ...]     # algorithm:eta:seed[:overlap]
+  python benchmarks/async_runs.py table $OUT                       # prints the table, writes async_summary.json
+
+Per run: the process's and the loop's wall-clock (``timings.json``), the reward of the first and the last 10 rollout
+batches, the loop time at which the 5-batch running mean of the reward first reached ``--target`` (default 0.8),
+the staleness, and how long the actor and the engine waited for each other per batch. ``metrics.jsonl`` and
+``timings.json`` of each run are copied under ``--out/<name>/``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_name(spec: str) -> tuple[str, list[str]]:
+    """``algorithm:eta:seed[:overlap]`` -> the run's name and its overrides."""
+    algo, eta, seed, *rest = spec.split(":")
+    overlap = rest[0] if rest else "thread"
+    name = f"{algo}_eta{eta}_s{seed}" + ("" if overlap == "thread" else f"_{overlap}")
+    return name, [f"algorithm='{algo}'", f"rollout.max_staleness={eta}", f"rollout.overlap='{overlap}'", f"seed={seed}"]
+
+
+def cmd_run(a: argparse.Namespace) -> None:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in a.runs.split(","):
+        name, overrides = run_name(spec)
+        run_dir = Path(a.scratch) / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [sys.executable, "-m", "gspo.cli", "train", str(ROOT / "configs/quickstart.toml"), "--run-dir",
+               str(run_dir), f"model.name='{a.model}'", "log.checkpoint_every=0", *overrides, *a.extra]
+        t0 = time.time()
+        rc = subprocess.call(cmd)
+        wall = time.time() - t0
+        (out / name).mkdir(exist_ok=True)
+        for f in ("metrics.jsonl", "timings.json"):
+            if (run_dir / f).exists():
+                shutil.copy(run_dir / f, out / name / f)
+        import torch
+
+        card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        (out / name / "meta.json").write_text(json.dumps({"name": name, "wall_s": round(wall, 1), "rc": rc,
+                                                          "card": card, "command": " ".join(cmd)}, indent=1))
+        print(f"[async] {name}: rc={rc} wall={wall:.0f}s", flush=True)
+
+
+def summary(run: Path, target: float) -> dict:
+    """One run's numbers (see the module docstring)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    first = [r for r in rows if r.get("minibatch", 0) == 0]  # one line per rollout batch
+    rewards = [r["reward/mean"] for r in first]
+    # time/elapsed is logged after each optimizer step: a batch's reward is known once its first step is logged
+    reached = None
+    for i in range(4, len(first)):
+        if sum(rewards[i - 4:i + 1]) / 5 >= target:
+            reached = first[i]["time/elapsed"]
+            break
+    timings = json.loads((run / "timings.json").read_text()) if (run / "timings.json").exists() else {}
+    meta = json.loads((run / "meta.json").read_text()) if (run / "meta.json").exists() else {}
+
+    def mean(key, lines=first):
+        vals = [r[key] for r in lines if key in r]
+        return sum(vals) / len(vals) if vals else None
+
+    off_policy = [r for r in rows if r.get("minibatch", 0) > 0]  # where ratios move and the clip acts
+
+    return {"name": run.name, "card": meta.get("card"), "process_s": meta.get("wall_s"), "loop_s": timings.get("loop_s"),
+            "batches": len(first), "reward_first": rewards[0], "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
+            "time_to_target_s": reached, "staleness_max": max((r.get("async/staleness_max", 0.0) for r in first)),
+            "actor_wait_s": mean("async/actor_wait_s"), "engine_wait_s": mean("async/engine_wait_s"),
+            "collect_s": mean("time/collect"), "update_s": sum(r["time/update"] for r in rows) / max(len(first), 1),
+            "logprobs_s": mean("time/logprobs"),
+            "clip_seq": mean("clip/seq_total", off_policy), "clip_token": mean("clip/token_total", off_policy),
+            "mismatch_weight_mean": mean("mismatch/weight_mean"), "mismatch_weight_max": mean("mismatch/weight_max"),
+            "entropy_last": first[-1].get("entropy"), "final_step": rows[-1]["step"]}
+
+
+def cmd_table(a: argparse.Namespace) -> None:
+    res = Path(a.results)
+    out = [summary(run, a.target) for run in sorted(p for p in res.iterdir() if (p / "metrics.jsonl").exists())]
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    print(f"| run | card | process | loop | reward first → last 10 | loop time to 5-batch mean {a.target} | "
+          "staleness | per batch: collect / old log-probs / updates | actor waits | engine waits |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in out:
+        print(f"| {r['name']} | {r['card']} | {f(r['process_s'], '.0f')} s | {f(r['loop_s'], '.1f')} s | "
+              f"{r['reward_first']:.3f} → {r['reward_last10']:.3f} | {f(r['time_to_target_s'], '.1f')} s | "
+              f"{r['staleness_max']:.0f} | {f(r['collect_s'], '.3f')} / {f(r['logprobs_s'], '.3f')} / "
+              f"{f(r['update_s'], '.3f')} s | {f(r['actor_wait_s'], '.3f')} s | {f(r['engine_wait_s'], '.3f')} s |")
+    (res / "async_summary.json").write_text(json.dumps(out, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--model", default="smollm2-135m-instruct")
+    r.add_argument("--runs", default="gspo:0:1,gspo:1:1")
+    r.add_argument("--out", required=True)
+    r.add_argument("--scratch", default="/tmp/gspo-async")
+    r.add_argument("extra", nargs="*", help="extra key=value overrides for every run")
+    r.set_defaults(func=cmd_run)
+    t = sub.add_parser("table")
+    t.add_argument("results")
+    t.add_argument("--target", type=float, default=0.8)
+    t.set_defaults(func=cmd_table)
+    a = p.parse_args()
+    a.func(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""Asynchronous rollouts (``rollout.max_staleness = η > 0``): the engine collects the next rollout batches while the
+actor trains on the current one, each sampled by a policy exactly η versions older than the one that trains it.
+
+Versions. The policy's version is the number of rollout batches it has been trained on (``TrainState.rollout_batch``),
+so rollout batch ``j`` is trained by version ``j``. Under staleness η it is sampled by version
+
+    g(j) = max(j - η, v0)          v0: the version this session started from (0 for a new run)
+
+and its staleness ``j - g(j)`` is η once the pipeline is full (less in a session's first η batches). η = 0 is the
+synchronous loop, which does not come here. The unit is the rollout batch, not the optimizer step: the engine's weights
+change once per rollout batch, a whole batch (its DAPO refills too) is sampled by one version, and a synchronous run's
+own minibatches are already 0 to M - 1 optimizer steps off-policy, so η rollout batches are η·M to η·M + M - 1
+optimizer steps (M = ``train.minibatches``).
+
+A fixed lag, so a run is deterministic. g(j) depends on j alone, not on whether the engine or the actor got ahead: a
+run is the same bit for bit whether it collects in a background thread (``rollout.overlap = "thread"``) or in turn
+with the update (``"off"``), at any speed of either, and a checkpoint resumes it exactly. Taking the newest weights when
+a batch starts (AReaL's rule) makes the staleness smaller on average but a function of timing, which no test could pin.
+
+Admission. Batch ``j`` starts only once version g(j) exists, so while the actor trains batch ``v`` at most the η
+batches after it are collected or being collected, and no batch is sampled to be thrown away: nothing is dropped for staleness, by construction (AReaL bounds its rollouts with
+a capacity rule to the same end).
+
+Weights to the engine. With η = 1 the engine needs version ``j`` for batch ``j + 1`` exactly when it has finished batch
+``j`` and the actor, which waits for that batch, has not yet stepped: the actor copies its weights into the engine then,
+with no extra memory. With η >= 2 the engine needs versions the actor has already moved past, so each version that a
+batch will need is copied when it is published and the copy is freed once the engine has loaded it (at most η - 1 copies
+of the weights at once, on the policy's device).
+
+Checkpoints. A checkpoint at version ``v`` first lets the engine finish every batch sampled by an older version (those
+before ``v + η``), then holds it idle while the checkpoint takes its copy: the batches it saves (η of them, or η + 1
+when the engine had started the next one already; in turn with the update, η + 1) and the collect stage's state (data
+position, sampling stream) agree, and every later batch is sampled by the checkpoint's policy or a newer one. Nothing
+is lost or sampled twice, and a resumed run is the uninterrupted one bit for bit. With η = 1 this waits for nothing the
+actor would not wait for anyway (the next batch).
+
+CUDA. The background collect runs on its own stream, and holds :data:`gspo.runtime.CAPTURE_LOCK` while it collects: the
+update's CUDA-graph captures take it too, so no capture overlaps the engine's work (a capture in torch's default global
+mode forbids other threads the calls the engine makes). The engine's own captures are thread-local.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from gspo.runtime import CAPTURE_LOCK
+from gspo.types import Batch
+
+Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class Queued:
+    """A collected rollout batch waiting for the actor, with the version that sampled it."""
+
+    batch: Batch
+    version: int
+    engine_wait_s: float = 0.0  # the engine's wait for that version before collecting it
+    sync_s: float = 0.0  # loading that version into the engine (0 when it had it)
+
+
+@dataclass
+class _Copy:
+    """A published version's weights, copied for the engine (η >= 2), and the event after the copy on a GPU."""
+
+    weights: list[tuple[str, torch.Tensor]]
+    ready: torch.cuda.Event | None
+
+
+class Pipeline:
+    """Collects rollout batches ahead of the update (see the module docstring). The trainer calls :meth:`reset` with
+    where the run is, then per batch :meth:`take` (blocks until it is collected) and, after the update,
+    :meth:`publish`; :meth:`pause` and :meth:`resume` around a checkpoint; :meth:`close` at the end."""
+
+    def __init__(self, eta: int, threaded: bool, collect: Callable[[], Batch], engine, weights: Weights,
+                 device: torch.device):
+        self.eta, self.threaded = eta, threaded
+        self.collect, self.engine, self.weights = collect, engine, weights
+        self.device = device
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.stream = torch.cuda.Stream(device) if threaded and device.type == "cuda" else None
+        self.reset(0, 0, [])
+
+    # ------------------------------------------------------------------------------------------ the trainer's side
+
+    def reset(self, version: int, total: int, queued: list[Queued]) -> None:
+        """Start over at policy ``version`` (the rollout batches trained so far) with the batches a checkpoint saved
+        (``queued``: batches ``version``, ``version + 1``, ...); ``total``: the rollout batches of the whole run.
+        Stops a running collect first (a collapse rollback); what it had collected is dropped."""
+        self.close()
+        self.v0 = self.version = version
+        self.total = total
+        self.queue = {version + i: q for i, q in enumerate(queued)}
+        self.next = version + len(queued)  # the next batch to collect
+        self.engine_version: int | None = None  # unknown: loaded when the pipeline starts
+        self.engine_waits: int | None = None  # the version the engine thread is waiting for, if it is
+        self.copies: dict[int, _Copy] = {}
+        self.ready_event: torch.cuda.Event | None = None  # after the actor's own copy into the engine, on a GPU
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.started = False
+        self.paused = False  # held idle for a checkpoint
+        self.collecting = False  # the engine thread is collecting a batch
+
+    def version_of(self, j: int) -> int:
+        """g(j): the policy version that samples rollout batch ``j``."""
+        return max(j - self.eta, self.v0)
+
+    def take(self, j: int) -> Batch:
+        """Rollout batch ``j``, once collected, with its ``async/*`` metrics; before returning, the engine has (or has
+        a copy of) every version it will still need that only the actor's weights hold now."""
+        self._start()
+        t0 = time.perf_counter()
+        with self.cond:
+            self._wait(lambda: j in self.queue and self._safe())
+            q = self.queue.pop(j)
+            ahead = len(self.queue)
+        staleness = float(j - q.version)
+        q.batch.metrics.update({"async/staleness_mean": staleness, "async/staleness_max": staleness,
+                                "async/actor_wait_s": time.perf_counter() - t0, "async/engine_wait_s": q.engine_wait_s,
+                                "async/ahead": float(ahead), "time/sync_weights": q.sync_s})
+        if self.stream is not None:  # the batch's device tensors were made on the engine's stream
+            _use_on_current_stream(q.batch)
+        return q.batch
+
+    def publish(self, version: int) -> None:
+        """The actor's weights are ``version`` now (after training batch ``version - 1``): collect what it unblocks
+        (in turn with the update), or hand it to the engine thread (a copy, with η >= 2, when a batch needs it)."""
+        with self.cond:
+            self.version = version
+            if self.threaded and self.eta >= 2 and self._needed(version) and version != self.engine_version:
+                self.copies[version] = self._copy()
+            self.cond.notify_all()
+        if not self.threaded:
+            self._collect_ready()
+
+    def pause(self) -> list[Queued]:
+        """For a checkpoint: wait until every batch sampled by an older version than the actor's is collected, hold the
+        engine idle (its sampling stream and the data position stay as they are) and return the collected batches
+        waiting for the actor, in order. :meth:`resume` lets the engine go on."""
+        self._start()
+        with self.cond:
+            self.paused = True
+            self._wait(lambda: self.next >= min(self.total, self.version + self.eta) and not self.collecting)
+            return [self.queue[j] for j in sorted(self.queue)]
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the engine thread after the batch it is collecting (what it collected is dropped); ``timeout``: wait
+        at most that long (a run that is failing does not wait for a long collect)."""
+        thread = getattr(self, "thread", None)
+        if thread is None:
+            return
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        thread.join(timeout)
+        self.thread = None
+
+    # ------------------------------------------------------------------------------------------ internals
+
+    def _needed(self, version: int) -> bool:
+        """Whether a batch still to collect is sampled by ``version``."""
+        return any(self.version_of(k) == version for k in range(self.next, min(self.total, version + self.eta + 1)))
+
+    def _safe(self) -> bool:
+        """The actor may change its weights: no batch still to collect needs the version it holds, or the engine has
+        that version, or a copy of it."""
+        v = self.version
+        return not self._needed(v) or self.engine_version == v or v in self.copies
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Wait (holding ``cond``) until ``done()``, raising the engine thread's error; whenever the engine thread
+        waits for the version the actor holds, load it into the engine from the actor's weights directly."""
+        while not done():
+            if self.error is not None:
+                raise self.error
+            if not self.threaded:
+                raise RuntimeError("in turn with the update, a batch or version the update needs was not collected")
+            if (self.engine_waits == self.version and self.engine_version != self.version
+                    and self.version not in self.copies):
+                self._load(self.weights())
+                if self.device.type == "cuda":
+                    self.ready_event = torch.cuda.Event()
+                    self.ready_event.record()
+                self.engine_version = self.version
+                self.cond.notify_all()
+                continue
+            if self.threaded and (self.thread is None or not self.thread.is_alive()) and not done():
+                raise RuntimeError("the rollout thread ended without the batch the update waits for")
+            self.cond.wait()
+
+    def _copy(self) -> _Copy:
+        """The actor's weights now, copied (the actor's next steps leave them as they are)."""
+        weights = [(name, t.detach().clone()) for name, t in self.weights()]
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return _Copy(weights, event)
+
+    def _load(self, weights) -> float:
+        t0 = time.perf_counter()
+        self.engine.sync_weights(weights)
+        return time.perf_counter() - t0
+
+    def _start(self) -> None:
+        """On the first take: the engine gets the resumed policy's weights, then the collect starts."""
+        if self.started:
+            return
+        self.started = True
+        sync = self._load(self.weights())
+        self.engine_version = self.v0
+        self.first_sync_s = sync
+        if not self.threaded:
+            self._collect_ready()
+            return
+        if self.device.type == "cuda":
+            self.ready_event = torch.cuda.Event()
+            self.ready_event.record()
+        self.thread = threading.Thread(target=self._run, name="gspo-rollout", daemon=True)
+        self.thread.start()
+
+    def _collect_ready(self) -> None:
+        """In turn with the update: collect every batch whose version exists (the actor holds it: no copy)."""
+        while self.next < self.total and self.version_of(self.next) <= self.version:
+            g = self.version_of(self.next)
+            assert g == self.version, "in turn with the update, a batch's version is the actor's"
+            sync = 0.0
+            if self.engine_version != g:
+                sync = self._load(self.weights())
+                self.engine_version = g
+            self.queue[self.next] = Queued(self.collect(), g, 0.0, sync)
+            self.next += 1
+
+    def _run(self) -> None:
+        """The engine thread: collect batches in order, each once its version is in the engine."""
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                while True:
+                    with self.cond:
+                        j = self.next
+                        if self.stopping or j >= self.total:
+                            return
+                        g = self.version_of(j)
+                        t0 = time.perf_counter()
+                        self.engine_waits = g
+                        self.cond.notify_all()
+                        # paused for a checkpoint: only the batches older versions sample, which it saves
+                        self.cond.wait_for(lambda: self.stopping or (not self.paused or g < self.version) and (
+                            self.engine_version == g or g in self.copies))
+                        self.engine_waits = None
+                        if self.stopping:
+                            return
+                        waited = time.perf_counter() - t0
+                        copy = self.copies.get(g)
+                        ready, self.ready_event = self.ready_event, None
+                        self.collecting = True
+                    if ready is not None:  # the actor's copy into the engine was queued on its stream
+                        torch.cuda.current_stream().wait_event(ready)
+                    sync = 0.0
+                    if copy is not None:
+                        if copy.ready is not None:
+                            torch.cuda.current_stream().wait_event(copy.ready)
+                        sync = self._load(copy.weights)
+                        if self.stream is not None:  # the copy is freed only once the engine has read it
+                            self.stream.synchronize()
+                        with self.cond:
+                            self.copies.pop(g, None)
+                            self.engine_version = g
+                        del copy
+                    with CAPTURE_LOCK:
+                        batch = self.collect()
+                    if self.stream is not None:
+                        self.stream.synchronize()
+                    with self.cond:
+                        self.queue[j] = Queued(batch, g, waited, sync)
+                        self.next = j + 1
+                        self.collecting = False
+                        self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 -- raised in the trainer's thread by take()
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+
+def _use_on_current_stream(obj) -> None:
+    """Mark every CUDA tensor in ``obj`` (dataclasses, dicts, lists) as used on the current stream, so the caching
+    allocator does not hand its memory back to the engine's stream while the update's kernels may still read it."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            obj.record_stream(torch.cuda.current_stream(obj.device))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _use_on_current_stream(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            if isinstance(v, torch.Tensor) or dataclasses.is_dataclass(v):
+                _use_on_current_stream(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _use_on_current_stream(getattr(obj, f.name))

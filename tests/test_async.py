@@ -1,0 +1,215 @@
+"""Asynchronous rollouts (rollout.max_staleness): the fixed lag held under any timing, the threaded collect equal bit
+for bit to the one in turn with the update, checkpoints that save the batches collected ahead, and refusals."""
+import random
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from gspo.config import build_config
+from gspo.errors import UserError
+from gspo.runlog.metrics import read_jsonl
+from gspo.train import Trainer
+from gspo.train.pipeline import Pipeline
+
+from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module's tiny model fixture)
+
+# ------------------------------------------------------------------------------------------ the pipeline alone
+
+
+@dataclass
+class FakeBatch:
+    sampled_by: float  # the engine's weight when it collected the batch
+    metrics: dict = field(default_factory=dict)
+
+
+class FakeEngine:
+    """Copies the weight it is given (as an engine copies into its own buffers), and sleeps a random while."""
+
+    def __init__(self, rng: random.Random):
+        self.weight, self.rng = None, rng
+
+    def sync_weights(self, weights):
+        (name, tensor), = list(weights)
+        time.sleep(self.rng.random() * 1e-3)
+        self.weight = float(tensor)
+
+    def collect(self):
+        time.sleep(self.rng.random() * 2e-3)
+        return FakeBatch(self.weight)
+
+
+def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None = None):
+    """A trainer's side of the pipeline with random update times: the policy's one weight is its version, changed in
+    place after each batch; with ``resume_at``, a checkpoint there (pause, save) and a restart from it."""
+    rng = random.Random(seed)
+    engine = FakeEngine(random.Random(seed + 1))
+    weight = torch.zeros(())
+    pipe = Pipeline(eta, threaded, engine.collect, engine, lambda: [("w", weight)], torch.device("cpu"))
+    pipe.reset(0, total, [])
+    seen = []
+    for j in range(total):
+        batch = pipe.take(j)
+        seen.append((batch.sampled_by, batch.metrics["async/staleness_max"], batch.metrics["async/ahead"]))
+        time.sleep(rng.random() * 2e-3)  # the update, which changes the weights in place
+        weight.fill_(j + 1)
+        pipe.publish(j + 1)
+        if resume_at == j + 1:
+            saved = pipe.pause()
+            # the batches sampled ahead by the versions before (and the next one, if the engine had started it)
+            assert len(saved) in (min(eta, total - j - 1), min(eta + 1, total - j - 1))
+            assert [q.version for q in saved] == [max(k - eta, 0) for k in range(j + 1, j + 1 + len(saved))]
+            pipe.reset(j + 1, total, saved)
+    pipe.close()
+    return seen
+
+
+@pytest.mark.parametrize("eta", [1, 2, 3])
+def test_every_batch_is_sampled_by_the_version_eta_batches_back_whatever_the_timing(eta):
+    """Batch j is sampled by version max(j - eta, 0), never more than eta batches wait, under random engine and update
+    times (20 schedules), in a thread and in turn, through a checkpoint and restart in the middle."""
+    total = 9
+    want = [(float(max(j - eta, 0)), float(min(j, eta))) for j in range(total)]
+    for seed in range(20):
+        for threaded in (True, False):
+            seen = drive(eta, threaded, total, seed, resume_at=4 if seed % 2 else None)
+            assert [(s, st) for s, st, _ in seen] == want, (seed, threaded)
+            assert max(a for _, _, a in seen) <= eta
+
+
+def test_an_error_in_the_rollout_thread_reaches_the_update_as_it_was_raised():
+    """A collect that fails (a reward function broken on every completion, say) fails take() in the trainer's thread
+    with the same error; the thread is stopped cleanly."""
+    calls = []
+
+    def collect():
+        calls.append(1)
+        if len(calls) == 3:
+            raise UserError("The reward function 'f' failed on all 8 completions of a rollout batch")
+        return FakeBatch(0.0)
+
+    engine = FakeEngine(random.Random(0))
+    pipe = Pipeline(1, True, collect, engine, lambda: [("w", torch.zeros(()))], torch.device("cpu"))
+    pipe.reset(0, 5, [])
+    pipe.take(0)
+    pipe.publish(1)
+    pipe.take(1)
+    pipe.publish(2)
+    with pytest.raises(UserError, match="failed on all 8 completions"):
+        pipe.take(2)
+    pipe.close()
+    assert threading.active_count() >= 1 and pipe.thread is None
+
+
+# ------------------------------------------------------------------------------------------ whole runs
+
+
+def _lines(run):
+    """Every metric except the machine's timings and how far ahead the collect happened to be."""
+    skip = ("time/", "throughput/", "async/actor_wait_s", "async/engine_wait_s", "async/ahead")
+    return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in read_jsonl(run / "metrics.jsonl")]
+
+
+def _samples(run):
+    return [(r["rollout_batch"], r.get("completion")) for r in read_jsonl(run / "samples.jsonl")]
+
+
+@pytest.mark.parametrize("extra", [["rollout.max_staleness=1"],
+                                   ["rollout.max_staleness=2", "rollout.engine='graph'", "algorithm='dapo'",
+                                    "dapo.max_resample_rounds=1", "dapo.overlong_cache=4"]])
+def test_the_threaded_collect_equals_the_one_in_turn_bit_for_bit(tiny_dir, tmp_path, extra):  # noqa: F811
+    """A run whose rollouts are collected in a background thread writes exactly the metrics and samples of the same
+    run collected in turn with the update (rollout.overlap = 'off'), with staleness 0, then 1.. eta: the lag is fixed,
+    not a matter of timing. (DAPO's dynamic sampling and the graph engine in the second case.)"""
+    eta = int(extra[0].split("=")[1])
+    runs = {}
+    for overlap in ("thread", "off"):
+        run = tmp_path / overlap
+        Trainer(tiny_config(tiny_dir, "train.steps=10", f"rollout.overlap='{overlap}'", *extra), run).train()
+        runs[overlap] = (_lines(run), _samples(run))
+    assert runs["thread"] == runs["off"]
+    lines = runs["thread"][0]
+    assert [r["async/staleness_max"] for r in lines[::2]] == [min(j, eta) for j in range(5)]
+
+
+def test_a_synchronous_run_is_not_changed_by_the_pipeline_code(tiny_dir, tmp_path):  # noqa: F811
+    """max_staleness = 0 is the synchronous loop (its metrics carry no async/ keys); with 1 the first batch, sampled
+    by the same initial policy and random stream, is the same, and the next ones are sampled by older policies."""
+    sync, lag = tmp_path / "sync", tmp_path / "lag"
+    Trainer(tiny_config(tiny_dir, "train.steps=6"), sync).train()
+    Trainer(tiny_config(tiny_dir, "train.steps=6", "rollout.max_staleness=1"), lag).train()
+    a, b = _lines(sync), _lines(lag)
+    assert not any(k.startswith("async/") for k in a[0])
+    assert _samples(sync)[:2] == _samples(lag)[:2] and _samples(sync)[2:] != _samples(lag)[2:]
+    # the same tokens; the engine's own copy of the weights (here: the HF engine's replica, sampling in another
+    # thread) sums its log-probs in another order, by ~1e-8
+    first = {k: v for k, v in b[0].items() if not k.startswith("async/")}
+    assert first.keys() == a[0].keys()
+    assert all(v == pytest.approx(a[0][k], rel=1e-5, abs=1e-6) for k, v in first.items()), first
+
+
+def test_a_run_killed_mid_pipeline_resumes_to_the_uninterrupted_run(tiny_dir, tmp_path):  # noqa: F811
+    """A checkpoint saves the batch collected ahead; a run that loses everything after step 4 resumes from it and ends
+    with the uninterrupted run's metrics, samples and weights, bit for bit (nothing lost, nothing sampled twice)."""
+    args = ("train.steps=10", "rollout.max_staleness=1", "log.keep_checkpoints=10")
+    a = Trainer(tiny_config(tiny_dir, *args), tmp_path / "a")
+    a.train()
+    run = tmp_path / "b"
+    Trainer(tiny_config(tiny_dir, *args), run).train()
+    payload = torch.load(run / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
+    assert [q.version for q in payload["async_queue"]] == [1]  # batch 2, sampled by the policy after batch 0
+    for ckpt in (run / "checkpoints").iterdir():  # what a kill after step 4's checkpoint leaves
+        if ckpt.name != "step-000004":
+            shutil.rmtree(ckpt)
+    b = Trainer(tiny_config(tiny_dir, *args), run, resume=True)
+    b.train()
+    assert _lines(tmp_path / "a") == _lines(run)
+    assert _samples(tmp_path / "a") == _samples(run)
+    for (name, x), y in zip(a.actor.model.named_parameters(), b.actor.model.parameters()):
+        assert torch.equal(x, y), name
+
+
+def test_the_sentinel_rolls_back_an_asynchronous_run(tiny_dir, tmp_path, caplog):  # noqa: F811
+    """The reward collapses in batch 4, sampled by the policy after batch 2 under max_staleness = 1: the rollback goes
+    to the checkpoint that resumes at batch 2 (whose policy sampled none of the collapsed batches; a synchronous run
+    would take the one at batch 3), with the batch it had collected ahead, at the lower learning rate."""
+    import trainer_rewards
+
+    trainer_rewards._CALLS.clear()
+    t = Trainer(tiny_config(tiny_dir, "train.steps=20", "sentinel.action='rollback'", "sentinel.reward_drop=0.5",
+                            "sentinel.window=1", "rollout.max_staleness=1",
+                            "rewards.functions=[{path='trainer_rewards:declining_after_four'}]"), tmp_path / "run")
+    with caplog.at_level("WARNING", logger="gspo"), pytest.raises(UserError):
+        t.train()
+    assert "rolling back to step-000004" in caplog.text
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["rollout_batch"] for r in rows][:6] == [0, 0, 1, 1, 2, 2]
+    assert rows[4]["lr"] == 5e-4 and rows[4]["reward/mean"] == 1.0  # batch 2 from the checkpoint's queue, replayed
+
+
+def test_the_decoupled_correction_sees_the_stale_samples(tiny_dir, tmp_path):  # noqa: F811
+    """In fp32 on a CPU the engine computes the trainer's numbers, so the correction's weight pi_prox / pi_behave is
+    exactly 1 in a synchronous run; under staleness 1 the samples of batch 1 on come from an older policy and it
+    moves away from 1."""
+    run = tmp_path / "run"
+    Trainer(tiny_config(tiny_dir, "train.steps=6", "rollout.max_staleness=1", "loss.mismatch_correction='tis'",
+                        "train.lr=1e-2"), run).train()
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert rows[0]["mismatch/weight_max"] == pytest.approx(1.0, abs=1e-6)
+    assert max(abs(r["mismatch/weight_max"] - 1.0) for r in rows[2:]) > 1e-4
+
+
+def test_bad_settings_are_refused_in_one_line(tiny_dir):  # noqa: F811
+    with pytest.raises(UserError, match="rollout.max_staleness = -1 must be"):
+        tiny_config(tiny_dir, "rollout.max_staleness=-1")
+    with pytest.raises(UserError, match="rollout.overlap"):
+        tiny_config(tiny_dir, "rollout.max_staleness=1", "rollout.overlap='process'")
+    with pytest.raises(UserError, match="set rollout.overlap = 'off'"):
+        build_config({}, ["rollout.max_staleness=1", "rollout.engine='vllm'"], device="cpu")
+    from gspo.parallel.strategy import check_layout
+
+    with pytest.raises(UserError, match="under torchrun is not built yet"):
+        check_layout(tiny_config(tiny_dir, "rollout.max_staleness=1"), 2)
