@@ -1,0 +1,34 @@
+"""Reward of the reference run at each rollout.max_staleness, GSPO and GRPO (mean and range of 3 seeds), per rollout
+batch (top) and per version of the policy that sampled it (bottom: batch - max_staleness; a batch's reward measures
+the policy that sampled it): python docs/experiments/async/plot.py -> reward.png beside it, from curves.json."""
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+curves = json.loads((HERE / "curves.json").read_text())
+fig, grid = plt.subplots(2, 2, figsize=(11, 7.5), sharey=True)
+for (row, by_version), (ax, algo) in [((r, r == 1), (grid[r][c], a)) for r in (0, 1) for c, a in enumerate(("gspo", "grpo"))]:
+    for eta, color in zip((0, 1, 4, 8), ("black", "tab:blue", "tab:orange", "tab:red")):
+        runs = [curves[f"{algo}_eta{eta}_s{s}"] for s in (1, 2, 3)]
+        n = min(len(r) for r in runs)
+        mean = [sum(r[i] for r in runs) / len(runs) for i in range(n)]
+        x = [i - eta if by_version else i for i in range(n)]
+        ax.plot(x, mean, color=color, label=f"max_staleness {eta}")
+        ax.fill_between(x, [min(r[i] for r in runs) for i in range(n)],
+                        [max(r[i] for r in runs) for i in range(n)], color=color, alpha=0.12)
+    ax.set_title(f"{algo.upper()}, 3 seeds (mean, range)")
+    ax.set_xlabel("version of the sampling policy (rollout batches trained)" if by_version
+                  else "rollout batch (4 optimizer steps each)")
+    if by_version:
+        ax.set_xlim(-1, 40)
+    ax.grid(alpha=0.3)
+for r in (0, 1):
+    grid[r][0].set_ylabel("reward (accuracy on a + b)")
+grid[0][0].legend(loc="lower right")
+fig.tight_layout()
+fig.savefig(HERE / "reward.png", dpi=110)
