@@ -75,7 +75,8 @@ def summary(run: Path, target: float) -> dict:
 
     off_policy = [r for r in rows if r.get("minibatch", 0) > 0]  # where ratios move and the clip acts
 
-    return {"name": run.name, "card": meta.get("card"), "process_s": meta.get("wall_s"), "loop_s": timings.get("loop_s"),
+    return {"name": run.name, "card": meta.get("card"), "process_s": meta.get("wall_s"),
+            "loop_s": timings.get("loop_s"),
             "batches": len(first), "reward_first": rewards[0], "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
             "time_to_target_s": reached, "staleness_max": max((r.get("async/staleness_max", 0.0) for r in first)),
             "actor_wait_s": mean("async/actor_wait_s"), "engine_wait_s": mean("async/engine_wait_s"),

@@ -309,7 +309,8 @@ class Checkpoints:
         pruning must keep however old it gets; None unless the sentinel rolls back on reward drops."""
         sc = self.cfg.sentinel
         peak = best_window_end(sc, rewards_seen) if sc.action == "rollback" else None
-        kept = self.through(peak - self.lag) if peak is not None else []  # waits for the write in flight: it may be the one
+        # waits for the write in flight: it may be the one
+        kept = self.through(peak - self.lag) if peak is not None else []
         return checkpoint_step(kept[-1]) if kept else None
 
     def before_collapse(self, trigger: int, rewards_seen: dict[int, float | None]) -> list[Path]:

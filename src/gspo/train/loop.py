@@ -9,6 +9,8 @@ One rollout batch per iteration:
   4. ``minibatches`` optimizer steps over a seeded shuffle of the batch; only the first is on-policy; each step's
      metrics stay tensors until one reduce, then one metrics line
   5. the collapse sentinel, then a checkpoint every ``log.checkpoint_every`` batches
+With ``rollout.max_staleness`` > 0, steps 1-2 happen ahead, in a background thread, for a policy that many batches
+older (:mod:`gspo.train.pipeline`).
 Differences from the GSPO paper's setup: none in the objective; rewards that fail are excluded rather than scored 0.
 """
 from __future__ import annotations
@@ -203,7 +205,7 @@ class Trainer:
                 self.pipeline.publish(state.rollout_batch)
 
     def engine_weights(self):
-        """The policy's ``(name, tensor)`` pairs as the engine gets them (rounded, for an injected engine-trainer gap)."""
+        """The policy's ``(name, tensor)`` pairs as the engine gets them (rounded: an injected engine-trainer gap)."""
         weights = self.actor.weights()
         if self.cfg.rollout.engine_weight_bits:  # an injected engine-trainer gap (the engine's copy only)
             weights = rounded_weights(weights, self.cfg.rollout.engine_weight_bits)

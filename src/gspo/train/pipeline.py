@@ -18,14 +18,14 @@ with the update (``"off"``), at any speed of either, and a checkpoint resumes it
 a batch starts (AReaL's rule) makes the staleness smaller on average but a function of timing, which no test could pin.
 
 Admission. Batch ``j`` starts only once version g(j) exists, so while the actor trains batch ``v`` at most the η
-batches after it are collected or being collected, and no batch is sampled to be thrown away: nothing is dropped for staleness, by construction (AReaL bounds its rollouts with
-a capacity rule to the same end).
+batches after it are collected or being collected, and no batch is sampled to be thrown away: nothing is dropped for
+staleness, by construction (AReaL bounds its rollouts with a capacity rule to the same end).
 
 Weights to the engine. With η = 1 the engine needs version ``j`` for batch ``j + 1`` exactly when it has finished batch
 ``j`` and the actor, which waits for that batch, has not yet stepped: the actor copies its weights into the engine then,
 with no extra memory. With η >= 2 the engine needs versions the actor has already moved past, so each version that a
-batch will need is copied when it is published and the copy is freed once the engine has loaded it (at most η - 1 copies
-of the weights at once, on the policy's device).
+batch will need is copied when it is published and the copy is freed once the engine has loaded it (at most η - 1
+copies of the weights at once, on the policy's device).
 
 Checkpoints. A checkpoint at version ``v`` first lets the engine finish every batch sampled by an older version (those
 before ``v + η``), then holds it idle while the checkpoint takes its copy: the batches it saves (η of them, or η + 1
