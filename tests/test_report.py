@@ -242,9 +242,10 @@ def test_compare_arms_parse_and_refuse_unknown_suffixes():
     assert parse_arm("grpo+r2") == ("grpo", {"moe.routing_replay": "old"})
     assert parse_arm("gspo") == ("gspo", {})
     assert parse_arm("grpo+mb8+lr2e-5") == ("grpo", {"train.minibatches": 8, "train.lr": 2e-5})
+    assert parse_arm("gspo+stale4+tis") == ("gspo", {"rollout.max_staleness": 4, "loss.mismatch_correction": "tis"})
     assert parse_arm("gspo+enginelp+int8") == ("gspo", {"train.old_logprobs": "rollout", "rollout.engine_weight_bits": 8})
     assert parse_arm("gspo_token+credit") == ("gspo_token", {"loss.step_credit": "task"})
-    for bad in ("grpo+r9", "grpo+mb", "grpo+mbx", "grpo+lr", "grpo+lrfast", "grpo+"):
+    for bad in ("grpo+r9", "grpo+mb", "grpo+mbx", "grpo+lr", "grpo+lrfast", "grpo+", "gspo+stale", "gspo+stale1.5"):
         with pytest.raises(UserError, match="unknown suffix"):
             parse_arm(bad)
     assert parse_arm("gspo+int8+seqmask") == ("gspo", {"rollout.engine_weight_bits": 8,

@@ -35,8 +35,10 @@ ARM_SUFFIXES: dict[str, dict[str, Any]] = {
     "icepop": {"loss.mismatch_correction": "icepop"},
 }
 # Suffixes with a number: +mb8 (8 minibatches per rollout batch), +lr2e-5 (learning rate 2e-5)
-ARM_NUMBERED: dict[str, tuple[str, type]] = {"mb": ("train.minibatches", int), "lr": ("train.lr", float)}
-ARM_SUFFIX_NAMES = [*("+" + k for k in ARM_SUFFIXES), "+mb<minibatches>", "+lr<learning rate>"]
+ARM_NUMBERED: dict[str, tuple[str, type]] = {"mb": ("train.minibatches", int), "lr": ("train.lr", float),
+                                             "stale": ("rollout.max_staleness", int)}
+ARM_SUFFIX_NAMES = [*("+" + k for k in ARM_SUFFIXES), "+mb<minibatches>", "+lr<learning rate>",
+                    "+stale<rollout batches>"]
 
 
 def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
