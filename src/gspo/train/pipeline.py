@@ -220,9 +220,8 @@ class Pipeline:
         if self.started:
             return
         self.started = True
-        sync = self._load(self.weights())
+        self._load(self.weights())
         self.engine_version = self.v0
-        self.first_sync_s = sync
         if not self.threaded:
             self._collect_ready()
             return
