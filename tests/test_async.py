@@ -109,7 +109,7 @@ def test_an_error_in_the_rollout_thread_reaches_the_update_as_it_was_raised():
 
 def _lines(run):
     """Every metric except the machine's timings and how far ahead the collect happened to be."""
-    skip = ("time/", "throughput/", "async/actor_wait_s", "async/engine_wait_s", "async/ahead")
+    skip = ("time/", "throughput/", "dist/compute_", "async/actor_wait_s", "async/engine_wait_s", "async/ahead")
     return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in read_jsonl(run / "metrics.jsonl")]
 
 
@@ -212,7 +212,29 @@ def test_bad_settings_are_refused_in_one_line(tiny_dir):  # noqa: F811
         tiny_config(tiny_dir, "rollout.max_staleness=1", "rollout.overlap='process'")
     with pytest.raises(UserError, match="set rollout.overlap = 'off'"):
         build_config({}, ["rollout.max_staleness=1", "rollout.engine='vllm'"], device="cpu")
-    from gspo.parallel.strategy import check_layout
 
-    with pytest.raises(UserError, match="under torchrun is not built yet"):
-        check_layout(tiny_config(tiny_dir, "rollout.max_staleness=1"), 2)
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_collect_in_the_background_as_in_turn(tiny_dir, tmp_path, strategy):  # noqa: F811
+    """Under torchrun (2 processes on gloo), each process's engine thread samples its share of every batch and gathers
+    the batch through a group of its own while the update's collectives run on the default group: the run equals the
+    same job collected in turn with the update, bit for bit, and a kill after step 4's checkpoint resumes to it."""
+    from test_dist import _overrides, _torchrun, _train
+
+    args = ["rollout.max_staleness=1", "train.steps=8", f"dist.strategy='{strategy}'", "log.keep_checkpoints=10"]
+    runs = {}
+    for overlap in ("thread", "off"):
+        run = tmp_path / overlap
+        done = _train(tmp_path, _torchrun(2), _overrides(tiny_dir, *args, f"rollout.overlap='{overlap}'"),
+                      "--run-dir", str(run))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[overlap] = (_lines(run), _samples(run))
+    assert runs["thread"] == runs["off"]
+    assert [r["async/staleness_max"] for r in runs["thread"][0][::2]] == [0, 1, 1, 1]
+    run = tmp_path / "thread"
+    for ckpt in (run / "checkpoints").iterdir():
+        if ckpt.name != "step-000004":
+            shutil.rmtree(ckpt)
+    done = _train(tmp_path, _torchrun(2), _overrides(tiny_dir, *args), "--resume", "--run-dir", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (_lines(run), _samples(run)) == runs["off"]

@@ -387,10 +387,40 @@ def load_sharded(ckpt: Path, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    _initialise_optimizer(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _initialise_optimizer(optimizer) -> None:
+    """Give a fresh optimizer its state tensors (AdamW's moments and step count, zeros), which ``dcp.load`` fills:
+    it loads only the keys of the state dict it is handed, and ``get_state_dict`` creates them itself only when no
+    parameter has a gradient -- under DDP every gradient is a view of a flat buffer from the start, so a resumed run
+    silently restarted AdamW from empty moments. One step with zero gradients at learning rate 0 (what torch's helper
+    does), the gradients' values and storage left as they were."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    kept = [(p, p.grad.clone()) for p in params if p.grad is not None]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    held = {id(p) for p, _ in kept}
+    for p in params:
+        if id(p) not in held:
+            p.grad = None
+    for p, g in kept:
+        p.grad.copy_(g)
 
 
 def by_name(model, optimizer_state: dict[str, Any]) -> dict[str, Any]:

@@ -4,10 +4,13 @@ function here is the identity there. Imports nothing of gspo above ``errors``.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
 import pickle
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,10 +29,45 @@ class PeerLost(UserError):
         self.waited = waited
 
 
+_THREAD = threading.local()  # .group: the group this thread's collectives use (see using())
+_ROLE_GROUP = None  # the processes of this one's role, when a job splits into trainers and decoders (set_role_group)
+
+
+def group():
+    """The process group the functions here use in this thread: the one :func:`using` set, else this process's role's
+    (:func:`set_role_group`), else None (the default group, every process of the job)."""
+    return getattr(_THREAD, "group", None) or _ROLE_GROUP
+
+
+@contextlib.contextmanager
+def using(pg) -> Iterator[None]:
+    """The collectives of this module called in this thread inside the block go through ``pg``: how a background
+    rollout thread talks to the other processes beside the update's own collectives on the default group, which two
+    threads must not share (their calls would interleave in different orders on different processes)."""
+    before = getattr(_THREAD, "group", None)
+    _THREAD.group = pg
+    try:
+        yield
+    finally:
+        _THREAD.group = before
+
+
+def set_role_group(pg) -> None:
+    """Make ``pg`` (the processes that share this one's role) the group of this process's collectives here."""
+    global _ROLE_GROUP
+    _ROLE_GROUP = pg
+
+
+def new_gloo_group(ranks: list[int] | None = None):
+    """A gloo group of ``ranks`` (default: every process), for host objects beside a job's other traffic. Every process
+    of the job must call it, in the same order, members or not (torch's rule for new groups)."""
+    return torch.distributed.new_group(ranks, backend="gloo")
+
+
 def active() -> bool:
     """Whether this process is one of several in an initialised process group."""
     return (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1)
+            and torch.distributed.get_world_size(group()) > 1)
 
 
 def init(device: torch.device, timeout_s: float) -> None:
@@ -66,12 +104,14 @@ def close() -> None:
 
 
 def rank_world() -> tuple[int, int]:
-    return (torch.distributed.get_rank(), torch.distributed.get_world_size()) if active() else (0, 1)
+    """This process's rank in :func:`group` and its size."""
+    pg = group()
+    return (torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)) if active() else (0, 1)
 
 
 def _comm_device(device: torch.device | None = None) -> torch.device:
     """Where a collective's tensors must be: this process's GPU under NCCL, the CPU under gloo."""
-    if torch.distributed.get_backend() != "nccl":
+    if torch.distributed.get_backend(group()) != "nccl":
         return torch.device("cpu")
     return device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
@@ -119,16 +159,17 @@ def gather_objects(obj: Any) -> list[Any]:
         return [obj]
     data = dumps(obj)
     dev = _comm_device()
-    world = torch.distributed.get_world_size()
+    pg = group()
+    world = torch.distributed.get_world_size(pg)
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = torch.empty(world, dtype=torch.int64, device=dev)
-    torch.distributed.all_gather_into_tensor(sizes, size)
+    torch.distributed.all_gather_into_tensor(sizes, size, group=pg)
     sizes = sizes.tolist()
     width = max(sizes)
     send = torch.zeros(width, dtype=torch.uint8)
     send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a pickle is never empty
     every = torch.empty(world * width, dtype=torch.uint8, device=dev)
-    torch.distributed.all_gather_into_tensor(every, send.to(dev))
+    torch.distributed.all_gather_into_tensor(every, send.to(dev), group=pg)
     host = memoryview(every.cpu().numpy())
     return [pickle.loads(host[r * width:r * width + n]) for r, n in enumerate(sizes)]
 
@@ -152,8 +193,9 @@ def gather_rows(local: torch.Tensor) -> torch.Tensor:
     if not active():
         return local
     dev = _comm_device(local.device)
-    parts = [torch.empty_like(local, device=dev) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(parts, local.to(dev).contiguous())
+    pg = group()
+    parts = [torch.empty_like(local, device=dev) for _ in range(torch.distributed.get_world_size(pg))]
+    torch.distributed.all_gather(parts, local.to(dev).contiguous(), group=pg)
     return torch.cat(parts).to(local.device)
 
 
@@ -163,7 +205,7 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
         return t
     dev = _comm_device(t.device)
     out = t.detach().to(dev, copy=True)
-    torch.distributed.all_reduce(out)
+    torch.distributed.all_reduce(out, group=group())
     return out.to(t.device)
 
 
@@ -172,13 +214,13 @@ def any_rank(flag: bool) -> bool:
     if not active():
         return flag
     t = torch.tensor([float(flag)], device=_comm_device())
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group())
     return bool(t.item())
 
 
 def barrier() -> None:
     if active():
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=group())
 
 
 def broadcast(obj: Any) -> Any:
@@ -186,5 +228,5 @@ def broadcast(obj: Any) -> Any:
     if not active():
         return obj
     box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, group=group(), group_src=0)
     return box[0]

@@ -47,10 +47,6 @@ def check_layout(cfg, world: int) -> None:
         raise UserError("rollout.engine = 'vllm' under torchrun is not built (each process would need vLLM's "
                         "external-launcher executor); use rollout.engine = 'auto' with several processes, or vLLM in "
                         "one process.")
-    if cfg.rollout.max_staleness:
-        raise UserError(f"rollout.max_staleness = {cfg.rollout.max_staleness} under torchrun is not built yet (the "
-                        "background collect would need its own process group beside the update's); train "
-                        "asynchronously in one process, or set rollout.max_staleness = 0.")
     if cfg.lora.rank and cfg.dist.strategy == "fsdp":
         raise UserError(f"lora.rank = {cfg.lora.rank} with dist.strategy = 'fsdp': LoRA trains with every process "
                         "holding the whole frozen base (it needs no gradients or optimizer state), so adapters are not "

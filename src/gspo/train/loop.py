@@ -86,8 +86,11 @@ class Trainer:
             self.rewards_seen: dict[int, float | None] = {}  # rollout batch -> reward/mean, for the sentinel
             self.pipeline = None  # rollout.max_staleness > 0: the batches collected ahead of the update
             if cfg.rollout.max_staleness:
-                self.pipeline = Pipeline(cfg.rollout.max_staleness, cfg.rollout.overlap == "thread",
-                                         self.collector.collect, self.engine, self.engine_weights, self.runtime.device)
+                threaded = cfg.rollout.overlap == "thread"
+                # under torchrun the engine thread's gathers go through a group of their own
+                group = comm.new_gloo_group() if threaded and comm.active() else None
+                self.pipeline = Pipeline(cfg.rollout.max_staleness, threaded, self.collector.collect, self.engine,
+                                         self.engine_weights, self.runtime.device, group)
             if from_start:
                 log.warning("%s has no checkpoint yet: --resume trains it from the start", self.run_dir)
             elif resume:

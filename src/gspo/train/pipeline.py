@@ -34,6 +34,10 @@ position, sampling stream) agree, and every later batch is sampled by the checkp
 is lost or sampled twice, and a resumed run is the uninterrupted one bit for bit. With η = 1 this waits for nothing the
 actor would not wait for anyway (the next batch).
 
+Processes. Under torchrun every process runs its own engine thread, which talks to the others through a gloo group of
+its own (the collect's gathers, beside the update's collectives on the default group in the trainer's thread). Each
+process samples its share of every batch, as in the synchronous loop, so the fixed lag holds job-wide.
+
 CUDA. The background collect runs on its own stream, and holds :data:`gspo.runtime.CAPTURE_LOCK` while it collects: the
 update's CUDA-graph captures take it too, so no capture overlaps the engine's work (a capture in torch's default global
 mode forbids other threads the calls the engine makes). The engine's own captures are thread-local.
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo.parallel import comm
 from gspo.runtime import CAPTURE_LOCK
 from gspo.types import Batch
 
@@ -79,10 +84,13 @@ class Pipeline:
     :meth:`publish`; :meth:`pause` and :meth:`resume` around a checkpoint; :meth:`close` at the end."""
 
     def __init__(self, eta: int, threaded: bool, collect: Callable[[], Batch], engine, weights: Weights,
-                 device: torch.device):
+                 device: torch.device, group=None):
+        """``group``: under torchrun, the process group the engine thread's collectives go through (a group of its
+        own: the update's collectives on the default group run at the same time in the trainer's thread)."""
         self.eta, self.threaded = eta, threaded
         self.collect, self.engine, self.weights = collect, engine, weights
         self.device = device
+        self.group = group
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self.stream = torch.cuda.Stream(device) if threaded and device.type == "cuda" else None
@@ -246,7 +254,8 @@ class Pipeline:
     def _run(self) -> None:
         """The engine thread: collect batches in order, each once its version is in the engine."""
         try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            with (torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext(),
+                  comm.using(self.group)):
                 while True:
                     with self.cond:
                         j = self.next
