@@ -2,7 +2,7 @@
 ``rollout.max_staleness`` values, one process at a time on one GPU, then a table of wall-clock and reward.
 
   python benchmarks/async_runs.py run --model /root/smollm2/model.gguf --out $OUT \\
-      --runs gspo:0:1,gspo:1:1,gspo:1:1:off [-- key=value ...]     # algorithm:eta:seed[:overlap]
+      --runs gspo:0:1,gspo:1:1,gspo:1:1:off [-- key=value ...]     # algorithm:eta:seed[:overlap[:nproc[:decode]]]
   python benchmarks/async_runs.py table $OUT                       # prints the table, writes async_summary.json
 
 Per run: the process's and the loop's wall-clock (``timings.json``), the reward of the first and the last 10 rollout
@@ -23,23 +23,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_name(spec: str) -> tuple[str, list[str]]:
-    """``algorithm:eta:seed[:overlap]`` -> the run's name and its overrides."""
+def run_name(spec: str) -> tuple[str, list[str], int]:
+    """``algorithm:eta:seed[:overlap[:nproc[:decode]]]`` -> the run's name, its overrides and its processes (``nproc``
+    GPUs under ``gspo train --nproc``, ``decode`` of them decode processes)."""
     algo, eta, seed, *rest = spec.split(":")
     overlap = rest[0] if rest else "thread"
-    name = f"{algo}_eta{eta}_s{seed}" + ("" if overlap == "thread" else f"_{overlap}")
-    return name, [f"algorithm='{algo}'", f"rollout.max_staleness={eta}", f"rollout.overlap='{overlap}'", f"seed={seed}"]
+    nproc = int(rest[1]) if len(rest) > 1 else 1
+    decode = int(rest[2]) if len(rest) > 2 else 0
+    name = (f"{algo}_eta{eta}_s{seed}" + ("" if overlap == "thread" else f"_{overlap}")
+            + (f"_n{nproc}" if nproc > 1 else "") + (f"_d{decode}" if decode else ""))
+    return name, [f"algorithm='{algo}'", f"rollout.max_staleness={eta}", f"rollout.overlap='{overlap}'", f"seed={seed}",
+                  f"rollout.decode_processes={decode}"], nproc
 
 
 def cmd_run(a: argparse.Namespace) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for spec in a.runs.split(","):
-        name, overrides = run_name(spec)
+        name, overrides, nproc = run_name(spec)
         run_dir = Path(a.scratch) / name
         shutil.rmtree(run_dir, ignore_errors=True)
         cmd = [sys.executable, "-m", "gspo.cli", "train", str(ROOT / "configs/quickstart.toml"), "--run-dir",
-               str(run_dir), f"model.name='{a.model}'", "log.checkpoint_every=0", *overrides, *a.extra]
+               str(run_dir), f"model.name='{a.model}'", "log.checkpoint_every=0", *overrides, *a.extra,
+               *(["--nproc", str(nproc)] if nproc > 1 else [])]
         t0 = time.time()
         rc = subprocess.call(cmd)
         wall = time.time() - t0
@@ -50,6 +56,7 @@ def cmd_run(a: argparse.Namespace) -> None:
         import torch
 
         card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        card = card if nproc == 1 else f"{nproc} x {card}"
         (out / name / "meta.json").write_text(json.dumps({"name": name, "wall_s": round(wall, 1), "rc": rc,
                                                           "card": card, "command": " ".join(cmd)}, indent=1))
         print(f"[async] {name}: rc={rc} wall={wall:.0f}s", flush=True)

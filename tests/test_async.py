@@ -1,6 +1,7 @@
 """Asynchronous rollouts (rollout.max_staleness): the fixed lag held under any timing, the threaded collect equal bit
 for bit to the one in turn with the update, checkpoints that save the batches collected ahead, and refusals."""
 import random
+import sys
 import shutil
 import threading
 import time
@@ -238,3 +239,59 @@ def test_two_processes_collect_in_the_background_as_in_turn(tiny_dir, tmp_path, 
     done = _train(tmp_path, _torchrun(2), _overrides(tiny_dir, *args), "--resume", "--run-dir", str(run))
     assert done.returncode == 0, done.stderr[-3000:]
     assert (_lines(run), _samples(run)) == runs["off"]
+
+
+# ------------------------------------------------------------------------------------------ decode processes
+
+
+def test_a_decode_process_computes_the_one_process_run(tiny_dir, tmp_path):  # noqa: F811
+    """rollout.decode_processes = 1 under torchrun (2 processes on gloo): process 1 only samples, process 0 only
+    trains, the weights travel after every update. The same fixed lag, so the job writes the one-process run's metrics
+    and samples bit for bit (eta = 2: two versions in flight). A kill after step 4's checkpoint resumes to it, in the
+    same layout and in one process (the checkpoint is a one-process run's, plus the decode processes' streams)."""
+    from test_dist import _overrides, _torchrun, _train
+
+    args = ["rollout.max_staleness=2", "train.steps=10", "log.keep_checkpoints=10"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = _train(tmp_path, [sys.executable], _overrides(tiny_dir, *args), "--run-dir", str(one))
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _train(tmp_path, _torchrun(2), _overrides(tiny_dir, *args, "rollout.decode_processes=1"), "--run-dir",
+                  str(two))
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = (_lines(one), _samples(one))
+    assert (_lines(two), _samples(two)) == expected
+    assert [r["async/staleness_max"] for r in expected[0][::2]] == [0, 1, 2, 2, 2]
+    payload = torch.load(two / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
+    assert [q.version for q in payload["async_queue"]] == [0, 1, 2]  # batches 2-4: what the decode process owed
+    assert len(payload["decoder_generators"]) == 1
+    for layout in ([*_torchrun(2)], [sys.executable]):
+        run = tmp_path / f"resumed-{len(layout)}"
+        shutil.copytree(two, run)
+        for ckpt in (run / "checkpoints").iterdir():
+            if ckpt.name != "step-000004":
+                shutil.rmtree(ckpt)
+        done = _train(tmp_path, layout, _overrides(tiny_dir, *args, f"rollout.decode_processes={int(len(layout) > 1)}"),
+                      "--resume", "--run-dir", str(run))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (_lines(run), _samples(run)) == expected, layout
+
+
+def test_two_trainers_and_a_decode_process_and_a_failing_one(tiny_dir, tmp_path):  # noqa: F811
+    """3 processes: 2 trainers (FSDP2 among themselves) and 1 decode process. The batches sampled by the first policy
+    are the 1 + 1 job's (the same decode stream); every step is logged once. And a reward function that fails on every
+    completion in the decode process ends the job in its one line."""
+    from test_dist import _overrides, _torchrun, _train
+
+    args = ["rollout.max_staleness=1", "train.steps=6", "rollout.decode_processes=1", "dist.strategy='fsdp'"]
+    runs = {}
+    for n in (2, 3):
+        run = tmp_path / f"n{n}"
+        done = _train(tmp_path, _torchrun(n), _overrides(tiny_dir, *args), "--run-dir", str(run))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[n] = run
+    assert [r["step"] for r in read_jsonl(runs[3] / "metrics.jsonl")] == list(range(1, 7))
+    first = [s for s in _samples(runs[2]) if s[0] < 2]
+    assert first == [s for s in _samples(runs[3]) if s[0] < 2] and first
+    failing = _overrides(tiny_dir, *args, "rewards.functions=[{path='reward_fixtures:always_fails'}]")
+    done = _train(tmp_path, _torchrun(2), failing, "--run-dir", str(tmp_path / "fails"))
+    assert done.returncode != 0 and "'always_fails' failed on all" in done.stderr, done.stderr[-3000:]

@@ -340,7 +340,8 @@ def save_sharded(ckpt_root: Path, step: int, model, optimizer, tokenizer, state:
 
     def write_own(tmp: Path) -> list[str]:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
+                 process_group=comm.group())
         # Every process returns from the save once all files are written (its last step is collective), so each sees
         # them all and records those it wrote.
         shards = sorted(p.relative_to(tmp).as_posix() for p in (tmp / DCP_DIR).iterdir() if p.is_file())
@@ -390,7 +391,7 @@ def load_sharded(ckpt: Path, model, optimizer) -> None:
     _initialise_optimizer(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+    dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR), process_group=comm.group())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

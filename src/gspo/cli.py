@@ -67,14 +67,19 @@ def _interrupted(args: argparse.Namespace, run_dir: Path) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from gspo.parallel import comm
-    from gspo.parallel.launch import report, report_error
+    from gspo.parallel.launch import STOP_CODES, report, report_error
     from gspo.train import Trainer
+    from gspo.train.remote import decode_if_mine
 
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch(args)
     cfg = _config(args.config, args.overrides)
     run_dir = args.run_dir or cfg.log.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
     try:
+        code = decode_if_mine(cfg)  # rollout.decode_processes: this process only samples, for the trainers
+        if code is not None:
+            report(exit=code, stop_signal=STOP_CODES.get(code))
+            return code
         trainer = Trainer(cfg, run_dir, resume=args.resume)
         out = trainer.train()
     except KeyboardInterrupt as e:  # a second Ctrl-C, or the first before the loop (start-up has nothing to finish)

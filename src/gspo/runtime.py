@@ -230,7 +230,10 @@ class Runtime:
         metric: its mean, sum, max or min over the processes; NaN stays NaN)."""
         import torch.distributed as dist
 
-        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        from gspo.parallel import comm
+
+        group = comm.group()
+        device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         numbers = [n for n in names if not isinstance(metrics[n], torch.Tensor)]
         tensors = [n for n in names if isinstance(metrics[n], torch.Tensor)]
         parts = []
@@ -241,7 +244,7 @@ class Runtime:
             parts.append(torch.stack([metrics[n].detach().reshape(()).to(device, torch.float64) for n in tensors]))
         local = torch.cat(parts)  # (n,)
         table = torch.empty(self.world_size * local.numel(), dtype=torch.float64, device=device)
-        dist.all_gather_into_tensor(table, local)
+        dist.all_gather_into_tensor(table, local, group=group)
         table = table.view(self.world_size, -1).cpu()  # (W, n): the one host sync
         combined = {"sum": table.sum(0), "max": table.amax(0), "min": table.amin(0)}
         combined["mean"] = combined["sum"] / self.world_size

@@ -234,6 +234,17 @@ def check_rollout(cfg: Config) -> None:
     if r.max_staleness < 0:
         raise UserError(f"rollout.max_staleness = {r.max_staleness!r} must be a whole number of rollout batches >= 0 "
                         "(0: synchronous; 1: the engine samples the next batch while the actor trains this one).")
+    if r.decode_processes < 0:
+        raise UserError(f"rollout.decode_processes = {r.decode_processes!r} must be a whole number of processes >= 0 "
+                        "(0: every process samples and trains).")
+    if r.decode_processes and not r.max_staleness:
+        raise UserError(f"rollout.decode_processes = {r.decode_processes} with rollout.max_staleness = 0: decode "
+                        "processes sample ahead of the update, which needs a lag; set rollout.max_staleness = 1 (or "
+                        "more).")
+    if r.decode_processes and cfg.moe.routing_replay == "rollout":
+        raise UserError("rollout.decode_processes with moe.routing_replay = 'rollout' (R3) is not built: the routes "
+                        "the engine records would have to travel with the batch; use routing_replay = 'old' (R2) or "
+                        "'off', or set rollout.decode_processes = 0.")
     if r.max_staleness and r.overlap == "thread" and r.engine == "vllm":
         raise UserError("rollout.max_staleness > 0 with rollout.overlap = 'thread' and rollout.engine = 'vllm': vLLM "
                         "is not run from a background thread here; set rollout.overlap = 'off', or rollout.engine = "

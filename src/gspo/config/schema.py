@@ -122,6 +122,11 @@ class RolloutConfig:
     """With ``rollout.max_staleness`` > 0: ``thread`` collects in a background thread (on its own CUDA stream) while
     the actor trains; ``off`` collects in turn with the update (no speed-up, the same numbers bit for bit: the
     reference the threaded run is checked against)."""
+    decode_processes: int = 0
+    """Under torchrun, with ``rollout.max_staleness`` > 0: the job's last k processes (GPUs) only sample rollout
+    batches (each its share, as k processes of a synchronous job would) and the others only train; trainer 0 sends
+    them the weights after every update (NCCL on GPUs). The same fixed lag, so 1 trainer + 1 decode process computes
+    the one-process run bit for bit. 0 (default): every process samples and trains. See docs/async.md."""
 
 
 @dataclass

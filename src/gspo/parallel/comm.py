@@ -230,3 +230,17 @@ def broadcast(obj: Any) -> Any:
     box = [obj]
     torch.distributed.broadcast_object_list(box, group=group(), group_src=0)
     return box[0]
+
+
+def send_from(obj: Any, src: int, pg) -> Any:
+    """``obj`` of process ``src`` (its rank in the job) on every member of the gloo group ``pg``: what ``src`` passes
+    is returned to all of them (the others pass None). Pickled by :func:`dumps`, in two broadcasts (the size, then
+    the bytes): how a decode process hands a rollout batch to the trainers and trainer 0 its orders to the decode
+    processes."""
+    mine = torch.distributed.get_rank() == src
+    data = dumps(obj) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    torch.distributed.broadcast(size, src=src, group=pg)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else torch.empty(int(size), dtype=torch.uint8)
+    torch.distributed.broadcast(buf, src=src, group=pg)
+    return obj if mine else pickle.loads(memoryview(buf.numpy()))

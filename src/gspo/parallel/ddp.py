@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 import torch
 
+from gspo.parallel import comm
+
 
 def replicate(params: Iterable[torch.nn.Parameter]) -> None:
     """DDP's starting point: every process holds rank 0's values of ``params`` (they load the same files, but a model
@@ -14,7 +16,7 @@ def replicate(params: Iterable[torch.nn.Parameter]) -> None:
     silently)."""
     with torch.no_grad():
         for p in params:
-            torch.distributed.broadcast(p.data, src=0)
+            torch.distributed.broadcast(p.data, group=comm.group(), group_src=0)
 
 
 def flat_gradients(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -45,4 +47,4 @@ def sum_gradients(buffers: list[torch.Tensor]) -> list:
     Written here rather than with torch's DistributedDataParallel: DDP's reducer is armed by the wrapped module's
     forward, which gspo's log-prob pass does not call (it runs the decoder and a chunked LM head directly, also inside
     captured CUDA graphs), and one all-reduce after the whole backward is all a full-batch optimizer step needs."""
-    return [torch.distributed.all_reduce(flat, async_op=True) for flat in buffers]
+    return [torch.distributed.all_reduce(flat, async_op=True, group=comm.group()) for flat in buffers]

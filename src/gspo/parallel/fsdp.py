@@ -27,8 +27,15 @@ def shard(model: torch.nn.Module, autocast: torch.dtype | None,
     forward (this package never imports the pass)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from gspo.parallel import comm
+
     mp = MixedPrecisionPolicy(param_dtype=autocast, reduce_dtype=torch.float32) if autocast is not None else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
+    if comm.group() is not None:  # the trainers of a job with decode processes: a mesh of theirs alone
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+        kwargs["mesh"] = DeviceMesh.from_group(comm.group(), device)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

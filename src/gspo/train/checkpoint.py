@@ -282,11 +282,13 @@ class Checkpoints:
             if world > 1:
                 own = torch.load(ckpt / RANK_FILE.format(rank), weights_only=False)
                 set_rng_state(own["rng"])
-                self.collector.generator.set_state(own["generator"])
+                if self.collector.generator is not None:  # (decode processes sample: theirs are in the payload)
+                    self.collector.generator.set_state(own["generator"])
             return
         seed = self.cfg.seed + 1_000_003 * step + rank
         seed_everything(seed)
-        self.collector.generator.manual_seed(seed)
+        if self.collector.generator is not None:
+            self.collector.generator.manual_seed(seed)
         if self.runtime.is_main:
             log.warning("resumed on %d process(es) from a checkpoint written by %d: weights, optimizer, data position "
                         "and minibatch shuffles are exact; the sampling streams are new (seeded from seed, step and "

@@ -16,6 +16,7 @@ Differences from the GSPO paper's setup: none in the objective; rewards that fai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from gspo.checkpoint import complete_checkpoints
 from gspo.config import Config
 from gspo.errors import UserError
 from gspo.runlog.metrics import read_jsonl
-from gspo.parallel import comm
+from gspo.parallel import comm, roles
 from gspo.parallel.strategy import check_layout
 from gspo.runlog.profiler import BatchProfiler, stage
 from gspo.rollout import rounded_weights
@@ -37,6 +38,7 @@ from gspo.train.checkpoint import Checkpoints, TrainState, checkpoint_batch
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, out_of_memory
 from gspo.train.parts import build, describe_run
 from gspo.train.pipeline import Pipeline
+from gspo.train.remote import RemoteCollector, RemotePipeline
 from gspo.train.run_dir import RunDir
 from gspo.train.sentinel import collapse_findings, response, stop_reason
 from gspo.types import Batch
@@ -61,8 +63,15 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.runtime = runtime or Runtime.from_config(cfg.model)
-        check_layout(cfg, self.runtime.world_size)
+        check_layout(cfg, roles.check(cfg, self.runtime.world_size))
         comm.init(self.runtime.device, cfg.dist.timeout_s)
+        # rollout.decode_processes: this process is one of the trainers, the job's first processes
+        self.roles = roles.split(cfg, self.runtime.device)
+        if self.roles is not None:
+            if self.roles.decoding:
+                raise UserError(f"Process {self.roles.rank} is a decode process (rollout.decode_processes): start the "
+                                "job with gspo train (or torchrun -m gspo.cli train), which runs those.")
+            self.runtime = dataclasses.replace(self.runtime, world_size=self.roles.trainers)
         self.timings: dict[str, float] = {"process_start_to_trainer": self.since_start()}
         # A run stopped before its first checkpoint (Ctrl-C or a kill in its first batches) resumes from its start, the
         # one state there is to go back to; its seed replays the metrics lines it had written. (The history is written
@@ -74,9 +83,11 @@ class Trainer:
         if self.runtime.is_main:  # before the model loads (seconds to minutes): what this run is, at once
             log.info("%s", describe_run(cfg, self.runtime, self.run_dir, resume))
         try:
-            parts = build(cfg, self.runtime, self.timings)
+            parts = build(cfg, self.runtime, self.timings, sampling=self.roles is None)
             self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
             self.collector, self.rewards = parts.collector, parts.rewards
+            if self.roles is not None:  # the decode processes collect; a checkpoint keeps their state
+                self.collector = RemoteCollector(self.roles.decoders, self.roles.trainers)
             self.state = TrainState()
             self.checkpoints = Checkpoints(self.run_dir, cfg, self.runtime, self.actor, self.collector, self.tokenizer)
             self.profiler = BatchProfiler(cfg.log.profile_batch, self.run_dir, self.runtime.rank, self.runtime.device)
@@ -87,10 +98,14 @@ class Trainer:
             self.pipeline = None  # rollout.max_staleness > 0: the batches collected ahead of the update
             if cfg.rollout.max_staleness:
                 threaded = cfg.rollout.overlap == "thread"
-                # under torchrun the engine thread's gathers go through a group of their own
-                group = comm.new_gloo_group() if threaded and comm.active() else None
-                self.pipeline = Pipeline(cfg.rollout.max_staleness, threaded, self.collector.collect, self.engine,
-                                         self.engine_weights, self.runtime.device, group)
+                if self.roles is not None:
+                    self.pipeline = RemotePipeline(cfg.rollout.max_staleness, self.roles, self.engine_weights,
+                                                   self.runtime.device, self.collector)
+                else:
+                    # under torchrun the engine thread's gathers go through a group of their own
+                    group = comm.new_gloo_group() if threaded and comm.active() else None
+                    self.pipeline = Pipeline(cfg.rollout.max_staleness, threaded, self.collector.collect, self.engine,
+                                             self.engine_weights, self.runtime.device, group)
             if from_start:
                 log.warning("%s has no checkpoint yet: --resume trains it from the start", self.run_dir)
             elif resume:
@@ -195,7 +210,7 @@ class Trainer:
         if first:
             self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
             self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
-            self.timings["reward_workers_start_s"] = round(self.rewards.start_seconds, 3)
+            self.timings["reward_workers_start_s"] = round(getattr(self.rewards, "start_seconds", 0.0), 3)
         with self.writing_log():
             runlog.samples(batch, state.step, state.rollout_batch, self.tokenizer)
         with out_of_memory("the update", lambda: state.step, self.newest_checkpoint), stage("update"):
@@ -300,7 +315,7 @@ class Trainer:
             self.actor.lr_scale *= sc.lr_factor
             state.rollbacks = rollbacks
             if self.pipeline is not None:  # the batches collected ahead belong to the abandoned timeline
-                self.pipeline.close()
+                self.pipeline.drop()
             self.restore(before_batch=checkpoint_batch(older[-1]) + 1)
             self.reset_pipeline()
             if self.runtime.is_main:

@@ -40,8 +40,10 @@ class Parts:
     rewards: RewardRunner
 
 
-def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None) -> Parts:
-    """Model, actor, engine, reward workers and collect stage for ``cfg``; ``timings`` gets the seconds of each."""
+def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None, *, sampling: bool = True) -> Parts:
+    """Model, actor, engine, reward workers and collect stage for ``cfg``; ``timings`` gets the seconds of each.
+    ``sampling=False``: a trainer of a job with decode processes, which sample for it (no engine, reward workers,
+    data or collect stage here: ``engine``, ``collector`` and ``rewards`` are None)."""
     timings = {} if timings is None else timings
     clock = time.perf_counter()
 
@@ -52,17 +54,10 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         clock = now
 
     seed_everything(cfg.seed)
-    # An environment's own rewards need no reward function; otherwise the task's verifier is the default one
-    specs = config_specs(cfg)
-    # loss.step_credit = "env": the turns' rewards come with the rollout, no function to run in the workers
-    steps = {"task": TASK_STEP_CREDIT.get(cfg.data.task), "env": None}.get(cfg.loss.step_credit, cfg.loss.step_credit)
-    rewards = RewardRunner(specs, workers=cfg.rewards.workers if specs or steps else 0, timeout_s=cfg.rewards.timeout_s,
-                           steps=steps, allow_empty=bool(cfg.env.path))  # starts in the background
+    rewards = _rewards(cfg) if sampling else None  # starts in the background
     lap("reward_functions")
     try:
-        if runtime.device.type == "cuda":
-            torch.cuda.init()
-            torch.empty(1, device=runtime.device)  # the CUDA context, on its own line of the timings
+        _cuda_init(runtime)
         lap("cuda_init")
         model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
         lap("model_load")
@@ -72,41 +67,87 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         # Under FSDP, with LoRA, and with rounded engine weights, the engine takes its own copy of the plain weights
         # before the holding shards or adapts the policy; it is fed the gathered, merged or rounded weights after every
         # optimizer step.
-        engine = make_engine(cfg.rollout.engine, model, tokenizer,
-                             stop_ids=stop_token_ids(tokenizer, model),
-                             device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
-                             compact_rows=cfg.rollout.compact_rows,
-                             # (and with asynchronous rollouts, which sample while the update changes the policy)
-                             replica=(strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0
-                                      or cfg.rollout.max_staleness > 0),
-                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
-                             # R3 replays the experts that sampled each token: the engine records them
-                             routing=routing if cfg.moe.routing_replay == "rollout" else None)
+        engine = None
+        if sampling:
+            engine = make_engine(cfg.rollout.engine, model, tokenizer,
+                                 stop_ids=stop_token_ids(tokenizer, model),
+                                 device=runtime.device, autocast_dtype=runtime.autocast,
+                                 fused_step=cfg.rollout.fused_step, compact_rows=cfg.rollout.compact_rows,
+                                 # (and with asynchronous rollouts, which sample while the update changes the policy)
+                                 replica=(strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0
+                                          or cfg.rollout.max_staleness > 0),
+                                 vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
+                                 # R3 replays the experts that sampled each token: the engine records them
+                                 routing=routing if cfg.moe.routing_replay == "rollout" else None)
         holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
         actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
         lap("engine")
-        stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
+        collector = _collector(cfg, runtime, tokenizer, engine, rewards, runtime.rank) if sampling else None
         lap("data")
+    except BaseException:
+        if rewards is not None:
+            rewards.close()
+        raise
+    return Parts(runtime, actor, tokenizer, engine, collector, rewards)
+
+
+def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[object, RolloutEngine, Collector]:
+    """A decode process's parts (``rollout.decode_processes``): the policy's architecture and first weights in an
+    engine of its own, the reward workers, the data stream and the collect stage, sampling with the stream of
+    ``index`` (its place among the decode processes: the first one's is a one-process run's). No actor: the trainers
+    send the weights. Returns the tokenizer, the engine and the collect stage."""
+    seed_everything(cfg.seed)
+    rewards = _rewards(cfg)
+    try:
+        _cuda_init(runtime)
+        model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
+        model.to(runtime.device)
+        # the hf engine samples from a copy of its own, which the weights the trainers send are written into
+        engine = make_engine(cfg.rollout.engine, model, tokenizer, stop_ids=stop_token_ids(tokenizer, model),
+                             device=runtime.device, autocast_dtype=runtime.autocast,
+                             fused_step=cfg.rollout.fused_step, compact_rows=cfg.rollout.compact_rows, replica=True,
+                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
+        return tokenizer, engine, _collector(cfg, runtime, tokenizer, engine, rewards, index)
     except BaseException:
         rewards.close()
         raise
-    # Each process samples with its own stream (the first one's is the one-process run's).
-    generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed + runtime.rank)
-    episodes = None
-    if cfg.env.on:
-        try:
-            episodes = Episodes(cfg.env, tokenizer, engine.stop_ids, cfg.data.system_prompt)
-        except BaseException:
-            rewards.close()
-            raise
-    return Parts(runtime, actor, tokenizer, engine, Collector(cfg, tokenizer, stream, rewards, engine, generator,
-                                                              episodes), rewards)
+
+
+def _rewards(cfg: Config) -> RewardRunner:
+    """The reward workers (started in the background)."""
+    # An environment's own rewards need no reward function; otherwise the task's verifier is the default one
+    specs = config_specs(cfg)
+    # loss.step_credit = "env": the turns' rewards come with the rollout, no function to run in the workers
+    steps = {"task": TASK_STEP_CREDIT.get(cfg.data.task), "env": None}.get(cfg.loss.step_credit, cfg.loss.step_credit)
+    return RewardRunner(specs, workers=cfg.rewards.workers if specs or steps else 0, timeout_s=cfg.rewards.timeout_s,
+                        steps=steps, allow_empty=bool(cfg.env.path))
+
+
+def _cuda_init(runtime: Runtime) -> None:
+    if runtime.device.type == "cuda":
+        torch.cuda.init()
+        torch.empty(1, device=runtime.device)  # the CUDA context, on its own line of the timings
+
+
+def _collector(cfg: Config, runtime: Runtime, tokenizer, engine, rewards: RewardRunner, index: int) -> Collector:
+    """The collect stage over the run's data stream; it samples with stream ``index`` (each process of a job its
+    own: the first one's is the one-process run's). Closes the reward workers if it cannot be built."""
+    try:
+        stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
+        generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed + index)
+        episodes = Episodes(cfg.env, tokenizer, engine.stop_ids, cfg.data.system_prompt) if cfg.env.on else None
+    except BaseException:
+        rewards.close()
+        raise
+    return Collector(cfg, tokenizer, stream, rewards, engine, generator, episodes)
 
 
 def describe_run(cfg: Config, runtime: Runtime, run_dir: Path, resume: bool) -> str:
     """The start-up line: algorithm, task, model, device, precision (and why, on a CPU), batch shape and length."""
     r, t = cfg.rollout, cfg.train
     where = runtime.device.type if runtime.world_size == 1 else f"{runtime.world_size} x {runtime.device.type}"
+    if r.decode_processes:
+        where += f" + {r.decode_processes} decode process{'es' if r.decode_processes > 1 else ''}"
     precision = precision_name(runtime.autocast)
     if runtime.device.type == "cpu" and cfg.model.precision == "auto":
         precision += " (this CPU has native bf16)" if runtime.autocast else " (this CPU has no native bf16)"

@@ -164,6 +164,10 @@ class Pipeline:
             self.paused = False
             self.cond.notify_all()
 
+    def drop(self) -> None:
+        """A rollback: stop collecting for the abandoned timeline (:meth:`reset` starts the next one)."""
+        self.close()
+
     def close(self, timeout: float | None = None) -> None:
         """Stop the engine thread after the batch it is collecting (what it collected is dropped); ``timeout``: wait
         at most that long (a run that is failing does not wait for a long collect)."""

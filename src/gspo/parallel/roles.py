@@ -1,0 +1,98 @@
+"""Trainers and decode processes (``rollout.decode_processes = k``): the last ``k`` processes of a ``torchrun`` job
+only sample rollout batches, the others only train.
+
+Processes ``0 .. T-1`` (``T = W - k``) are the trainers: they hold the policy (DDP or FSDP2 among themselves), write
+the run's files (process 0) and checkpoints, exactly as a job of ``T`` processes would. Processes ``T .. W-1`` are the
+decode processes: each has an engine, reward workers and the data stream, and together they sample every rollout
+batch as ``k`` processes of a synchronous job would (each its share of the prompts, the groups gathered among them).
+
+The groups (every process creates every one, in this order: torch's rule for new groups):
+
+* ``own``: this process's role (the trainers' on the default backend, the decode processes' on gloo): the group of
+  :mod:`gspo.parallel.comm`'s collectives in this process (:func:`comm.set_role_group`);
+* ``link`` (gloo): trainer 0 and the decode processes: what to do next (start at a version, a new version, stop);
+* ``weights`` (NCCL on GPUs, gloo on CPUs): trainer 0 and the decode processes: the policy's weights, one broadcast of
+  a flat buffer per dtype;
+* ``batches`` (gloo): decode process 0 and the trainers: each collected batch, as it is done.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gspo.errors import UserError
+from gspo.parallel import comm
+
+
+@dataclass
+class Roles:
+    """This process's place in a job of trainers and decode processes, and the groups between them."""
+
+    trainers: int  # T: processes 0 .. T-1
+    decoders: int  # k: processes T .. T+k-1
+    rank: int  # this process's rank in the job
+    own: object  # this process's role's group
+    link: object  # gloo: trainer 0 + the decode processes (None on the other trainers)
+    weights: object  # NCCL / gloo: trainer 0 + the decode processes (None on the other trainers)
+    batches: object  # gloo: decode process 0 + the trainers (None on the other decode processes)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether this process is a decode process."""
+        return self.rank >= self.trainers
+
+    @property
+    def index(self) -> int:
+        """This process's place among its role's processes."""
+        return self.rank - self.trainers if self.decoding else self.rank
+
+    @property
+    def first_decoder(self) -> int:
+        return self.trainers
+
+
+def check(cfg, world: int) -> int:
+    """The trainers a job of ``world`` processes has under ``rollout.decode_processes`` (refused in one line where it
+    cannot work); ``world`` without decode processes."""
+    k = cfg.rollout.decode_processes
+    if not k:
+        return world
+    if world <= k:
+        raise UserError(f"rollout.decode_processes = {k} needs more processes than that, at least one to train; this "
+                        f"job has {world} (launch with gspo train --nproc {k + 1} or more, or torchrun).")
+    return world - k
+
+
+_ROLES: Roles | None = None
+
+
+def split(cfg, device: torch.device) -> Roles | None:
+    """Give this process its role and make the groups (a collective: every process of the job calls it once, after
+    :func:`comm.init`); None without decode processes. Sets the role's group as this process's (comm)."""
+    global _ROLES
+    k = cfg.rollout.decode_processes
+    if not k or not comm.active():
+        return None
+    if _ROLES is not None:
+        return _ROLES
+    dist = torch.distributed
+    world, rank = dist.get_world_size(), dist.get_rank()
+    trainers = check(cfg, world)
+    decoders = list(range(trainers, world))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    train_group = dist.new_group(list(range(trainers)), backend=backend)
+    decode_group = comm.new_gloo_group(decoders)
+    link = comm.new_gloo_group([0, *decoders])
+    weights = dist.new_group([0, *decoders], backend=backend)
+    batches = comm.new_gloo_group([trainers, *range(trainers)])
+    mine = lambda g, members: g if rank in members else None  # noqa: E731
+    _ROLES = Roles(trainers, k, rank, decode_group if rank >= trainers else train_group,
+                   mine(link, [0, *decoders]), mine(weights, [0, *decoders]), mine(batches, [trainers, *range(trainers)]))
+    comm.set_role_group(_ROLES.own)
+    return _ROLES
+
+
+def current() -> Roles | None:
+    """This process's roles, once :func:`split` gave them (None in a job without decode processes)."""
+    return _ROLES

@@ -1,0 +1,387 @@
+"""Decode processes (``rollout.decode_processes = k``, under torchrun): the last ``k`` processes of the job only sample
+rollout batches, the others only train, and the weights travel from trainer 0 to them after every update
+(:mod:`gspo.parallel.roles` has the layout and the groups).
+
+The schedule is :mod:`gspo.train.pipeline`'s fixed lag: rollout batch ``j`` is sampled by policy version
+``g(j) = max(j - η, v0)``, so a job with decode processes computes what the same job does with its rollouts in one
+process: 1 trainer + 1 decode process equals a one-process run of the same ``rollout.max_staleness`` bit for bit (same
+sampling stream, same data, same update), and its checkpoints resume either way.
+
+The conversation, all of it in order, so that no process depends on another's timing:
+
+* trainer 0 -> decode processes (``link``, then ``weights``): ``reset`` (where the trainers' timeline starts: a new
+  run, a resume, a rollback; the collect stage's state from the checkpoint), ``weights`` (version ``v`` and its
+  tensors, sent when published, only if a batch still to collect needs it), ``stop``. Trainer 0 sends from a thread of
+  its own (a copy of each version, made when published), so that an update never waits for a decode process.
+* decode process 0 -> trainers (``batches``): each batch once collected, with the version that sampled it and the
+  collect stage's state after it (data position, every decode process's sampling stream); ``error`` (the collect
+  failed: the trainers raise it, in its one line); ``end`` (after ``stop``). Every trainer receives in a thread of its
+  own into a queue, so a decode process never waits for an update either.
+
+A decode process collects every batch whose version it has, in order, then waits for the next order. So what it will
+send before reading the next one is known to the trainers exactly (every batch ``j < sent + η + 1``, ``sent``: the
+newest version sent): a checkpoint waits for those (it saves them and the state after the last, as the one-process
+pipeline does), and so does a rollback before its ``reset`` (they belong to the abandoned timeline) and the end of
+the run before ``stop``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from gspo.errors import UserError
+from gspo.parallel import comm
+from gspo.parallel.roles import Roles
+from gspo.train.pipeline import Queued
+from gspo.types import Batch
+
+log = logging.getLogger("gspo")
+
+Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+def pack(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]],
+                                                                 list[torch.Tensor]]:
+    """The weights as one flat buffer per dtype (a copy, on their device) and what :func:`unpack` needs: one broadcast
+    per dtype instead of one per tensor."""
+    items = [(name, t.detach()) for name, t in weights]
+    meta = [(name, tuple(t.shape), t.dtype) for name, t in items]
+    dtypes = list(dict.fromkeys(t.dtype for _, t in items))
+    return meta, [torch.cat([t.reshape(-1) for _, t in items if t.dtype == d]) for d in dtypes]
+
+
+def unpack(meta, flats: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of :func:`pack`'s buffers."""
+    dtypes = list(dict.fromkeys(d for _, _, d in meta))
+    offsets = dict.fromkeys(dtypes, 0)
+    out = []
+    for name, shape, dtype in meta:
+        flat, n = flats[dtypes.index(dtype)], _numel(shape)
+        out.append((name, flat[offsets[dtype]:offsets[dtype] + n].view(shape)))
+        offsets[dtype] += n
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _sizes(meta) -> list[tuple[torch.dtype, int]]:
+    dtypes = list(dict.fromkeys(d for _, _, d in meta))
+    return [(d, sum(_numel(s) for _, s, dt in meta if dt == d)) for d in dtypes]
+
+
+class RemoteCollector:
+    """The trainers' stand-in for the collect stage, which runs in the decode processes: what a checkpoint saves of it
+    (the state after the newest batch received) and restores (sent to the decode processes with the next reset).
+    Its checkpoint keys are a one-process run's (``generator``: decode process 0's stream) plus every decode process's
+    stream (``decoder_generators``)."""
+
+    generator = None  # the trainers sample nothing
+
+    def __init__(self, decoders: int, world: int):
+        self.decoders, self.world = decoders, world
+        self.saved: dict | None = None  # from the checkpoint restored, for the decode processes
+        self.latest: dict | None = None  # the state after the newest batch received
+
+    def state_dict(self) -> dict:
+        state = self.latest or self.saved
+        assert state is not None and state["generators"], "a checkpoint before the decode processes collected anything"
+        return {"generator": state["generators"][0], "decoder_generators": state["generators"], "data": state["data"],
+                "skipped_prompts": state["skipped_prompts"]}
+
+    def load_state_dict(self, payload: dict) -> None:
+        gens = payload.get("decoder_generators")
+        if gens is None and payload.get("world_size", 1) == 1 and self.decoders == 1:
+            gens = [payload["generator"]]  # a one-process run's stream: the one decode process's
+        if gens is not None and len(gens) != self.decoders:
+            gens = None  # another layout: the streams cannot be mapped; each is seeded afresh from (seed, step, index)
+        self.saved = {"generators": gens, "data": payload["data"], "skipped_prompts": payload.get("skipped_prompts", 0),
+                      "step": int(payload["step"])}
+        self.latest = None
+
+    def close(self) -> None:
+        pass
+
+
+class RemotePipeline:
+    """The trainers' side: :class:`gspo.train.pipeline.Pipeline`'s interface over the decode processes."""
+
+    def __init__(self, eta: int, roles: Roles, weights: Weights, device: torch.device, collector: RemoteCollector):
+        self.eta, self.roles, self.weights, self.device = eta, roles, weights, device
+        self.collector = collector
+        self.cond = threading.Condition()
+        self.sends: queue.Queue | None = queue.Queue() if roles.rank == 0 else None
+        self.error: BaseException | None = None
+        self.queue: dict[int, Queued] = {}
+        self.arrived = self.start = self.v0 = self.version = self.total = 0
+        self.sent: int | None = None
+        self.timeline = 0  # started timelines (a rollback starts another)
+        self.receiver = threading.Thread(target=self._receive, name="gspo-batches", daemon=True)
+        self.receiver.start()
+        self.sender = None
+        if self.sends is not None:
+            self.sender = threading.Thread(target=self._send, name="gspo-orders", daemon=True)
+            self.sender.start()
+
+    def version_of(self, j: int) -> int:
+        return max(j - self.eta, self.v0)
+
+    # ------------------------------------------------------------------------------------------ the trainers' side
+
+    def reset(self, version: int, total: int, queued: list[Queued]) -> None:
+        """Start a timeline at policy ``version`` with the batches a checkpoint saved (after the batches the decode
+        processes owe the one before it, which are dropped)."""
+        if self.timeline:
+            self._drain()
+        self.timeline += 1
+        with self.cond:
+            self.v0 = self.version = version
+            self.total = total
+            self.queue = {version + i: q for i, q in enumerate(queued)}
+            self.start = self.arrived = version + len(queued)
+            self.sent = None
+        saved = self.collector.saved
+        self._order(("reset", version, self.start, total, self.eta, saved))
+        if self._needed(version):
+            self._publish_weights(version)
+
+    def take(self, j: int) -> Batch:
+        t0 = time.perf_counter()
+        with self.cond:
+            self._wait(lambda: j in self.queue)
+            q = self.queue.pop(j)
+            ahead = len(self.queue)
+        staleness = float(j - q.version)
+        q.batch.metrics.update({"async/staleness_mean": staleness, "async/staleness_max": staleness,
+                                "async/actor_wait_s": time.perf_counter() - t0, "async/engine_wait_s": q.engine_wait_s,
+                                "async/ahead": float(ahead), "time/sync_weights": q.sync_s})
+        return q.batch
+
+    def publish(self, version: int) -> None:
+        self.version = version
+        if self._needed(version):
+            self._publish_weights(version)
+
+    def pause(self) -> list[Queued]:
+        """For a checkpoint: the batches the decode processes owe (they send nothing more before the next order), in
+        order; the collect state after the last of them is :attr:`RemoteCollector.latest`."""
+        self._drain()
+        with self.cond:
+            return [self.queue[j] for j in sorted(self.queue)]
+
+    def resume(self) -> None:
+        pass
+
+    def drop(self) -> None:
+        """A rollback: the decode processes finish what they owe the abandoned timeline (dropped at the next reset)."""
+        self._drain()
+
+    def close(self, timeout: float | None = None) -> None:
+        """The end of the run: the decode processes finish what they owe and stop. ``timeout``: the run failed; wait
+        at most that long for anything."""
+        if self.receiver is None:
+            return
+        try:
+            if timeout is None:
+                self._drain()
+            self._order(("stop",))
+        finally:
+            if self.sender is not None:
+                self.sender.join(timeout)
+            self.receiver.join(timeout)
+            self.receiver = None
+
+    # ------------------------------------------------------------------------------------------ internals
+
+    def _needed(self, v: int) -> bool:
+        """Whether a batch the decode processes still collect in this timeline is sampled by version ``v``."""
+        return any(self.version_of(j) == v for j in range(max(self.start, v), min(self.total, v + self.eta + 1)))
+
+    def _owed_end(self) -> int:
+        """One past the last batch the decode processes send before they read another order."""
+        return self.start if self.sent is None else max(self.start, min(self.total, self.sent + self.eta + 1))
+
+    def _drain(self) -> None:
+        with self.cond:
+            end = self._owed_end()
+            self._wait(lambda: self.arrived >= end)
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        while not done():
+            if self.error is not None:
+                raise self.error
+            if not self.receiver.is_alive():
+                raise RuntimeError("the decode processes stopped sending before the batch the update waits for")
+            self.cond.wait(1.0)
+
+    def _publish_weights(self, v: int) -> None:
+        """Every trainer takes the weights (under FSDP2 a collective among them); trainer 0 sends a copy."""
+        pairs = list(self.weights())
+        self.sent = v
+        if self.sends is None:
+            return
+        meta, flats = pack(pairs)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._order(("weights", v, meta), flats, event)
+
+    def _order(self, header, flats=None, event=None) -> None:
+        if self.sends is not None:
+            self.sends.put((header, flats, event))
+
+    def _send(self) -> None:
+        """Trainer 0's sending thread: every order, in order."""
+        roles = self.roles
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        try:
+            while True:
+                header, flats, event = self.sends.get()
+                comm.send_from(header, 0, roles.link)
+                if flats is not None:
+                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                        if event is not None:
+                            torch.cuda.current_stream().wait_event(event)
+                        for flat in flats:
+                            torch.distributed.broadcast(flat, src=0, group=roles.weights)
+                        if stream is not None:
+                            stream.synchronize()
+                if header[0] == "stop":
+                    return
+        except BaseException as e:  # noqa: BLE001 -- raised in the trainer's thread
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _receive(self) -> None:
+        """Every trainer's receiving thread: the batches, in order, into the queue."""
+        try:
+            while True:
+                msg = comm.send_from(None, self.roles.first_decoder, self.roles.batches)
+                if msg[0] == "end":
+                    return
+                if msg[0] == "error":
+                    _, text, user = msg
+                    raise UserError(text) if user else RuntimeError(f"a decode process failed: {text}")
+                _, j, version, batch, state, engine_wait, sync = msg
+                with self.cond:
+                    self.queue[j] = Queued(batch, version, engine_wait, sync)
+                    self.arrived = j + 1
+                    self.collector.latest = state
+                    self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 -- raised in the trainer's thread by take()
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+
+class Decoder:
+    """A decode process: collects every batch whose version it has, in order, sends it (process 0 of them) and waits
+    for the next order (see the module docstring)."""
+
+    def __init__(self, cfg, roles: Roles, runtime):
+        from gspo.train.parts import build_sampler
+
+        self.cfg, self.roles, self.runtime = cfg, roles, runtime
+        self.tokenizer, self.engine, self.collector = build_sampler(cfg, runtime, roles.index)
+        self.first = roles.index == 0
+
+    def run(self) -> None:
+        """Until trainer 0 says stop."""
+        roles, c = self.roles, self.collector
+        eta = v0 = total = j = 0
+        engine_version: int | None = None
+        try:
+            while True:
+                t0 = time.perf_counter()
+                order = comm.send_from(None, 0, roles.link)
+                waited, sync = time.perf_counter() - t0, 0.0
+                if order[0] == "stop":
+                    if self.first:
+                        comm.send_from(("end",), roles.first_decoder, roles.batches)
+                    return
+                if order[0] == "reset":
+                    _, v0, j, total, eta, saved = order
+                    engine_version = None
+                    if saved is not None:
+                        self._restore(saved)
+                    continue
+                _, engine_version, meta = order
+                t1 = time.perf_counter()
+                flats = [torch.empty(n, dtype=d, device=self._weights_device()) for d, n in _sizes(meta)]
+                for flat in flats:
+                    torch.distributed.broadcast(flat, src=0, group=roles.weights)
+                self.engine.sync_weights(unpack(meta, flats))
+                del flats
+                sync = time.perf_counter() - t1
+                while j < total and max(j - eta, v0) == engine_version:
+                    batch = c.collect()
+                    own = c.state_dict()
+                    generators = comm.gather_objects(own["generator"])  # every decode process's, in order
+                    if self.first:
+                        state = {"generators": generators, "data": own["data"],
+                                 "skipped_prompts": own["skipped_prompts"]}
+                        comm.send_from(("batch", j, engine_version, batch, state, waited, sync), roles.first_decoder,
+                                       roles.batches)
+                    waited = sync = 0.0
+                    j += 1
+        except BaseException as e:
+            if self.first and not isinstance(e, comm.PeerLost):
+                try:
+                    comm.send_from(("error", str(e), isinstance(e, UserError)), roles.first_decoder, roles.batches)
+                except Exception:  # noqa: BLE001 -- the trainers are gone too; the launcher names the cause
+                    pass
+            raise
+        finally:
+            c.close()
+
+    def _weights_device(self) -> torch.device:
+        return self.runtime.device if self.runtime.device.type == "cuda" else torch.device("cpu")
+
+    def _restore(self, saved: dict) -> None:
+        """The collect stage's state from the trainers' checkpoint: this process's sampling stream when the same
+        number of decode processes wrote it, else one seeded from (seed, step, index)."""
+        c, index = self.collector, self.roles.index
+        c.stream.load_state_dict(saved["data"])
+        c.skipped_prompts = saved["skipped_prompts"]
+        if saved["generators"] is not None:
+            c.generator.set_state(saved["generators"][index])
+        else:
+            c.generator.manual_seed(self.cfg.seed + 1_000_003 * saved["step"] + index)
+
+
+def decode_if_mine(cfg) -> int | None:
+    """Under ``rollout.decode_processes``: if this process of the job is a decode process, run it as one until the
+    trainers stop, and return its exit code (130 / 143 when a stop signal reached it too: the trainers stop on it and
+    say so); None in a trainer, or in a job without decode processes."""
+    import dataclasses
+
+    from gspo.parallel import roles
+    from gspo.parallel.strategy import check_layout
+    from gspo.runtime import Runtime
+    from gspo.train.guards import StopSignals
+
+    runtime = Runtime.from_config(cfg.model)
+    if not cfg.rollout.decode_processes or runtime.world_size <= 1:
+        return None
+    check_layout(cfg, roles.check(cfg, runtime.world_size))
+    if runtime.rank < runtime.world_size - cfg.rollout.decode_processes:
+        return None
+    comm.init(runtime.device, cfg.dist.timeout_s)
+    mine = roles.split(cfg, runtime.device)
+    runtime = dataclasses.replace(runtime, rank=mine.index, world_size=mine.decoders)
+    # the first stop signal is the trainers' to act on (they finish the batch, checkpoint, and send stop)
+    with StopSignals(lambda: "decoding") as stop:
+        Decoder(cfg, mine, runtime).run()
+    return 0 if stop.received is None else (130 if stop.received == "SIGINT" else 143)
