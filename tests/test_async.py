@@ -295,3 +295,39 @@ def test_two_trainers_and_a_decode_process_and_a_failing_one(tiny_dir, tmp_path)
     failing = _overrides(tiny_dir, *args, "rewards.functions=[{path='reward_fixtures:always_fails'}]")
     done = _train(tmp_path, _torchrun(2), failing, "--run-dir", str(tmp_path / "fails"))
     assert done.returncode != 0 and "'always_fails' failed on all" in done.stderr, done.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ with the other features
+
+from test_dist import turn_taking_dir  # noqa: E402,F401  (module fixtures)
+from test_moe import moe_dir  # noqa: E402,F401
+
+
+@pytest.mark.parametrize("case", ["env", "moe_r3"])
+def test_environments_and_routing_replay_collect_in_the_background_as_in_turn(case, tmp_path, request):
+    """A multi-turn environment (env_fixtures:Echo: tools between the engine's turns, per-turn credit) and an MoE with
+    Routing Replay R3 (the graph engine records the routes of the version that sampled each token, replayed in the old
+    log-prob pass and the update), asynchronously: the threaded run equals the one in turn, bit for bit."""
+    if case == "env":
+        model = request.getfixturevalue("turn_taking_dir")
+        extra = ["env.path='env_fixtures:Echo'", "env.workers=1", "env.max_turn_tokens=4", "rollout.max_new_tokens=40",
+                 "rewards.functions=[]", "algorithm='gspo_token'", "loss.step_credit='env'"]
+    else:
+        model = request.getfixturevalue("moe_dir")
+        extra = ["moe.routing_replay='rollout'", "rollout.engine='graph'", "rollout.max_new_tokens=6",
+                 "rewards.functions=[{path='trainer_rewards:dyadic_length'}]", "train.lr=1e-2"]
+    base = [f"model.name='{model}'", "model.device='cpu'", "rollout.prompts_per_batch=2", "rollout.group_size=4",
+            "train.minibatches=2", "train.steps=6", "rewards.workers=0", "log.progress=false", "log.checkpoint_every=2",
+            "rollout.max_staleness=1", *extra]
+    runs = {}
+    for overlap in ("thread", "off"):
+        run = tmp_path / overlap
+        Trainer(build_config({}, [*base, f"rollout.overlap='{overlap}'"], device="cpu"), run).train()
+        runs[overlap] = (_lines(run), _samples(run))
+    assert runs["thread"] == runs["off"]
+    lines = runs["thread"][0]
+    assert [r["async/staleness_max"] for r in lines[::2]] == [0, 1, 1]
+    if case == "env":
+        assert all(r["env/turns_mean"] > 1 for r in lines)
+    else:
+        assert all(r.get("moe/engine_flip_rate") is not None and r.get("moe/flip_rate") is not None for r in lines)

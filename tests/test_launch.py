@@ -299,3 +299,23 @@ def test_a_job_that_does_not_stop_is_killed_after_dist_timeout_s(tiny_dir, tmp_p
                           env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     check_run_dir(run, target)
+
+
+def test_torchrun_gets_the_shutdown_timeout_only_where_it_has_the_option(monkeypatch):
+    """torch 2.11's torchrun has no --shutdown-timeout and refused the whole command (every `gspo train --nproc` job on
+    the GPU image): the launcher passes it only where this torch's torchrun lists it."""
+    import argparse
+
+    import torch.distributed.run as run
+
+    from gspo.parallel.launch import _shutdown_timeout
+
+    assert _shutdown_timeout(12.2) in ([], ["--shutdown-timeout=13"])
+    old = argparse.ArgumentParser()
+    old.add_argument("--nproc-per-node")
+    monkeypatch.setattr(run, "get_args_parser", lambda: old)
+    assert _shutdown_timeout(12.2) == []
+    new = argparse.ArgumentParser()
+    new.add_argument("--shutdown-timeout", type=int)
+    monkeypatch.setattr(run, "get_args_parser", lambda: new)
+    assert _shutdown_timeout(12.2) == ["--shutdown-timeout=13"]

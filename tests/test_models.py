@@ -152,3 +152,17 @@ def test_embedded_smollm2_answers():
     rollout = HFEngine(model, tok).generate([tok.encode(prompt)], 1, SamplingParams(max_new_tokens=32, greedy=True))
     assert re.search(r"\d", rollout.texts[0]), rollout.texts[0]
     assert (models.cache_root() / "models" / "smollm2-135m-instruct" / "tokenizer.json").is_file()
+
+
+def test_an_incomplete_cache_entry_is_replaced_and_never_written(tmp_path):
+    """A cache entry holding only tokenizer files (what a torchrun process other than the first wrote before the model
+    was converted ahead of joining the job: transformers' save_pretrained writes from rank 0 only) is replaced by the
+    next whole conversion; a conversion that writes no config.json is refused instead of taking its place."""
+    target = tmp_path / "models" / "m"
+    target.mkdir(parents=True)
+    (target / "tokenizer.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="no config.json"):
+        models._write_atomically(target, lambda folder: (folder / "tokenizer.json").write_text("{}"))
+    assert [p.name for p in target.parent.iterdir()] == ["m"] and not models._is_complete(target)
+    models._write_atomically(target, lambda folder: (folder / "config.json").write_text("{}"))
+    assert [p.name for p in target.parent.iterdir()] == ["m"] and models._is_complete(target)

@@ -80,6 +80,17 @@ def load_model(
     return model, tok
 
 
+def prepare(name: str) -> None:
+    """Convert ``name`` into the model cache now if it is a GGUF (or an adapter on one) not converted yet: before a
+    process joins a torchrun job, because transformers' ``save_pretrained`` writes nothing but from the job's first
+    process once one is joined (on a new machine another process's conversion then put a copy without weights or
+    config in the cache, and every later run failed on it)."""
+    from gspo.models import lora
+
+    folder = Path(name).expanduser()
+    _model_source(lora.base_name(folder) if lora.is_adapter(folder) else name)
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
     """The tokenizer of ``name`` (alias, ``.gguf`` path, local directory or hub id), with a pad token set."""
     try:
@@ -206,14 +217,30 @@ def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
                         "at a writable directory.") from None
     try:
         write(tmp)
+        if not _is_complete(tmp):  # never put a copy in place that the next run would take for a whole one
+            raise RuntimeError(f"writing {target} left no config.json in it (see gspo.models.load.prepare)")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache is meant to be readable like any download
         try:
             os.rename(tmp, target)
         except OSError:
             if not _is_complete(target):  # another process may have finished first: its copy is as good as ours
-                raise
+                _replace_incomplete(target, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_incomplete(target: Path, tmp: Path) -> None:
+    """Put the complete copy ``tmp`` in the place of an incomplete ``target`` (one a torchrun process other than the
+    first left there before :func:`prepare` existed: weights and config missing, the tokenizer files there)."""
+    aside = target.with_name(f".{target.name}.incomplete-{os.getpid()}")
+    try:
+        os.rename(target, aside)
+        os.rename(tmp, target)
+    except OSError:
+        if not _is_complete(target):  # another process replaced it first: its copy is as good as ours
+            raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _is_complete(folder: Path) -> bool:

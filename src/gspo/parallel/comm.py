@@ -70,15 +70,18 @@ def active() -> bool:
             and torch.distributed.get_world_size(group()) > 1)
 
 
-def init(device: torch.device, timeout_s: float) -> None:
+def init(device: torch.device, timeout_s: float, subgroups: bool = False) -> None:
     """Join the ``torchrun`` job (NCCL on GPUs, gloo on CPUs); a collective that waits longer than ``timeout_s``
-    (a rank that crashed or hangs) fails instead of waiting forever."""
+    (a rank that crashed or hangs) fails instead of waiting forever. ``subgroups``: the job will make groups of some
+    of its processes (decode processes): NCCL's communicator is then made at its first collective, not at once (bound
+    to the device, torch 2.11 makes every later group by splitting it, a collective of every process, which the
+    processes outside a group never join: it hung)."""
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs = {"device_id": device} if device.type == "cuda" and not subgroups else {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:

@@ -214,6 +214,16 @@ class _Signals:
         return False
 
 
+def _shutdown_timeout(grace_s: float) -> list[str]:
+    """torchrun's wait between its SIGTERM to the workers and its SIGKILL, set to ``grace_s`` where this torch's
+    torchrun has the option (2.11's does not, and refuses the whole command: its default wait, 30 s, stays; the
+    launcher's own deadline still kills what outlives the job)."""
+    from torch.distributed.run import get_args_parser
+
+    known = {flag for action in get_args_parser()._actions for flag in action.option_strings}
+    return [f"--shutdown-timeout={math.ceil(grace_s)}"] if "--shutdown-timeout" in known else []
+
+
 def run_job(nproc: int, worker_args: list[str], *, grace_s: float, debug: bool, run_dir: Path, again: str) -> int:
     """Run ``python -m gspo.cli WORKER_ARGS`` as ``nproc`` processes under torchrun and return the exit code (0,
     130 / 143 when stopped by a signal, 2 for a user error, 1 otherwise) once no process of the job is left; prints
@@ -221,8 +231,7 @@ def run_job(nproc: int, worker_args: list[str], *, grace_s: float, debug: bool, 
     resumes it."""
     job = Path(tempfile.mkdtemp(prefix="gspo-job-"))
     cmd = [sys.executable, "-m", "gspo.parallel.launch", str(os.getpid()), *(["--debug"] if debug else []),
-           "--standalone", f"--nproc_per_node={nproc}", f"--shutdown-timeout={math.ceil(grace_s)}",
-           "-m", "gspo.cli", *worker_args]
+           "--standalone", f"--nproc_per_node={nproc}", *_shutdown_timeout(grace_s), "-m", "gspo.cli", *worker_args]
     try:
         with _Signals(job, grace_s) as signals:
             agent = subprocess.Popen(cmd, env={**os.environ, JOB_DIR: str(job)}, start_new_session=True)

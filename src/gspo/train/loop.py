@@ -28,6 +28,7 @@ from gspo.checkpoint import complete_checkpoints
 from gspo.config import Config
 from gspo.errors import UserError
 from gspo.runlog.metrics import read_jsonl
+from gspo.models.load import prepare as prepare_model_files
 from gspo.parallel import comm, roles
 from gspo.parallel.strategy import check_layout
 from gspo.runlog.profiler import BatchProfiler, stage
@@ -64,7 +65,9 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.runtime = runtime or Runtime.from_config(cfg.model)
         check_layout(cfg, roles.check(cfg, self.runtime.world_size))
-        comm.init(self.runtime.device, cfg.dist.timeout_s)
+        if self.runtime.world_size > 1:
+            prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
+        comm.init(self.runtime.device, cfg.dist.timeout_s, subgroups=cfg.rollout.decode_processes > 0)
         # rollout.decode_processes: this process is one of the trainers, the job's first processes
         self.roles = roles.split(cfg, self.runtime.device)
         if self.roles is not None:

@@ -38,6 +38,7 @@ import torch
 from gspo.errors import UserError
 from gspo.parallel import comm
 from gspo.parallel.roles import Roles
+from gspo.runtime import CAPTURE_LOCK
 from gspo.train.pipeline import Queued
 from gspo.types import Batch
 
@@ -250,7 +251,8 @@ class RemotePipeline:
                 header, flats, event = self.sends.get()
                 comm.send_from(header, 0, roles.link)
                 if flats is not None:
-                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    # (no CUDA call of this thread while the update captures a graph: see gspo.runtime.CAPTURE_LOCK)
+                    with (CAPTURE_LOCK, torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                         if event is not None:
                             torch.cuda.current_stream().wait_event(event)
                         for flat in flats:
@@ -367,6 +369,7 @@ def decode_if_mine(cfg) -> int | None:
     say so); None in a trainer, or in a job without decode processes."""
     import dataclasses
 
+    from gspo.models.load import prepare as prepare_model_files
     from gspo.parallel import roles
     from gspo.parallel.strategy import check_layout
     from gspo.runtime import Runtime
@@ -378,7 +381,8 @@ def decode_if_mine(cfg) -> int | None:
     check_layout(cfg, roles.check(cfg, runtime.world_size))
     if runtime.rank < runtime.world_size - cfg.rollout.decode_processes:
         return None
-    comm.init(runtime.device, cfg.dist.timeout_s)
+    prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
+    comm.init(runtime.device, cfg.dist.timeout_s, subgroups=True)
     mine = roles.split(cfg, runtime.device)
     runtime = dataclasses.replace(runtime, rank=mine.index, world_size=mine.decoders)
     # the first stop signal is the trainers' to act on (they finish the batch, checkpoint, and send stop)
