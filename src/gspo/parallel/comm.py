@@ -104,6 +104,7 @@ def close() -> None:
     if _OWN_GROUP and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     _OWN_GROUP = False
+    set_role_group(None)
 
 
 def rank_world() -> tuple[int, int]:

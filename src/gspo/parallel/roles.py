@@ -72,11 +72,11 @@ def split(cfg, device: torch.device) -> Roles | None:
     :func:`comm.init`); None without decode processes. Sets the role's group as this process's (comm)."""
     global _ROLES
     k = cfg.rollout.decode_processes
-    if not k or not comm.active():
-        return None
-    if _ROLES is not None:
-        return _ROLES
     dist = torch.distributed
+    if not k or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
+        return None
+    if _ROLES is not None and comm.group() is _ROLES.own:  # (made by this job: comm.close forgets them)
+        return _ROLES
     world, rank = dist.get_world_size(), dist.get_rank()
     trainers = check(cfg, world)
     decoders = list(range(trainers, world))
@@ -85,10 +85,11 @@ def split(cfg, device: torch.device) -> Roles | None:
     decode_group = comm.new_gloo_group(decoders)
     link = comm.new_gloo_group([0, *decoders])
     weights = dist.new_group([0, *decoders], backend=backend)
-    batches = comm.new_gloo_group([trainers, *range(trainers)])
-    mine = lambda g, members: g if rank in members else None  # noqa: E731
+    batches = comm.new_gloo_group([trainers, *range(trainers)])  # (torch sorts a group's ranks: the order is for us)
+    talks, hands = [0, *decoders], [trainers, *range(trainers)]  # trainer 0 + decoders; decoder 0 + trainers
     _ROLES = Roles(trainers, k, rank, decode_group if rank >= trainers else train_group,
-                   mine(link, [0, *decoders]), mine(weights, [0, *decoders]), mine(batches, [trainers, *range(trainers)]))
+                   link if rank in talks else None, weights if rank in talks else None,
+                   batches if rank in hands else None)
     comm.set_role_group(_ROLES.own)
     return _ROLES
 

@@ -69,6 +69,15 @@ class Queued:
     engine_wait_s: float = 0.0  # the engine's wait for that version before collecting it
     sync_s: float = 0.0  # loading that version into the engine (0 when it had it)
 
+    def taken(self, j: int, waited: float, ahead: int) -> Batch:
+        """The batch, trained as rollout batch ``j``, with its ``async/*`` metrics: ``waited``, the actor's wait for
+        it; ``ahead``, the batches collected after it."""
+        staleness = float(j - self.version)
+        self.batch.metrics.update({"async/staleness_mean": staleness, "async/staleness_max": staleness,
+                                   "async/actor_wait_s": waited, "async/engine_wait_s": self.engine_wait_s,
+                                   "async/ahead": float(ahead), "time/sync_weights": self.sync_s})
+        return self.batch
+
 
 @dataclass
 class _Copy:
@@ -130,13 +139,10 @@ class Pipeline:
             self._wait(lambda: j in self.queue and self._safe())
             q = self.queue.pop(j)
             ahead = len(self.queue)
-        staleness = float(j - q.version)
-        q.batch.metrics.update({"async/staleness_mean": staleness, "async/staleness_max": staleness,
-                                "async/actor_wait_s": time.perf_counter() - t0, "async/engine_wait_s": q.engine_wait_s,
-                                "async/ahead": float(ahead), "time/sync_weights": q.sync_s})
+        batch = q.taken(j, time.perf_counter() - t0, ahead)
         if self.stream is not None:  # the batch's device tensors were made on the engine's stream
-            _use_on_current_stream(q.batch)
-        return q.batch
+            _use_on_current_stream(batch)
+        return batch
 
     def publish(self, version: int) -> None:
         """The actor's weights are ``version`` now (after training batch ``version - 1``): collect what it unblocks

@@ -162,11 +162,7 @@ class RemotePipeline:
             self._wait(lambda: j in self.queue)
             q = self.queue.pop(j)
             ahead = len(self.queue)
-        staleness = float(j - q.version)
-        q.batch.metrics.update({"async/staleness_mean": staleness, "async/staleness_max": staleness,
-                                "async/actor_wait_s": time.perf_counter() - t0, "async/engine_wait_s": q.engine_wait_s,
-                                "async/ahead": float(ahead), "time/sync_weights": q.sync_s})
-        return q.batch
+        return q.taken(j, time.perf_counter() - t0, ahead)
 
     def publish(self, version: int) -> None:
         self.version = version
