@@ -219,7 +219,8 @@ def test_bad_settings_are_refused_in_one_line(tiny_dir):  # noqa: F811
 def test_two_processes_collect_in_the_background_as_in_turn(tiny_dir, tmp_path, strategy):  # noqa: F811
     """Under torchrun (2 processes on gloo), each process's engine thread samples its share of every batch and gathers
     the batch through a group of its own while the update's collectives run on the default group: the run equals the
-    same job collected in turn with the update, bit for bit, and a kill after step 4's checkpoint resumes to it."""
+    same job collected in turn with the update, bit for bit, and (DDP) a kill after step 4's checkpoint resumes to it:
+    a DDP resume restores AdamW's moments, which it once lost (FSDP2's resume is test_dist's)."""
     from test_dist import _overrides, _torchrun, _train
 
     args = ["rollout.max_staleness=1", "train.steps=8", f"dist.strategy='{strategy}'", "log.keep_checkpoints=10"]
@@ -232,6 +233,8 @@ def test_two_processes_collect_in_the_background_as_in_turn(tiny_dir, tmp_path, 
         runs[overlap] = (_lines(run), _samples(run))
     assert runs["thread"] == runs["off"]
     assert [r["async/staleness_max"] for r in runs["thread"][0][::2]] == [0, 1, 1, 1]
+    if strategy != "ddp":
+        return
     run = tmp_path / "thread"
     for ckpt in (run / "checkpoints").iterdir():
         if ckpt.name != "step-000004":
@@ -247,8 +250,8 @@ def test_two_processes_collect_in_the_background_as_in_turn(tiny_dir, tmp_path, 
 def test_a_decode_process_computes_the_one_process_run(tiny_dir, tmp_path):  # noqa: F811
     """rollout.decode_processes = 1 under torchrun (2 processes on gloo): process 1 only samples, process 0 only
     trains, the weights travel after every update. The same fixed lag, so the job writes the one-process run's metrics
-    and samples bit for bit (eta = 2: two versions in flight). A kill after step 4's checkpoint resumes to it, in the
-    same layout and in one process (the checkpoint is a one-process run's, plus the decode processes' streams)."""
+    and samples bit for bit (eta = 2: two versions in flight). A kill after step 4's checkpoint resumes to it in one
+    process (the checkpoint is a one-process run's, plus the decode processes' streams)."""
     from test_dist import _overrides, _torchrun, _train
 
     args = ["rollout.max_staleness=2", "train.steps=10", "log.keep_checkpoints=10"]
@@ -264,35 +267,34 @@ def test_a_decode_process_computes_the_one_process_run(tiny_dir, tmp_path):  # n
     payload = torch.load(two / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
     assert [q.version for q in payload["async_queue"]] == [0, 1, 2]  # batches 2-4: what the decode process owed
     assert len(payload["decoder_generators"]) == 1
-    for layout in ([*_torchrun(2)], [sys.executable]):
-        run = tmp_path / f"resumed-{len(layout)}"
-        shutil.copytree(two, run)
-        for ckpt in (run / "checkpoints").iterdir():
-            if ckpt.name != "step-000004":
-                shutil.rmtree(ckpt)
-        done = _train(tmp_path, layout, _overrides(tiny_dir, *args, f"rollout.decode_processes={int(len(layout) > 1)}"),
-                      "--resume", "--run-dir", str(run))
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert (_lines(run), _samples(run)) == expected, layout
+    # resumed in one process (a restore into decode processes: the rollback test's)
+    for ckpt in (two / "checkpoints").iterdir():
+        if ckpt.name != "step-000004":
+            shutil.rmtree(ckpt)
+    done = _train(tmp_path, [sys.executable], _overrides(tiny_dir, *args), "--resume", "--run-dir", str(two))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (_lines(two), _samples(two)) == expected
 
 
 def test_two_trainers_and_a_decode_process_and_a_failing_one(tiny_dir, tmp_path):  # noqa: F811
     """3 processes: 2 trainers (FSDP2 among themselves) and 1 decode process. The batches sampled by the first policy
-    are the 1 + 1 job's (the same decode stream); every step is logged once. And a reward function that fails on every
-    completion in the decode process ends the job in its one line."""
+    are the one-process run's (the decode process's stream is its); every step is logged once. And a reward function
+    that fails on every completion in the decode process ends the job in its one line."""
     from test_dist import _overrides, _torchrun, _train
 
-    args = ["rollout.max_staleness=1", "train.steps=6", "rollout.decode_processes=1", "dist.strategy='fsdp'"]
+    args = ["rollout.max_staleness=1", "train.steps=6", "dist.strategy='fsdp'"]
     runs = {}
-    for n in (2, 3):
+    for n, launcher in ((1, [sys.executable]), (3, _torchrun(3))):
         run = tmp_path / f"n{n}"
-        done = _train(tmp_path, _torchrun(n), _overrides(tiny_dir, *args), "--run-dir", str(run))
+        done = _train(tmp_path, launcher, _overrides(tiny_dir, *args, f"rollout.decode_processes={int(n > 1)}"),
+                      "--run-dir", str(run))
         assert done.returncode == 0, done.stderr[-3000:]
         runs[n] = run
     assert [r["step"] for r in read_jsonl(runs[3] / "metrics.jsonl")] == list(range(1, 7))
-    first = [s for s in _samples(runs[2]) if s[0] < 2]
+    first = [s for s in _samples(runs[1]) if s[0] < 2]
     assert first == [s for s in _samples(runs[3]) if s[0] < 2] and first
-    failing = _overrides(tiny_dir, *args, "rewards.functions=[{path='reward_fixtures:always_fails'}]")
+    failing = _overrides(tiny_dir, *args, "rollout.decode_processes=1",
+                         "rewards.functions=[{path='reward_fixtures:always_fails'}]")
     done = _train(tmp_path, _torchrun(2), failing, "--run-dir", str(tmp_path / "fails"))
     assert done.returncode != 0 and "'always_fails' failed on all" in done.stderr, done.stderr[-3000:]
 
@@ -331,3 +333,53 @@ def test_environments_and_routing_replay_collect_in_the_background_as_in_turn(ca
         assert all(r["env/turns_mean"] > 1 for r in lines)
     else:
         assert all(r.get("moe/engine_flip_rate") is not None and r.get("moe/flip_rate") is not None for r in lines)
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP"])  # (a killed process: test_dist's test, the same launcher path)
+def test_a_lost_decode_process_ends_the_job_in_one_line_and_it_resumes(tiny_dir, tmp_path, fault):  # noqa: F811
+    """The decode process of `gspo train --nproc 2` (1 trainer + 1 decode process) is SIGSTOPped (it hangs) mid-run:
+    the trainer gives up within dist.timeout_s (the groups the job makes wait that long, not torch's 30 minutes) and
+    the launcher's one line names the cause; --resume trains to the end with every step logged once, in one process
+    (the job's checkpoint is a one-process run's)."""
+    import os
+    import signal
+
+    from test_dist import _overrides, _train, _two_processes_after, check_run_dir
+
+    run = tmp_path / "run"
+    overrides = _overrides(tiny_dir, "train.steps=8", "dist.timeout_s=10", "rollout.max_staleness=1")
+    proc, workers = _two_processes_after(tmp_path, run, [*overrides, "rollout.decode_processes=1"], lines=4)
+    os.kill(workers[1], getattr(signal, fault))  # process 1: the decode process
+    if fault == "SIGSTOP":  # once the trainer has given up, end the hung one (torchrun would wait 30 s to)
+        deadline = time.time() + 90
+        while time.time() < deadline and os.path.exists(f"/proc/{workers[0]}"):
+            time.sleep(0.1)
+        os.kill(workers[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.startswith("gspo: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    if fault == "SIGKILL":
+        assert proc.returncode == 1 and f"(pid {workers[1]}) was killed by SIGKILL" in lines[0], err[-3000:]
+    else:
+        assert proc.returncode == 2 and "lost the others" in lines[0], err[-3000:]
+    again = _train(tmp_path, [sys.executable], [*overrides, f"rollout.decode_processes={int(fault == 'SIGKILL')}"],
+                   "--resume", "--run-dir", str(run), *(["--nproc", "2"] if fault == "SIGKILL" else []))
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_run_dir(run, 8)
+
+
+def test_the_sentinel_rolls_back_a_job_with_a_decode_process(tiny_dir, tmp_path):  # noqa: F811
+    """A reward collapse in a job of 1 trainer + 1 decode process: the trainer takes the batches the decode process
+    owes the abandoned timeline, restarts it from the checkpoint before the decline (its collect state with it), and
+    after the rollbacks the sentinel allows stops the job in its one line; nothing hangs."""
+    from test_dist import _overrides, _torchrun, _train
+
+    overrides = _overrides(tiny_dir, "train.steps=20", "rollout.max_staleness=1", "rollout.decode_processes=1",
+                           "sentinel.action='rollback'", "sentinel.reward_drop=0.5", "sentinel.window=1",
+                           "log.keep_checkpoints=10",
+                           "rewards.functions=[{path='trainer_rewards:declining_after_four'}]")
+    done = _train(tmp_path, _torchrun(2), overrides, "--run-dir", str(tmp_path / "run"))
+    assert done.returncode != 0 and "Collapse sentinel stopped the run" in done.stderr, done.stderr[-3000:]
+    assert "rolling back to step-" in done.stderr, done.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # the abandoned lines rewound, each step once

@@ -58,14 +58,25 @@ def set_role_group(pg) -> None:
     _ROLE_GROUP = pg
 
 
+def new_group(ranks: list[int] | None = None, backend: str = "gloo"):
+    """A group of ``ranks`` (default: every process; gloo: for host objects beside a job's other traffic), whose
+    collectives give up after the job's ``dist.timeout_s`` as the default group's do (torch's default for a new group
+    is 30 minutes). Every process of the job must call it, in the same order, members or not (torch's rule)."""
+    return torch.distributed.new_group(ranks, backend=backend, timeout=_TIMEOUT)
+
+
 def new_gloo_group(ranks: list[int] | None = None):
-    """A gloo group of ``ranks`` (default: every process), for host objects beside a job's other traffic. Every process
-    of the job must call it, in the same order, members or not (torch's rule for new groups)."""
-    return torch.distributed.new_group(ranks, backend="gloo")
+    return new_group(ranks, "gloo")
+
+
+def in_job() -> bool:
+    """Whether this process is one of several of a torchrun job (whichever group its collectives use)."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
 
 
 def active() -> bool:
-    """Whether this process is one of several in an initialised process group."""
+    """Whether this process is one of several in its initialised process group (:func:`group`)."""
     return (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size(group()) > 1)
 
@@ -91,11 +102,13 @@ def init(device: torch.device, timeout_s: float, subgroups: bool = False) -> Non
         raise PeerLost(f"Process {os.environ.get('RANK', '?')} of {os.environ['WORLD_SIZE']} waited dist.timeout_s = "
                        f"{timeout_s:g} s for the others to join the job and not all came ({first}): one failed or "
                        "hangs at start; fix that, or raise dist.timeout_s if starting takes longer.", waited=True) from e
-    global _OWN_GROUP
+    global _OWN_GROUP, _TIMEOUT
     _OWN_GROUP = True
+    _TIMEOUT = datetime.timedelta(seconds=timeout_s)
 
 
 _OWN_GROUP = False  # whether init() made the default process group (a colocated vLLM makes one of its own)
+_TIMEOUT: datetime.timedelta | None = None  # dist.timeout_s of the job init() joined
 
 
 def close() -> None:

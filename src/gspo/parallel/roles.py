@@ -73,7 +73,7 @@ def split(cfg, device: torch.device) -> Roles | None:
     global _ROLES
     k = cfg.rollout.decode_processes
     dist = torch.distributed
-    if not k or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
+    if not k or not comm.in_job():
         return None
     if _ROLES is not None and comm.group() is _ROLES.own:  # (made by this job: comm.close forgets them)
         return _ROLES
@@ -81,10 +81,10 @@ def split(cfg, device: torch.device) -> Roles | None:
     trainers = check(cfg, world)
     decoders = list(range(trainers, world))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    train_group = dist.new_group(list(range(trainers)), backend=backend)
+    train_group = comm.new_group(list(range(trainers)), backend)
     decode_group = comm.new_gloo_group(decoders)
     link = comm.new_gloo_group([0, *decoders])
-    weights = dist.new_group([0, *decoders], backend=backend)
+    weights = comm.new_group([0, *decoders], backend)
     batches = comm.new_gloo_group([trainers, *range(trainers)])  # (torch sorts a group's ranks: the order is for us)
     talks, hands = [0, *decoders], [trainers, *range(trainers)]  # trainer 0 + decoders; decoder 0 + trainers
     _ROLES = Roles(trainers, k, rank, decode_group if rank >= trainers else train_group,

@@ -229,13 +229,14 @@ def dist_failures(trainer):
         yield
     except RuntimeError as e:
         text = str(e).lower()
-        if not comm.active() or not (isinstance(e, torch.distributed.DistError) or _raised_in_a_collective(e)
+        if not comm.in_job() or not (isinstance(e, torch.distributed.DistError) or _raised_in_a_collective(e)
                                      or any(s in text for s in _COLLECTIVE_SIGNS)):
             raise
         newest = trainer.newest_checkpoint()
         last = f"the last complete checkpoint is {newest}" if newest else "no checkpoint was written yet"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise comm.PeerLost(f"Process {trainer.runtime.rank} of {trainer.runtime.world_size} lost the others in a "
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()  # in the job (decoders too)
+        raise comm.PeerLost(f"Process {rank} of {world} lost the others in a "
                             f"collective ({first}): another process crashed, was killed, or hung longer than "
                             f"dist.timeout_s = {trainer.cfg.dist.timeout_s:g} s; {last}. Fix the cause (the error of the "
                             "process that failed first), then --resume.",
