@@ -90,7 +90,7 @@ class Trainer:
             self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
             self.collector, self.rewards = parts.collector, parts.rewards
             if self.roles is not None:  # the decode processes collect; a checkpoint keeps their state
-                self.collector = RemoteCollector(self.roles.decoders, self.roles.trainers)
+                self.collector = RemoteCollector(self.roles.decoders)
             self.state = TrainState()
             self.checkpoints = Checkpoints(self.run_dir, cfg, self.runtime, self.actor, self.collector, self.tokenizer)
             self.profiler = BatchProfiler(cfg.log.profile_batch, self.run_dir, self.runtime.rank, self.runtime.device)

@@ -91,11 +91,11 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
     return Parts(runtime, actor, tokenizer, engine, collector, rewards)
 
 
-def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[object, RolloutEngine, Collector]:
+def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[RolloutEngine, Collector]:
     """A decode process's parts (``rollout.decode_processes``): the policy's architecture and first weights in an
     engine of its own, the reward workers, the data stream and the collect stage, sampling with the stream of
     ``index`` (its place among the decode processes: the first one's is a one-process run's). No actor: the trainers
-    send the weights. Returns the tokenizer, the engine and the collect stage."""
+    send the weights. Returns the engine and the collect stage."""
     seed_everything(cfg.seed)
     rewards = _rewards(cfg)
     try:
@@ -107,7 +107,7 @@ def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[object, Ro
                              device=runtime.device, autocast_dtype=runtime.autocast,
                              fused_step=cfg.rollout.fused_step, compact_rows=cfg.rollout.compact_rows, replica=True,
                              vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
-        return tokenizer, engine, _collector(cfg, runtime, tokenizer, engine, rewards, index)
+        return engine, _collector(cfg, runtime, tokenizer, engine, rewards, index)
     except BaseException:
         rewards.close()
         raise

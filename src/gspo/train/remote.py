@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
 import queue
 import threading
 import time
@@ -63,22 +65,15 @@ def unpack(meta, flats: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     offsets = dict.fromkeys(dtypes, 0)
     out = []
     for name, shape, dtype in meta:
-        flat, n = flats[dtypes.index(dtype)], _numel(shape)
+        flat, n = flats[dtypes.index(dtype)], math.prod(shape)
         out.append((name, flat[offsets[dtype]:offsets[dtype] + n].view(shape)))
         offsets[dtype] += n
     return out
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _sizes(meta) -> list[tuple[torch.dtype, int]]:
     dtypes = list(dict.fromkeys(d for _, _, d in meta))
-    return [(d, sum(_numel(s) for _, s, dt in meta if dt == d)) for d in dtypes]
+    return [(d, sum(math.prod(s) for _, s, dt in meta if dt == d)) for d in dtypes]
 
 
 class RemoteCollector:
@@ -89,8 +84,8 @@ class RemoteCollector:
 
     generator = None  # the trainers sample nothing
 
-    def __init__(self, decoders: int, world: int):
-        self.decoders, self.world = decoders, world
+    def __init__(self, decoders: int):
+        self.decoders = decoders
         self.saved: dict | None = None  # from the checkpoint restored, for the decode processes
         self.latest: dict | None = None  # the state after the newest batch received
 
@@ -292,7 +287,7 @@ class Decoder:
         from gspo.train.parts import build_sampler
 
         self.cfg, self.roles, self.runtime = cfg, roles, runtime
-        self.tokenizer, self.engine, self.collector = build_sampler(cfg, runtime, roles.index)
+        self.engine, self.collector = build_sampler(cfg, runtime, roles.index)
         self.first = roles.index == 0
 
     def run(self) -> None:
@@ -371,12 +366,11 @@ def decode_if_mine(cfg) -> int | None:
     from gspo.runtime import Runtime
     from gspo.train.guards import StopSignals
 
+    world, rank = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0)))
+    if not cfg.rollout.decode_processes or world <= 1 or rank < world - cfg.rollout.decode_processes:
+        return None  # (a trainer: the Trainer checks the layout)
     runtime = Runtime.from_config(cfg.model)
-    if not cfg.rollout.decode_processes or runtime.world_size <= 1:
-        return None
     check_layout(cfg, roles.check(cfg, runtime.world_size))
-    if runtime.rank < runtime.world_size - cfg.rollout.decode_processes:
-        return None
     prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
     comm.init(runtime.device, cfg.dist.timeout_s, subgroups=True)
     mine = roles.split(cfg, runtime.device)
