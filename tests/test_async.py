@@ -213,6 +213,16 @@ def test_bad_settings_are_refused_in_one_line(tiny_dir):  # noqa: F811
         tiny_config(tiny_dir, "rollout.max_staleness=1", "rollout.overlap='process'")
     with pytest.raises(UserError, match="set rollout.overlap = 'off'"):
         build_config({}, ["rollout.max_staleness=1", "rollout.engine='vllm'"], device="cpu")
+    with pytest.raises(UserError, match="rollout.decode_processes = -1 must be"):
+        tiny_config(tiny_dir, "rollout.max_staleness=1", "rollout.decode_processes=-1")
+    with pytest.raises(UserError, match="rollout.decode_processes = 1 with rollout.max_staleness = 0"):
+        tiny_config(tiny_dir, "rollout.decode_processes=1")
+    with pytest.raises(UserError, match="routing_replay = 'rollout' .R3. is not built"):
+        tiny_config(tiny_dir, "rollout.max_staleness=1", "rollout.decode_processes=1", "moe.routing_replay='rollout'")
+    from gspo.parallel.roles import check
+
+    with pytest.raises(UserError, match="needs more processes than that.*gspo train --nproc 3"):
+        check(tiny_config(tiny_dir, "rollout.max_staleness=1", "rollout.decode_processes=2"), 2)
 
 
 @pytest.mark.parametrize("strategy", ["ddp"])  # (FSDP2 trainers beside a collect: the decode-process tests)
