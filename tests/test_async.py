@@ -22,9 +22,19 @@ from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module's tiny
 
 
 @dataclass
+class FakeRollout:
+    versions: torch.Tensor | None = None  # (1, T): the version of each step's token, under in-flight updates
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        return torch.ones_like(self.versions, dtype=torch.bool)
+
+
+@dataclass
 class FakeBatch:
     sampled_by: float  # the engine's weight when it collected the batch
     metrics: dict = field(default_factory=dict)
+    rollout: FakeRollout = field(default_factory=FakeRollout)
 
 
 class FakeEngine:
@@ -43,18 +53,37 @@ class FakeEngine:
         return FakeBatch(self.weight)
 
 
-def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None = None):
+class InFlightEngine(FakeEngine):
+    """Samples 6 steps a batch, polling for newer weights between them as the graph engine does (``swaps``)."""
+
+    swaps = None
+
+    def collect(self):
+        versions = []
+        for step in range(6):
+            if step:
+                self.swaps.poll()
+            assert self.weight == self.swaps.version  # the engine holds the version it says
+            versions.append(self.swaps.version)
+            time.sleep(self.rng.random() * 1e-3)
+        return FakeBatch(float(versions[0]), rollout=FakeRollout(torch.tensor([versions])))
+
+
+def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None = None, in_flight: str = "off"):
     """A trainer's side of the pipeline with random update times: the policy's one weight is its version, changed in
     place after each batch; with ``resume_at``, a checkpoint there (pause, save) and a restart from it."""
     rng = random.Random(seed)
-    engine = FakeEngine(random.Random(seed + 1))
+    engine = (InFlightEngine if in_flight != "off" else FakeEngine)(random.Random(seed + 1))
     weight = torch.zeros(())
-    pipe = Pipeline(eta, threaded, engine.collect, engine, lambda: [("w", weight)], torch.device("cpu"))
+    pipe = Pipeline(eta, threaded, engine.collect, engine, lambda: [("w", weight)], torch.device("cpu"),
+                    in_flight=in_flight)
     pipe.reset(0, total, [])
     seen = []
     for j in range(total):
         batch = pipe.take(j)
         seen.append((batch.sampled_by, batch.metrics["async/staleness_max"], batch.metrics["async/ahead"]))
+        if in_flight != "off":
+            seen[-1] += (batch.rollout.versions, batch.metrics)
         time.sleep(rng.random() * 2e-3)  # the update, which changes the weights in place
         weight.fill_(j + 1)
         pipe.publish(j + 1)
@@ -62,7 +91,8 @@ def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None
             saved = pipe.pause()
             # the batches sampled ahead by the versions before (and the next one, if the engine had started it)
             assert len(saved) in (min(eta, total - j - 1), min(eta + 1, total - j - 1))
-            assert [q.version for q in saved] == [max(k - eta, 0) for k in range(j + 1, j + 1 + len(saved))]
+            if in_flight == "off":
+                assert [q.version for q in saved] == [max(k - eta, 0) for k in range(j + 1, j + 1 + len(saved))]
             pipe.reset(j + 1, total, saved)
     pipe.close()
     return seen
@@ -79,6 +109,26 @@ def test_every_batch_is_sampled_by_the_version_eta_batches_back_whatever_the_tim
             seen = drive(eta, threaded, total, seed, resume_at=4 if seed % 2 else None)
             assert [(s, st) for s, st, _ in seen] == want, (seed, threaded)
             assert max(a for _, _, a in seen) <= eta
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_in_flight_updates_keep_every_token_within_the_lag(eta):
+    """rollout.in_flight: the engine polls for newer weights between steps and loads the newest the actor published
+    (20 schedules of random engine and update times, a checkpoint and restart in half of them). Every token of batch j
+    is sampled by a version in [j - eta, j] (the staleness bound, per token), the metrics give the tokens' mean and
+    largest staleness and the batch's swaps, and the engine always holds the version it reports. Across the schedules,
+    batches were updated in flight."""
+    total, swapped = 9, 0
+    for seed in range(20):
+        seen = drive(eta, True, total, seed, resume_at=4 if seed % 2 else None, in_flight="keep")
+        for j, (start, top, ahead, versions, metrics) in enumerate(seen):
+            assert max(j - eta, 0) <= start == int(versions[0, 0]) and ahead <= eta
+            assert versions.min() >= max(j - eta, 0) and versions.max() <= j
+            assert top == j - versions.min() and metrics["async/staleness_mean"] == pytest.approx(
+                float((j - versions).double().mean()))
+            assert metrics["async/swaps"] == len(set(versions[0].tolist())) - 1
+            swapped += int(metrics["async/swaps"])
+    assert swapped > 0
 
 
 def test_an_error_in_the_rollout_thread_reaches_the_update_as_it_was_raised():
@@ -112,6 +162,10 @@ def _lines(run):
     """Every metric except the machine's timings and how far ahead the collect happened to be."""
     skip = ("time/", "throughput/", "dist/compute_", "async/actor_wait_s", "async/engine_wait_s", "async/ahead")
     return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in read_jsonl(run / "metrics.jsonl")]
+
+
+def _raw_samples(run):
+    return read_jsonl(run / "samples.jsonl")
 
 
 def _samples(run):
@@ -206,6 +260,32 @@ def test_the_decoupled_correction_sees_the_stale_samples(tiny_dir, tmp_path):  #
     assert max(abs(r["mismatch/weight_max"] - 1.0) for r in rows[2:]) > 1e-4
 
 
+def test_a_run_with_in_flight_updates_keeps_the_bound_and_resumes(tiny_dir, tmp_path):  # noqa: F811
+    """rollout.in_flight = 'recompute' with the graph engine under max_staleness = 2: every batch's tokens are at most
+    2 versions old (its logged mean and largest staleness), every sample records its tokens' versions, and a run that
+    loses everything after step 4's checkpoint resumes and finishes (timing decides which version samples what, so
+    not bit for bit)."""
+    args = ("train.steps=6", "rollout.max_staleness=2", "rollout.in_flight='recompute'", "rollout.engine='graph'",
+            "log.keep_checkpoints=10", "train.lr=1e-2", "rollout.max_new_tokens=48", "train.minibatches=1")
+    run = tmp_path / "run"
+    t = Trainer(tiny_config(tiny_dir, *args), run)
+    t.train()
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["minibatch"] == 0]
+    assert len(rows) == 6 and all(0 <= r["async/staleness_mean"] <= r["async/staleness_max"] <= 2 for r in rows)
+    assert [r["async/staleness_max"] for r in rows[:2]] == [0, 1]  # the first batches: no older version exists
+    for sample in _raw_samples(run):  # the tokens' versions, in runs: they cover the completion, within the bound
+        runs = sample["versions"]
+        assert sum(n for _, n in runs) == sample["length"]
+        assert all(sample["rollout_batch"] - 2 <= v <= sample["rollout_batch"] for v, _ in runs)
+    for ckpt in (run / "checkpoints").iterdir():
+        if ckpt.name != "step-000004":
+            shutil.rmtree(ckpt)
+    Trainer(tiny_config(tiny_dir, *args), run, resume=True).train()
+    resumed = [r for r in read_jsonl(run / "metrics.jsonl") if r["minibatch"] == 0]
+    assert [r["rollout_batch"] for r in resumed] == [0, 1, 2, 3, 4, 5]
+    assert all(r["async/staleness_max"] <= 2 for r in resumed)
+
+
 def test_bad_settings_are_refused_in_one_line(tiny_dir):  # noqa: F811
     with pytest.raises(UserError, match="rollout.max_staleness = -1 must be"):
         tiny_config(tiny_dir, "rollout.max_staleness=-1")
@@ -219,6 +299,18 @@ def test_bad_settings_are_refused_in_one_line(tiny_dir):  # noqa: F811
         tiny_config(tiny_dir, "rollout.decode_processes=1")
     with pytest.raises(UserError, match="routing_replay = 'rollout' .R3. is not built"):
         tiny_config(tiny_dir, "rollout.max_staleness=1", "rollout.decode_processes=1", "moe.routing_replay='rollout'")
+    for extra, why in [([], "rollout.max_staleness = 0 samples"), (["rollout.max_staleness=1", "rollout.overlap='off'"],
+                                                                   "rollout.overlap = 'off'"),
+                       (["rollout.max_staleness=1", "rollout.decode_processes=1"], "decode processes"),
+                       (["rollout.max_staleness=1", "env.tools=['gspo.envs.builtin:calculator']"], "multi-turn"),
+                       (["rollout.max_staleness=1", "moe.routing_replay='rollout'"], "R3")]:
+        with pytest.raises(UserError, match=f"rollout.in_flight = 'keep' is not built for this run: {why}"):
+            tiny_config(tiny_dir, "rollout.in_flight='keep'", *extra)
+    with pytest.raises(UserError, match="rollout.in_flight = 'on' is not one of off, keep, recompute"):
+        tiny_config(tiny_dir, "rollout.in_flight='on'")
+    with pytest.raises(UserError, match="the HFEngine does not; set rollout.engine = 'graph'"):
+        Trainer(tiny_config(tiny_dir, "rollout.max_staleness=1", "rollout.in_flight='keep'", "rollout.engine='hf'"),
+                tiny_dir.parent / "refused").train()
     from gspo.parallel.roles import check
 
     with pytest.raises(UserError, match="needs more processes than that.*gspo train --nproc 3"):

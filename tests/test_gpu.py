@@ -313,6 +313,38 @@ def test_compacted_graph_steps_agree_with_the_trainer(tokenizer, fused, monkeypa
     assert gap.mean() < 2 * plain.mean() + 1e-3 and gap.max() < 0.1
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "module-flash"])
+def test_an_in_flight_update_with_a_recomputed_cache_samples_by_the_new_weights(tokenizer, fused):
+    """bf16, CUDA graphs, compacted rows: weights B replace weights A at a host sync mid-decode (rollout.in_flight =
+    'recompute'). The fused step's rows go back over their own cache rows, every live row's cache is rewritten by B,
+    and the captured graphs replay with B's weights: the tokens after the swap are as close to B's recomputation as
+    the tokens before it are to A's."""
+    from gspo.models import named_weights
+    from gspo.train.passes import sequence_logprobs
+    from gspo.rollout.graph import GraphEngine
+    from gspo.types import SamplingParams
+    from test_graph_engine import _SwapAt
+    from test_rollout import force_token
+
+    cuda = torch.device("cuda")
+    a, b = (tiny_llama(vocab_size=len(tokenizer), seed=s, init_std=0.3) for s in (7, 8))
+    for m in (a, b):
+        force_token(m, 2, 11.0)
+        m.cuda()
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story.", "Name a colour."]]
+    params = SamplingParams(max_new_tokens=40, temperature=0.9)
+    engine = GraphEngine(a, tokenizer, stop_ids=[2], device=cuda, autocast_dtype=torch.bfloat16, fused=fused)
+    engine.swaps = _SwapAt(engine, named_weights(b), at=3, recompute=True)  # the host sync before step 9
+    r = engine.generate(prompts, 8, params, generator=torch.Generator(device=cuda).manual_seed(0))
+    gaps = {}
+    with torch.no_grad():
+        for version, model in ((0, a), (1, b)):
+            logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.9,
+                                        pad_id=r.pad_id, autocast_dtype=torch.bfloat16)
+            gaps[version] = (logp.cpu() - r.logprobs)[r.versions == version].abs()
+    assert gaps[1].numel() > 20 and gaps[1].mean() < 2 * gaps[0].mean() + 1e-3 and gaps[1].max() < 0.1
+
+
 def test_fused_moe_step_agrees_with_the_trainer_as_the_module_step_does(tokenizer):
     """On CUDA the fused step is the default for a bf16 Mixtral too (the fused attention kernels around the family's
     grouped-GEMM sparse block), and its log-probs are as close to the trainer's as the HF-module step's.

@@ -212,3 +212,61 @@ def test_compacted_samples_keep_their_prompts(make_tiny_model, tokenizer, monkey
     logp, _ = sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.9, pad_id=r.pad_id)
     assert (logp - r.logprobs)[r.completion_mask].abs().max() < 1e-4
     assert [r.finish_reasons[i] == "stop" for i in range(30)] == (r.completion_ids == STOP).any(-1).tolist()
+
+
+class _SwapAt:
+    """In-flight weight updates as the pipeline gives them (``GraphEngine.swaps``): at the ``at``-th poll between two
+    decode steps, ``weights`` are loaded into the engine as version 1."""
+
+    def __init__(self, engine, weights, at: int, recompute: bool):
+        self.engine, self.weights, self.at, self.recompute = engine, weights, at, recompute
+        self.version, self.polls = 0, 0
+
+    def poll(self) -> bool:
+        self.polls += 1
+        if self.polls != self.at:
+            return False
+        self.engine.sync_weights(self.weights)
+        self.version = 1
+        return True
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["whole", "compacted"])
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_an_in_flight_update_samples_the_next_tokens_with_the_new_weights(make_tiny_model, tokenizer, monkeypatch,
+                                                                           compact, kv):
+    """Weights B replace weights A between two decode steps of a batch (after rows have ended, and been compacted):
+    the tokens before the swap are version 0 with A's log-probs, the later ones version 1. With the cache recomputed,
+    their engine log-probs are B's own for the same tokens (the trainer's recomputation); with the cache kept they are
+    neither A's nor B's (B over A's keys and values), as docs/async.md says."""
+    from test_rollout import force_token
+
+    a, b = make_tiny_model(seed=3, init_std=0.3), make_tiny_model(seed=4, init_std=0.3)
+    force_token(a, STOP, 11.0)  # rows end at many steps: most before the swap
+    force_token(b, STOP, 11.0)
+    prompts = [tokenizer.encode(t) for t in ["What is 2 + 3?", "Hi", "Tell me a story about a cat and a dog.", "7 * 8?"]]
+    params = SamplingParams(max_new_tokens=14, temperature=0.8)
+    engine = GraphEngine(a, tokenizer, stop_ids=[STOP], compact=compact)
+    swaps = engine.swaps = _SwapAt(engine, named_weights(b), at=5, recompute=kv == "recompute")
+    compacted_at, compact_rows = [], engine._compact  # the polls made when the engine compacts
+    monkeypatch.setattr(engine, "_compact", lambda *a: compacted_at.append(swaps.polls) or compact_rows(*a))
+    r = engine.generate(prompts, 4, params, generator=torch.Generator().manual_seed(1))  # 16 rows
+    engine.swaps = None
+    assert r.versions.shape == r.completion_ids.shape
+    assert torch.equal(r.versions[~r.completion_mask], torch.full_like(r.versions[~r.completion_mask], -1))
+    new = r.versions == 1
+    # the 5th poll comes before step 5, which samples output column 5 (column 0 is the prefill's)
+    assert torch.equal(new.any(0), torch.arange(new.shape[1]) >= 5)
+    before = r.completion_mask[:, :5]
+    assert torch.equal(r.versions[:, :5][before], torch.zeros(int(before.sum()), dtype=torch.long))
+    assert (r.lengths <= 5).sum() >= 8 and new.sum() > 15  # most rows ended before the swap, and some went on
+    assert compacted_at == ([3] if compact else [])  # the live rows were moved to a step of their own before the swap
+    logp_a, _ = sequence_logprobs(a, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.8, pad_id=r.pad_id)
+    logp_b, _ = sequence_logprobs(b, r.prompt_ids, r.completion_ids, r.completion_mask, temperature=0.8, pad_id=r.pad_id)
+    old = r.versions == 0
+    assert (r.logprobs - logp_a)[old].abs().max() < 1e-4
+    off_b = (r.logprobs - logp_b)[new].abs()
+    if kv == "recompute":
+        assert off_b.max() < 1e-4
+    else:
+        assert off_b.median() > 1e-2 and (r.logprobs - logp_a)[new].abs().median() > 1e-2

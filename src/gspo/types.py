@@ -126,6 +126,9 @@ class Rollout(RowFields):
     # Multi-turn rows: per row, the environment's step reward of each turn that ended on a stop token (0 where the
     # turn got tool results rather than a step), in order: the turns' credit for ``loss.step_credit = "env"``
     turn_rewards: list[list[float]] | None = None
+    # In-flight weight updates (rollout.in_flight): the policy version whose weights sampled each token, -1 on padding;
+    # None: one version sampled every row (the batch's)
+    versions: torch.Tensor | None = field(default=None, metadata={"pad": -1})  # (N, T) int64
 
     @property
     def lengths(self) -> torch.Tensor:

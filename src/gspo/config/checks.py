@@ -234,6 +234,19 @@ def check_rollout(cfg: Config) -> None:
     if r.max_staleness < 0:
         raise UserError(f"rollout.max_staleness = {r.max_staleness!r} must be a whole number of rollout batches >= 0 "
                         "(0: synchronous; 1: the engine samples the next batch while the actor trains this one).")
+    _one_of(r.in_flight, ("off", "keep", "recompute"), "rollout.in_flight")
+    if r.in_flight != "off":
+        why = ("rollout.max_staleness = 0 samples every batch with the newest policy already" if not r.max_staleness
+               else "rollout.overlap = 'off' collects while the actor is idle, so no version is published mid-batch"
+               if r.overlap != "thread"
+               else "decode processes take new weights between batches only" if r.decode_processes
+               else "multi-turn rows (env.path, env.tools) would mix versions across turns"
+               if cfg.env.path or cfg.env.tools
+               else "R3 would replay routes that a swap makes stale" if cfg.moe.routing_replay == "rollout"
+               else None)
+        if why:
+            raise UserError(f"rollout.in_flight = {r.in_flight!r} is not built for this run: {why}; set "
+                            "rollout.in_flight = 'off'.")
     if r.decode_processes < 0:
         raise UserError(f"rollout.decode_processes = {r.decode_processes!r} must be a whole number of processes >= 0 "
                         "(0: every process samples and trains).")

@@ -122,6 +122,16 @@ class RolloutConfig:
     """With ``rollout.max_staleness`` > 0: ``thread`` collects in a background thread (on its own CUDA stream) while
     the actor trains; ``off`` collects in turn with the update (no speed-up, the same numbers bit for bit: the
     reference the threaded run is checked against)."""
+    in_flight: str = "off"
+    """With ``rollout.max_staleness`` > 0 and ``rollout.overlap = "thread"``: ``keep`` or ``recompute`` loads each
+    policy version into the engine between two decode steps as soon as the actor publishes it (an in-flight update,
+    PipelineRL's): a batch starts with the newest version there is (never older than the lag allows) and its later
+    tokens are sampled by newer ones; every token records the version that sampled it. After a swap the rows' KV cache,
+    written by older weights, is kept (``keep``: no extra work; the next tokens are sampled from the new weights over
+    the old keys and values, a distribution no single version defines) or recomputed by the new weights in one forward
+    over every live row (``recompute``: each token is sampled by exactly one version). ``off`` (default): one version
+    samples a whole batch, the fixed lag. In-flight runs depend on timing, so they are not reproducible bit for bit.
+    The graph engine only, single-turn, without decode processes. See docs/async.md."""
     decode_processes: int = 0
     """Under torchrun, with ``rollout.max_staleness`` > 0: the job's last k processes (GPUs) only sample rollout
     batches (each its share, as k processes of a synchronous job would) and the others only train; trainer 0 sends

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -424,6 +425,11 @@ class GraphEngine:
         self._route_buffer: torch.Tensor | None = None  # (Lr, B+1, L, k) of the bucket in use
         self._route_hooks: list = []
         self.routing = routing
+        # In-flight weight updates (rollout.in_flight): a source of newer weights polled between decode steps (see
+        # InFlight), and this call's (first output column, version) of each set of weights it sampled with
+        self.swaps: InFlight | None = None
+        self._swap_log: list[tuple[int, int]] = []
+        self._swap_prompts: tuple[list[list[int]], int] | None = None
 
     @property
     def routing(self):
@@ -604,6 +610,11 @@ class GraphEngine:
         b = self._bucket(rows, length)
         P = length - params.max_new_tokens
         self._gen = generator
+        if self.swaps is not None:
+            if turns is not None:
+                raise UserError("In-flight weight updates (rollout.in_flight) are not built for multi-turn rows; set "
+                                "rollout.in_flight = 'off'.")
+            self._swap_log, self._swap_prompts = [(0, self.swaps.version)], (prompts, n)
         with torch.no_grad(), autocast_context(self.device, self.autocast_dtype, cache=False), attention_context():
             if turns is not None:
                 return self._multi_turn(b, prompts, n, P, params, turns)
@@ -814,6 +825,14 @@ class GraphEngine:
                     live = int(v.done.logical_not().sum())  # the only host sync: once every sync_every steps
                     if not live:
                         break
+                    if self.swaps is not None and not keep_ended and self.swaps.poll():  # newer weights are loaded
+                        self._swap_log.append((j, self.swaps.version))  # they sample output column j onwards
+                        if self.swaps.recompute:
+                            if b.fused:  # the rewrite reads each row's K/V in its own cache row
+                                self._home(b)
+                                v = b
+                            self._recompute_cache(b)
+                            graph = graph_for(v, j)
                     rows = max(_COMPACT_MIN, 1 << (live - 1).bit_length())
                     if compact and rows < v.batch and T - j >= 3:  # not for the last eager steps
                         v = self._compact(b, v, rows, live)
@@ -822,6 +841,43 @@ class GraphEngine:
                     graph.replay()
                 else:
                     self._step(v, params)
+
+    def _recompute_cache(self, b: _Bucket, chunk: int = 32) -> None:
+        """After an in-flight weight update (``rollout.in_flight = "recompute"``): write every live row's K/V again
+        with the engine's current weights, so the row's next tokens are sampled by exactly those weights.
+
+        A live row's cache holds its prompt and every token it sampled but the last (which the next step feeds), in
+        slots ``first .. first + fill - 1`` of its own cache row (``first = starts % L``: the module step keeps its
+        rows there, and the fused step's after ``_home``). They are fed again, left-aligned at positions
+        ``0 .. fill - 1``, ``chunk`` rows per forward, causally; padding queries write the cache's last slot, which no
+        row fills, and attend their row's first slot only. Nothing else of the row changes: its pending token,
+        position, room and outputs stay. Eager (once per swap), at roughly the cost of one prefill."""
+        dev, L = self.device, b.length
+        prompts, n = self._swap_prompts
+        live = (~b.done).nonzero().flatten().tolist()
+        order, count, fill = b.order.tolist(), b.count.tolist(), b.fill.tolist()
+        first_all = (b.starts[:-1] % L).tolist()
+        cache = b.cache
+        for i in range(0, len(live), chunk):
+            rows = live[i:i + chunk]
+            seqs = [prompts[order[r] // n] + b.out_tok[r, :count[r] - 1].tolist() for r in rows]
+            assert all(len(q) == fill[r] for q, r in zip(seqs, rows)), "a row's cache holds its prompt and fed tokens"
+            W = max(len(q) for q in seqs)
+            ids = torch.full((len(rows), W), self.pad_id, dtype=torch.long)
+            for k, q in enumerate(seqs):
+                ids[k, :len(q)] = torch.tensor(q)
+            k_len = torch.tensor([len(q) for q in seqs], device=dev)[:, None]  # (c, 1)
+            first = torch.tensor([first_all[r] for r in rows], device=dev)[:, None]  # (c, 1)
+            off = torch.arange(W, device=dev)[None, :]  # (1, W)
+            real = off < k_len  # (c, W)
+            slot = torch.arange(L, device=dev)[None, None, :]  # (1, 1, L)
+            last = torch.where(real, first + off, first)  # (c, W) the last slot each query sees
+            attend = (slot >= first[:, :, None]) & (slot <= last[:, :, None])  # (c, W, L)
+            cache.row_ids, cache.gather, cache.window = torch.tensor(rows, device=dev), True, None
+            cache.slots = torch.where(real, first + off, L - 1)  # (c, W)
+            with attention_implementation(self.model.config, "gspo_decode"):
+                self._forward(ids.to(dev), torch.where(real, off, 0), attend[:, None], cache)
+        cache.gather, cache.row_ids = False, b.route_rows
 
     def _compact(self, b: _Bucket, v: _Bucket, rows: int, live: int) -> _Bucket:
         """Move the ``live`` rows of view ``v`` to its front and return the bucket's first ``rows`` rows, which hold
@@ -864,6 +920,12 @@ class GraphEngine:
         logp = torch.where(mask, logp[:, :width], torch.zeros_like(logp[:, :width]))
         finish = [FINISH_STOP if int(first_stop[i]) < T else FINISH_LENGTH for i in range(rows)]
         texts = self.tokenizer.batch_decode([t[m].tolist() for t, m in zip(tok, mask)], skip_special_tokens=True)
+        versions = None
+        if self.swaps is not None:  # each output column's version (a swap applies to every row from its column on)
+            column = torch.empty(width, dtype=torch.long)
+            for j, version in self._swap_log:
+                column[j:] = version
+            versions = torch.where(mask, column[None, :], -1)
         routes = routes_mask = None
         if self._routing is not None:  # every fed token: the prompt and the completion but its last token
             routes = self._route_buffer[:, at].permute(1, 2, 0, 3).cpu()  # (N, L, Lr, k)
@@ -872,7 +934,19 @@ class GraphEngine:
             self._route_layout = self._route_buffer = None
         return Rollout(prompt_ids=Rollout.repeat_prompts(prompts, n), completion_ids=tok, completion_mask=mask,
                        logprobs=logp, finish_reasons=finish, texts=texts, pad_id=self.pad_id, routes=routes,
-                       routes_mask=routes_mask)
+                       routes_mask=routes_mask, versions=versions)
+
+
+class InFlight(Protocol):
+    """A source of newer policy weights for in-flight updates (``rollout.in_flight``), which the engine polls between
+    decode steps: :class:`gspo.train.pipeline.Pipeline` is one."""
+
+    version: int  # the version of the weights the engine holds
+    recompute: bool  # rewrite the live rows' KV cache with new weights (else keep it)
+
+    def poll(self) -> bool:
+        """Load a newer published version into the engine (``sync_weights``) if there is one; whether it did."""
+        ...
 
 
 def _offset(turns: TurnEnds, offset: int) -> TurnEnds:

@@ -83,7 +83,9 @@ class RunLog:
                 "advantage": _row_advantage(batch, i), "finish_reason": batch.rollout.finish_reasons[i],
                 "length": int(batch.rollout.lengths[i]),
                 **({"turns": turn_pieces(tokenizer, batch.rollout, i)}
-                   if batch.rollout.sampled_mask is not None and tokenizer is not None else {})})
+                   if batch.rollout.sampled_mask is not None and tokenizer is not None else {}),
+                **({"versions": _version_runs(batch.rollout.versions[i], batch.rollout.completion_mask[i])}
+                   if batch.rollout.versions is not None else {})})
 
     def diagnostics(self, tokenizer, batch: Batch, rows: torch.Tensor, logp: torch.Tensor, *, step: int,
                     rollout_batch: int, minibatch: int) -> None:
@@ -147,3 +149,14 @@ def _row_advantage(batch: Batch, i: int) -> float:
         return float(adv)
     mask = batch.rollout.sampled[i]
     return float(adv[mask].mean()) if mask.any() else 0.0
+
+
+def _version_runs(versions: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """A completion's per-token policy versions (in-flight updates) as ``[version, tokens]`` runs, in order."""
+    runs: list[list[int]] = []
+    for v in versions[mask].tolist():
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs

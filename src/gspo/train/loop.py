@@ -108,7 +108,7 @@ class Trainer:
                     # under torchrun the engine thread's gathers go through a group of their own
                     group = comm.new_gloo_group() if threaded and comm.active() else None
                     self.pipeline = Pipeline(cfg.rollout.max_staleness, threaded, self.collector.collect, self.engine,
-                                             self.engine_weights, self.runtime.device, group)
+                                             self.engine_weights, self.runtime.device, group, cfg.rollout.in_flight)
             if from_start:
                 log.warning("%s has no checkpoint yet: --resume trains it from the start", self.run_dir)
             elif resume:

@@ -17,6 +17,10 @@ run is the same bit for bit whether it collects in a background thread (``rollou
 with the update (``"off"``), at any speed of either, and a checkpoint resumes it exactly. Taking the newest weights when
 a batch starts (AReaL's rule) makes the staleness smaller on average but a function of timing, which no test could pin.
 
+In-flight updates (``rollout.in_flight``) give up that determinism for fresher samples: a batch starts with the newest
+version there is (at least g(j)), and the engine loads every newer one the actor publishes between two of its decode
+steps (:class:`_InFlight`), so each token records its own version, between g(j) and j.
+
 Admission. Batch ``j`` starts only once version g(j) exists, so while the actor trains batch ``v`` at most the η
 batches after it are collected or being collected, and no batch is sampled to be thrown away: nothing is dropped for
 staleness, by construction (AReaL bounds its rollouts with a capacity rule to the same end).
@@ -53,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo.errors import UserError
 from gspo.parallel import comm
 from gspo.runtime import CAPTURE_LOCK
 from gspo.types import Batch
@@ -65,17 +70,26 @@ class Queued:
     """A collected rollout batch waiting for the actor, with the version that sampled it."""
 
     batch: Batch
-    version: int
+    version: int  # the version that sampled it (in-flight updates: its first tokens; later ones are newer)
     engine_wait_s: float = 0.0  # the engine's wait for that version before collecting it
-    sync_s: float = 0.0  # loading that version into the engine (0 when it had it)
+    sync_s: float = 0.0  # loading that version into the engine (0 when it had it), and in-flight updates
+    swaps: int = 0  # in-flight updates while it was sampled
 
     def taken(self, j: int, waited: float, ahead: int) -> Batch:
         """The batch, trained as rollout batch ``j``, with its ``async/*`` metrics: ``waited``, the actor's wait for
-        it; ``ahead``, the batches collected after it."""
-        staleness = float(j - self.version)
-        self.batch.metrics.update({"async/staleness_mean": staleness, "async/staleness_max": staleness,
+        it; ``ahead``, the batches collected after it. The staleness is per sampled token: one value for a batch one
+        version sampled, the mean and the largest over its tokens under in-flight updates."""
+        mean = top = float(j - self.version)
+        versions = self.batch.rollout.versions
+        if versions is not None:
+            staleness = (j - versions[self.batch.rollout.sampled]).double()
+            if staleness.numel():
+                mean, top = float(staleness.mean()), float(staleness.max())
+        self.batch.metrics.update({"async/staleness_mean": mean, "async/staleness_max": top,
                                    "async/actor_wait_s": waited, "async/engine_wait_s": self.engine_wait_s,
                                    "async/ahead": float(ahead), "time/sync_weights": self.sync_s})
+        if versions is not None:
+            self.batch.metrics["async/swaps"] = float(self.swaps)
         return self.batch
 
 
@@ -93,10 +107,20 @@ class Pipeline:
     :meth:`publish`; :meth:`pause` and :meth:`resume` around a checkpoint; :meth:`close` at the end."""
 
     def __init__(self, eta: int, threaded: bool, collect: Callable[[], Batch], engine, weights: Weights,
-                 device: torch.device, group=None):
+                 device: torch.device, group=None, in_flight: str = "off"):
         """``group``: under torchrun, the process group the engine thread's collectives go through (a group of its
-        own: the update's collectives on the default group run at the same time in the trainer's thread)."""
+        own: the update's collectives on the default group run at the same time in the trainer's thread).
+        ``in_flight``: ``rollout.in_flight`` (see :class:`_InFlight`)."""
         self.eta, self.threaded = eta, threaded
+        self.in_flight = in_flight != "off"
+        if self.in_flight:
+            if not threaded:
+                raise ValueError("in-flight weight updates need the background thread")
+            if not hasattr(engine, "swaps"):
+                raise UserError(f"rollout.in_flight = {in_flight!r} needs an engine that takes new weights between "
+                                f"decode steps, and the {type(engine).__name__} does not; set rollout.engine = 'graph' "
+                                "(or leave it 'auto' on a model it supports), or rollout.in_flight = 'off'.")
+            engine.swaps = _InFlight(self, in_flight == "recompute")
         self.collect, self.engine, self.weights = collect, engine, weights
         self.device = device
         self.group = group
@@ -125,6 +149,7 @@ class Pipeline:
         self.started = False
         self.paused = False  # held idle for a checkpoint
         self.collecting = False  # the engine thread is collecting a batch
+        self.swaps, self.swap_s = 0, 0.0  # in-flight updates of the batch being collected, and their seconds
 
     def version_of(self, j: int) -> int:
         """g(j): the policy version that samples rollout batch ``j``."""
@@ -149,7 +174,9 @@ class Pipeline:
         (in turn with the update), or hand it to the engine thread (a copy, with η >= 2, when a batch needs it)."""
         with self.cond:
             self.version = version
-            if self.threaded and self.eta >= 2 and self._needed(version) and version != self.engine_version:
+            if self.in_flight and self.next < self.total:  # the engine loads the newest version when it can
+                self.copies = {version: self._copy()}
+            elif self.threaded and self.eta >= 2 and self._needed(version) and version != self.engine_version:
                 self.copies[version] = self._copy()
             self.cond.notify_all()
         if not self.threaded:
@@ -277,11 +304,14 @@ class Pipeline:
                         self.cond.notify_all()
                         # paused for a checkpoint: only the batches older versions sample, which it saves
                         self.cond.wait_for(lambda: self.stopping or (not self.paused or g < self.version) and (
-                            self.engine_version == g or g in self.copies))
+                            self.engine_version == g or g in self.copies
+                            or self.in_flight and max((self.engine_version, *self.copies)) >= g))
                         self.engine_waits = None
                         if self.stopping:
                             return
                         waited = time.perf_counter() - t0
+                        if self.in_flight:  # the newest version there is, never older than the lag allows
+                            g = max((self.engine_version, *self.copies))
                         copy = self.copies.get(g)
                         ready, self.ready_event = self.ready_event, None
                         self.collecting = True
@@ -298,12 +328,13 @@ class Pipeline:
                             self.copies.pop(g, None)
                             self.engine_version = g
                         del copy
+                    self.swaps, self.swap_s = 0, 0.0
                     with CAPTURE_LOCK:
                         batch = self.collect()
                     if self.stream is not None:
                         self.stream.synchronize()
                     with self.cond:
-                        self.queue[j] = Queued(batch, g, waited, sync)
+                        self.queue[j] = Queued(batch, g, waited, sync + self.swap_s, self.swaps)
                         self.next = j + 1
                         self.collecting = False
                         self.cond.notify_all()
@@ -311,6 +342,44 @@ class Pipeline:
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+
+class _InFlight:
+    """In-flight weight updates (``rollout.in_flight``): the engine polls this between decode steps
+    (:class:`gspo.rollout.graph.InFlight`) and loads the newest version the actor has published since its own.
+
+    The actor copies every version it publishes (:meth:`Pipeline.publish`) and drops the previous copy if the engine
+    never took it, so at most two copies of the weights exist at once: the one the engine is loading and the newest.
+    A batch still starts only once the lag's version g(j) exists, and with the newest version there is, so every
+    token is sampled by a version between g(j) and j: the staleness bound holds per token."""
+
+    def __init__(self, pipeline: Pipeline, recompute: bool):
+        self.pipeline, self.recompute = pipeline, recompute
+
+    @property
+    def version(self) -> int:
+        return self.pipeline.engine_version
+
+    def poll(self) -> bool:
+        p = self.pipeline
+        with p.cond:
+            newest = max(p.copies, default=-1)
+            if newest <= p.engine_version:
+                return False
+            copy = p.copies[newest]
+        if copy.ready is not None:
+            torch.cuda.current_stream().wait_event(copy.ready)
+        t = p._load(copy.weights)
+        if p.stream is not None:  # the copy may be freed once the engine has read it
+            p.stream.synchronize()
+        with p.cond:
+            if p.copies.get(newest) is copy:
+                del p.copies[newest]
+            p.engine_version = newest
+            p.swaps += 1
+            p.swap_s += t
+            p.cond.notify_all()
+        return True
 
 
 def _use_on_current_stream(obj) -> None:
