@@ -304,8 +304,8 @@ def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_pa
     """One of the two processes of `gspo train --nproc 2` is SIGKILLed (it crashed) or SIGSTOPped (it hangs) mid-run:
     the other ends within dist.timeout_s, and the launcher's one line names the cause -- the killed process, its pid
     and signal (exit 1), or the one that lost the other and the one that did not answer (exit 2) -- and the last
-    complete checkpoint; nothing half-written is taken for a checkpoint, and --resume (on two processes after the
-    kill, on one after the hang) trains to the end with every step logged once."""
+    complete checkpoint; nothing half-written is taken for a checkpoint, and after the kill --resume on two processes
+    trains to the end with every step logged once."""
     run = tmp_path / "run"
     overrides = _overrides(tiny_dir, "train.steps=8", "dist.timeout_s=10")
     proc, workers = _two_processes_after(tmp_path, run, overrides, lines=4)
@@ -326,8 +326,9 @@ def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_pa
         assert "the last complete checkpoint is step-" in lines[0]
     assert not (run / "checkpoints").exists() or not any(
         p.name.endswith(".tmp") and (p / "COMPLETE").exists() for p in (run / "checkpoints").iterdir())
-    again = _train(tmp_path, [sys.executable], overrides, "--resume", "--run-dir", str(run),
-                   *(["--nproc", "2"] if fault == "SIGKILL" else []))
+    if fault == "SIGSTOP":  # (a resume in one process after a hang: test_async's lost decode process; CI time)
+        return
+    again = _train(tmp_path, [sys.executable], overrides, "--resume", "--run-dir", str(run), "--nproc", "2")
     assert again.returncode == 0, again.stderr[-3000:]
     check_run_dir(run, 8)
 

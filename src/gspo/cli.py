@@ -66,13 +66,13 @@ def _interrupted(args: argparse.Namespace, run_dir: Path) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(args)  # imports no model code: only the job's processes train (~3 s of CPU each import)
     from gspo.parallel import comm
     from gspo.parallel.launch import STOP_CODES, report, report_error
     from gspo.train import Trainer
     from gspo.train.remote import decode_if_mine
 
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch(args)
     cfg = _config(args.config, args.overrides)
     run_dir = args.run_dir or cfg.log.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
     try:
