@@ -75,7 +75,7 @@ def test_bad_group_size_and_scale_are_user_errors():
     """Rewards that do not divide into groups, and an unknown scale, raise a UserError that names the fix."""
     with pytest.raises(UserError, match="multiple of the group size"):
         group_advantages(torch.zeros(5), 2)
-    with pytest.raises(UserError, match="group, batch, none"):
+    with pytest.raises(UserError, match="group, batch, tokens, none"):
         group_advantages(torch.zeros(4), 2, scale="std")
 
 
@@ -122,3 +122,83 @@ def test_step_advantages_scale_their_credit_as_the_outcome_is_scaled():
     none = step_advantages(*args, scale="none")
     torch.testing.assert_close(none, torch.tensor([[0.0, 0.0, -0.25, -0.25, 0.5, 0.5], [0.0, 0.0, 0.0, -0.25, -0.25, -0.5]]))
     torch.testing.assert_close(step_advantages(*args, scale="batch"), step_advantages(*args, scale="group"))
+
+
+# ------------------------------------------------------------------------------------------ RLOO and REINFORCE++
+
+
+def test_leave_one_out_baseline_hand_worked():
+    """RLOO: A_i = r_i - mean of the group's other rewards. Group [1, 0, 0, 1]: 1 - 1/3 = 2/3 and 0 - 2/3 = -2/3;
+    with a failed reward [1, NaN, 0, 0] the baseline leaves it out: 1 - 0 = 1, 0 - 1/2 = -1/2, NaN -> 0; a group of
+    equal rewards gives 0."""
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, float("nan"), 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    a = group_advantages(r, 4, scale="none", baseline="leave_one_out")
+    want = [2 / 3, -2 / 3, -2 / 3, 2 / 3, 1.0, 0.0, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+    assert a.tolist() == pytest.approx(want, abs=1e-7)
+
+
+def _rloo_restated(rewards, G):
+    """verl's RLOO outcome advantage restated in float64 (compute_rloo_outcome_advantage): per group of G > 1 scores,
+    r_i * G / (G - 1) - mean * G / (G - 1)."""
+    out = []
+    for g in range(0, len(rewards), G):
+        group = rewards[g:g + G]
+        mean = sum(group) / G
+        out += [x * G / (G - 1) - mean * G / (G - 1) for x in group]
+    return out
+
+
+def _whiten_restated(values, lengths):
+    """REINFORCE++'s global whitening restated in float64 (verl's masked_whiten over the response tokens): the mean and
+    the Bessel-corrected variance of every token's value, (v - mean) / sqrt(var + 1e-8)."""
+    tokens = [v for v, n in zip(values, lengths) for _ in range(n)]
+    mean = sum(tokens) / len(tokens)
+    var = sum((t - mean) ** 2 for t in tokens) / (len(tokens) - 1)
+    return [(v - mean) / math.sqrt(var + 1e-8) for v in values]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rloo_and_reinforce_pp_equal_float64_restatements_of_the_peers(seed):
+    """On random rewards (groups of 4, lengths 1-9): RLOO's advantages equal verl's formula, and REINFORCE++'s (no
+    baseline) and REINFORCE++-baseline's (group mean subtracted first) whitened advantages equal verl's masked_whiten of
+    the per-token returns, to 1e-6 (verl puts its 1e-8 inside the square root, gspo adds it to the std)."""
+    from gspo.algorithms.advantages import whiten_tokens
+
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(16, generator=g, dtype=torch.float64).round(decimals=1)
+    lengths = torch.randint(1, 10, (16,), generator=g)
+    mask = torch.arange(9)[None, :] < lengths[:, None]  # (16, 9)
+    rloo = group_advantages(rewards, 4, scale="none", baseline="leave_one_out")
+    assert rloo.tolist() == pytest.approx(_rloo_restated(rewards.tolist(), 4), abs=1e-9)
+    for baseline in ("none", "group_mean"):
+        centred = group_advantages(rewards, 4, scale="tokens", baseline=baseline)
+        if baseline == "group_mean":
+            assert centred.tolist() == pytest.approx(group_advantages(rewards, 4, scale="none").tolist())
+        out = whiten_tokens(centred, mask)  # (16, 9)
+        want = _whiten_restated(centred.tolist(), lengths.tolist())
+        assert out[:, 0].tolist() == pytest.approx(want, abs=1e-6)
+        assert torch.equal(out, torch.where(mask, out[:, :1], 0.0))  # one value on each row's tokens, 0 off them
+
+
+def test_whitening_hand_worked_and_degenerate_batches():
+    """Rewards [1, 0] over 3 and 1 tokens: the tokens [1, 1, 1, 0] have mean 0.75 and std 0.5, so 0.5 and -1.5. All
+    tokens equal (or one token) leave the advantages centred only; no token at all gives zeros, never NaN."""
+    from gspo.algorithms.advantages import whiten_tokens
+
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    out = whiten_tokens(torch.tensor([1.0, 0.0]), mask)
+    assert out.flatten().tolist() == pytest.approx([0.5, 0.5, 0.5, -1.5, 0.0, 0.0], abs=1e-6)
+    assert whiten_tokens(torch.tensor([2.0, 2.0]), mask).abs().max() == 0
+    assert whiten_tokens(torch.tensor([3.0, 1.0]), torch.tensor([[True, False, False], [False, False, False]])).tolist() \
+        == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert whiten_tokens(torch.tensor([1.0, 0.0]), torch.zeros(2, 3, dtype=torch.bool)).abs().max() == 0
+
+
+def test_no_baseline_keeps_the_signal_of_groups_whose_rewards_are_equal():
+    """REINFORCE++ has no group baseline: a group of equal rewards still carries them (the batch centres them later),
+    where GRPO's group mean leaves it nothing."""
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    assert group_advantages(r[:2], 2, scale="tokens", baseline="none").tolist() == [1.0, 1.0]
+    assert group_advantages(r[:2], 2, scale="tokens").tolist() == [0.0, 0.0]
+    with pytest.raises(UserError, match="Unknown advantage baseline 'loo'"):
+        group_advantages(r, 2, baseline="loo")

@@ -127,7 +127,7 @@ def test_every_field_is_documented():
     rows = field_docs()
     assert len(rows) > 40
     assert all(doc for _, _, doc in rows), [k for k, _, d in rows if not d]
-    assert set(PRESETS) == {"gspo", "gspo_token", "grpo", "dapo", "dr_grpo"}
+    assert set(PRESETS) == {"gspo", "gspo_token", "grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp"}
 
 
 def test_shipped_configs_build(tmp_path):
@@ -166,3 +166,18 @@ def test_clip_range_follows_an_explicit_level():
     assert (cfg.loss.eps_low, cfg.loss.eps_high) == (3e-4, 4e-4)
     cfg = build_config({"algorithm": "grpo"}, ["loss.level='sequence'", "loss.eps_high=1e-3"])
     assert (cfg.loss.eps_low, cfg.loss.eps_high) == (3e-4, 1e-3)
+
+
+def test_rloo_and_reinforce_pp_presets_and_their_refusals():
+    """The presets fill the baseline and scale they are defined by (and only what is unset); process credit on top of
+    a baseline other than the group mean is refused in one line."""
+    rloo, rpp = build_config({"algorithm": "rloo"}).loss, build_config({"algorithm": "reinforce_pp"}).loss
+    assert (rloo.advantage_baseline, rloo.advantage_scale, rloo.level) == ("leave_one_out", "none", "token")
+    assert (rpp.advantage_baseline, rpp.advantage_scale, rpp.aggregation) == ("none", "tokens", "token-mean")
+    assert build_config({"algorithm": "gspo"}).loss.advantage_baseline == "group_mean"
+    assert build_config({"algorithm": "reinforce_pp", "loss": {"advantage_baseline": "group_mean"}}).loss.advantage_scale \
+        == "tokens"  # REINFORCE++-baseline
+    with pytest.raises(UserError, match="loss.advantage_baseline = 'mean' is not one of group_mean, leave_one_out"):
+        build_config({"loss": {"advantage_baseline": "mean"}})
+    with pytest.raises(UserError, match="loss.step_credit adds process credit to group-centred advantages"):
+        build_config({"algorithm": "rloo", "loss": {"step_credit": "task"}, "data": {"task": "running_sum"}})

@@ -1,5 +1,7 @@
 """Pure tensor math of the objectives: no model, no I/O, no globals."""
-from gspo.algorithms.advantages import group_advantages, group_stats, overlong_penalty, zero_variance_groups
+from gspo.algorithms.advantages import (
+    group_advantages, group_stats, overlong_penalty, whiten_tokens, zero_variance_groups,
+)
 from gspo.algorithms.losses import (
     aggregate, clipped_surrogate, importance_ratio, k3_kl, logprob_gap, policy_loss, ratio_metrics, sequence_log_ratio,
     token_log_ratio,
@@ -7,5 +9,5 @@ from gspo.algorithms.losses import (
 
 __all__ = [
     "aggregate", "clipped_surrogate", "group_advantages", "group_stats", "importance_ratio", "k3_kl", "logprob_gap",
-    "overlong_penalty", "policy_loss", "ratio_metrics", "sequence_log_ratio", "token_log_ratio", "zero_variance_groups",
+    "overlong_penalty", "policy_loss", "ratio_metrics", "sequence_log_ratio", "token_log_ratio", "whiten_tokens", "zero_variance_groups",
 ]

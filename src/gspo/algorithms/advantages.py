@@ -7,6 +7,11 @@ GRPO (Shao et al. 2024):    A_i = (r_i - mean_g r) / (std_g r + eps)
 Dr. GRPO (Liu et al. 2025): A_i = r_i - mean_g r                      (no std: ``scale="none"``)
 "batch" scale (Lite PPO, Liu et al. 2025; TRL's ``scale_rewards="batch"``):
                             A_i = (r_i - mean_g r) / (std_batch r + eps)   (group mean, std of the batch's raw rewards)
+RLOO (Ahmadian et al. 2024, leave-one-out baseline):
+                            A_i = r_i - (1 / (G - 1)) sum_{j != i} r_j  =  G / (G - 1) * (r_i - mean_g r)
+REINFORCE++ (Hu 2025), outcome reward, gamma = 1: every token of completion i has the return b_i (r_i, or r_i - mean_g r
+for REINFORCE++-baseline), whitened over every loss token of the batch (:func:`whiten_tokens`):
+                            A_{i,t} = (b_i - mu) / (sigma + eps),   mu, sigma over {b_i repeated |y_i| times}
 
 Group statistics are computed in float64: in float32 a group whose rewards are all equal but not dyadic (eight 0.7s)
 gets a mean that differs from 0.7 in the last bit, a "spread" of ~1e-8 and a uniform non-zero advantage, and the
@@ -24,7 +29,8 @@ from gspo.errors import UserError
 
 Tensor = torch.Tensor
 
-SCALES = ("group", "batch", "none")
+SCALES = ("group", "batch", "tokens", "none")
+BASELINES = ("group_mean", "leave_one_out", "none")
 ZERO_STD = 1e-8
 """A group std at or below this is zero variance: float64 rounding of equal rewards stays far below it."""
 
@@ -56,7 +62,8 @@ def _safe_div(centred: Tensor, std: Tensor, eps: float) -> Tensor:
     return torch.where(std > ZERO_STD, centred / (std + eps), torch.zeros_like(centred))
 
 
-def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", baseline: str = "group_mean",
+                     eps: float = 1e-6) -> Tensor:
     """Group-relative advantages, one per completion.  (N,)
 
     Args:
@@ -65,16 +72,27 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
         group_size: G, completions per prompt; rows of one group are contiguous.
         scale: ``group`` divides by the group's std (GRPO, GSPO), ``batch`` by the (unbiased) std of the valid raw
             rewards of the whole batch (Lite PPO; TRL's ``scale_rewards="batch"``), ``none`` only subtracts the group
-            mean (Dr. GRPO).
+            mean (Dr. GRPO); ``tokens`` leaves the centred rewards as they are here, for :func:`whiten_tokens` once
+            the loss tokens are known (REINFORCE++).
+        baseline: ``group_mean`` subtracts the group's mean, ``leave_one_out`` the mean of the group's other rewards
+            (RLOO), ``none`` nothing (REINFORCE++ without a baseline: then a group whose rewards are all equal still
+            carries its reward).
 
     Returns float32 advantages (float64 when the rewards are float64).
     """
     if scale not in SCALES:
         raise UserError(f"Unknown advantage scale {scale!r}; use one of {', '.join(SCALES)}.")
+    if baseline not in BASELINES:
+        raise UserError(f"Unknown advantage baseline {baseline!r}; use one of {', '.join(BASELINES)}.")
     r, valid = _grouped(rewards, group_size)
     mean, std, n = group_stats(rewards, group_size)
     centred = torch.where(valid, r - mean[:, None], torch.zeros_like(r))  # (P, G)
     usable = valid & (n[:, None] >= 2) & (std[:, None] > ZERO_STD)  # (P, G) rows of groups that carry a signal
+    if baseline == "leave_one_out":  # r_i - (sum - r_i) / (n - 1) = n / (n - 1) (r_i - mean)
+        centred = centred * (n.double() / (n - 1).clamp(min=1))[:, None]
+    elif baseline == "none":
+        centred = torch.where(valid, r, torch.zeros_like(r))
+        usable = valid
     if scale == "group":
         adv = _safe_div(centred, std[:, None].expand_as(centred), eps)
     elif scale == "batch":
@@ -85,6 +103,25 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
         adv = centred
     out = torch.where(usable, adv, torch.zeros_like(adv)).view(-1)  # (N,)
     return out if rewards.dtype == torch.float64 else out.float()
+
+
+def whiten_tokens(advantages: Tensor, mask: Tensor, *, eps: float = 1e-8) -> Tensor:
+    """REINFORCE++'s global normalisation: each completion's advantage given to its loss tokens, centred and scaled by
+    the mean and std over every loss token of the batch (a long completion counts once per token).  (N, T)
+
+    ``advantages`` (N,) or (N, T); ``mask`` (N, T) True on the loss tokens. The std is the unbiased one (Bessel's
+    correction over the tokens, as torch's ``var``); fewer than two tokens or a zero spread leave the advantages
+    centred only. Computed in float64, returned in the advantages' dtype; 0 off the mask."""
+    a = advantages.double()
+    a = a[:, None].expand(mask.shape) if a.dim() == 1 else a  # (N, T)
+    m = mask.bool()
+    count = m.sum()
+    if count == 0:
+        return torch.zeros(mask.shape, dtype=advantages.dtype)
+    mu = a[m].mean()
+    sd = a[m].std() if count >= 2 else torch.zeros((), dtype=torch.float64)
+    out = (a - mu) / (sd + eps) if sd > ZERO_STD else a - mu
+    return torch.where(m, out, torch.zeros_like(out)).to(advantages.dtype)
 
 
 def zero_variance_groups(rewards: Tensor, group_size: int, *, tol: float = ZERO_STD) -> Tensor:

@@ -14,7 +14,7 @@ import re
 import string
 from typing import Any
 
-from gspo.algorithms.advantages import SCALES
+from gspo.algorithms.advantages import BASELINES, SCALES
 from gspo.algorithms.corrections import CORRECTIONS
 from gspo.algorithms.losses import AGGREGATIONS, LEVELS
 from gspo.config.presets import TASK_STEP_CREDIT
@@ -181,6 +181,11 @@ def check_loss(cfg: Config) -> None:
     _one_of(lc.level, LEVELS, "loss.level")
     _one_of(lc.aggregation, AGGREGATIONS, "loss.aggregation")
     _one_of(lc.advantage_scale, SCALES, "loss.advantage_scale")
+    _one_of(lc.advantage_baseline, BASELINES, "loss.advantage_baseline")
+    if lc.step_credit is not None and (lc.advantage_scale == "tokens" or lc.advantage_baseline != "group_mean"):
+        raise UserError(f"loss.step_credit adds process credit to group-centred advantages, and loss.advantage_scale = "
+                        f"{lc.advantage_scale!r} with loss.advantage_baseline = {lc.advantage_baseline!r} is not that "
+                        "(RLOO, REINFORCE++); use a GRPO-family preset, or unset loss.step_credit.")
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:
         raise UserError(
             f"loss.level = {lc.level!r} with loss.aggregation = {lc.aggregation!r} weights every sequence by its "

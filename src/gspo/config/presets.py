@@ -26,11 +26,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Dr. GRPO: no std normalisation, no per-sequence length normalisation.
     "dr_grpo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.2,
                 "loss.aggregation": "seq-mean-token-sum-norm", "loss.advantage_scale": "none"},
+    # RLOO (Ahmadian et al. 2024) as verl runs it: the leave-one-out baseline, no scaling, PPO's token ratio clipped at
+    # 0.2 both ways, the token-mean loss (verl's default aggregation).
+    "rloo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.2, "loss.aggregation": "token-mean",
+             "loss.advantage_scale": "none", "loss.advantage_baseline": "leave_one_out"},
+    # REINFORCE++ (Hu 2025) with an outcome reward: no baseline, each token's return (its completion's reward, gamma =
+    # 1) whitened over every loss token of the batch; PPO's token clip at 0.2, token-mean. Its KL-in-reward is gspo's
+    # loss.beta (a k3 term in the loss) instead; loss.advantage_baseline = "group_mean" is REINFORCE++-baseline.
+    "reinforce_pp": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.2, "loss.aggregation": "token-mean",
+                     "loss.advantage_scale": "tokens", "loss.advantage_baseline": "none"},
 }
 
 
 # Switches only some presets turn on: off wherever the algorithm's preset leaves them unset.
-_PRESET_FALLBACK = {"loss.mask_truncated": False, "dapo.dynamic_sampling": False, "dapo.overlong_penalty": False}
+_PRESET_FALLBACK = {"loss.mask_truncated": False, "dapo.dynamic_sampling": False, "dapo.overlong_penalty": False,
+                    "loss.advantage_baseline": "group_mean"}
 
 TASK_STEP_CREDIT = {"running_sum": "gspo.rewards.builtin:running_sum_step_spans",  # loss.step_credit = "task"
                     "numbered_words": "gspo.rewards.builtin:numbered_words_line_spans"}

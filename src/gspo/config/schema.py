@@ -150,8 +150,12 @@ class LossConfig:
     aggregation: str | None = None
     """``seq-mean-token-mean`` (GSPO/GRPO papers), ``token-mean`` (DAPO), ``seq-mean-token-sum-norm`` (Dr. GRPO)."""
     advantage_scale: str | None = None
-    """Advantage normalisation after subtracting the group mean: divide by the ``group`` std (GRPO, GSPO), by the std of
-    the whole ``batch``'s raw rewards (Lite PPO, TRL's ``scale_rewards="batch"``), or ``none`` (Dr. GRPO)."""
+    """Advantage normalisation after the baseline: divide by the ``group`` std (GRPO, GSPO), by the std of the whole
+    ``batch``'s raw rewards (Lite PPO, TRL's ``scale_rewards="batch"``), centre and divide by the std over every loss
+    token of the batch (``tokens``: REINFORCE++), or ``none`` (Dr. GRPO, RLOO)."""
+    advantage_baseline: str | None = None
+    """What each reward is compared with: the ``group_mean`` (GRPO, GSPO), the mean of the group's other rewards
+    (``leave_one_out``: RLOO), or nothing (``none``: REINFORCE++, whose ``tokens`` scale then centres over the batch)."""
     beta: float = 0.0
     """Weight of the k3 KL penalty to a frozen copy of the initial model (0 loads no reference model)."""
     mask_truncated: bool | None = None
@@ -391,7 +395,8 @@ class LogConfig:
 @dataclass
 class Config:
     algorithm: str = "gspo"
-    """Preset: ``gspo``, ``gspo_token``, ``grpo``, ``dapo`` or ``dr_grpo``; explicit fields override it."""
+    """Preset: ``gspo``, ``gspo_token``, ``grpo``, ``dapo``, ``dr_grpo``, ``rloo`` or ``reinforce_pp``; explicit fields
+    override it."""
     seed: int = 1
     """One seed for data order, sampling, and initialisation of anything random."""
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gspo.algorithms import group_advantages, overlong_penalty, zero_variance_groups
+from gspo.algorithms import group_advantages, overlong_penalty, whiten_tokens, zero_variance_groups
 from gspo.config import Config
 from gspo.data import DataStream
 from gspo.parallel.comm import active, barrier, gather_objects, rank_world, split_work
@@ -273,7 +273,8 @@ class Collector:
         self.check_failures(rounds)
         rollout = groups.rollout
         shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards
-        adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale)  # (N,)
+        adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale,
+                               baseline=cfg.loss.advantage_baseline)  # (N,)
         if self.rewards.steps is not None:  # (N, T): the outcome advantage plus each token's process credit
             spans = self.rewards.step_spans(rollout.texts, groups.examples)
             adv = token_advantages(spans, self.tokenizer, rollout, adv, cfg.rollout.group_size,
@@ -285,6 +286,8 @@ class Collector:
         truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
         if cfg.loss.mask_truncated:
             loss_mask &= ~truncated[:, None]
+        if cfg.loss.advantage_scale == "tokens":  # REINFORCE++: over the loss tokens of completions with a reward
+            adv = whiten_tokens(adv, loss_mask & torch.isfinite(shaped)[:, None])  # (N, T)
         m = self.reward_metrics(groups, rounds, timing)
         if cfg.dapo.overlong_penalty:
             m["reward/overlong_penalty_mean"] = float(self.overlong(rollout).mean())
