@@ -260,6 +260,21 @@ class Pipeline:
         self.engine.sync_weights(weights)
         return time.perf_counter() - t0
 
+    def _load_copy(self, version: int, copy: _Copy) -> float:
+        """In the engine thread: load a published version's copy into the engine, on its stream, and drop the copy
+        once the engine has read it; the seconds it took."""
+        if copy.ready is not None:
+            torch.cuda.current_stream().wait_event(copy.ready)
+        seconds = self._load(copy.weights)
+        if self.stream is not None:  # the copy is freed only once the engine has read it
+            self.stream.synchronize()
+        with self.cond:
+            if self.copies.get(version) is copy:  # (in flight, a newer version may have replaced it)
+                del self.copies[version]
+            self.engine_version = version
+            self.cond.notify_all()
+        return seconds
+
     def _start(self) -> None:
         """On the first take: the engine gets the resumed policy's weights, then the collect starts."""
         if self.started:
@@ -317,17 +332,8 @@ class Pipeline:
                         self.collecting = True
                     if ready is not None:  # the actor's copy into the engine was queued on its stream
                         torch.cuda.current_stream().wait_event(ready)
-                    sync = 0.0
-                    if copy is not None:
-                        if copy.ready is not None:
-                            torch.cuda.current_stream().wait_event(copy.ready)
-                        sync = self._load(copy.weights)
-                        if self.stream is not None:  # the copy is freed only once the engine has read it
-                            self.stream.synchronize()
-                        with self.cond:
-                            self.copies.pop(g, None)
-                            self.engine_version = g
-                        del copy
+                    sync = 0.0 if copy is None else self._load_copy(g, copy)
+                    del copy
                     self.swaps, self.swap_s = 0, 0.0
                     with CAPTURE_LOCK:
                         batch = self.collect()
@@ -367,18 +373,8 @@ class _InFlight:
             if newest <= p.engine_version:
                 return False
             copy = p.copies[newest]
-        if copy.ready is not None:
-            torch.cuda.current_stream().wait_event(copy.ready)
-        t = p._load(copy.weights)
-        if p.stream is not None:  # the copy may be freed once the engine has read it
-            p.stream.synchronize()
-        with p.cond:
-            if p.copies.get(newest) is copy:
-                del p.copies[newest]
-            p.engine_version = newest
-            p.swaps += 1
-            p.swap_s += t
-            p.cond.notify_all()
+        p.swap_s += p._load_copy(newest, copy)
+        p.swaps += 1
         return True
 
 
