@@ -939,7 +939,7 @@ class GraphEngine:
 
 class InFlight(Protocol):
     """A source of newer policy weights for in-flight updates (``rollout.in_flight``), which the engine polls between
-    decode steps: :class:`gspo.train.pipeline.Pipeline` is one."""
+    decode steps: the asynchronous pipeline's is ``gspo.train.pipeline._InFlight``."""
 
     version: int  # the version of the weights the engine holds
     recompute: bool  # rewrite the live rows' KV cache with new weights (else keep it)
