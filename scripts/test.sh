@@ -2,11 +2,10 @@
 # Set up and run the test suite (CPU; GPU tests are skipped without CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-. .venv/bin/activate
 # For the tests only: the optional TensorBoard and W&B sinks (about 10 s of install, ~150 MB) and peft (LoRA), so
-# their tests run.
-python -m pip install -q -e ".[test,tensorboard,wandb,lora]"
+# their tests run; in setup.sh's one install (a second pip resolve cost CI time).
+GSPO_EXTRAS=test,tensorboard,wandb,lora bash scripts/setup.sh
+. .venv/bin/activate
 # The fused decode kernels are Triton; a CUDA torch brings its own Triton (leave it: torch pins it). With the CPU torch
 # the tests run them in Triton's interpreter, which needs Triton >= 3.8 under NumPy 2.4.
 if python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null; then

@@ -180,7 +180,7 @@ def test_a_stop_signal_to_gspo_train_nproc_stops_the_whole_job(tiny_dir, tmp_pat
 def test_a_launcher_killed_with_sigkill_still_stops_its_job(tiny_dir, tmp_path):  # noqa: F811
     """SIGKILL to `gspo train --nproc 2` (nothing can catch it: the OOM killer, a `kill -9`): the kernel sends torchrun
     SIGTERM as its parent dies (PR_SET_PDEATHSIG), so the job stops as after a SIGTERM -- the rollout batch finished,
-    a checkpoint written together -- and no process is left; the run resumes on one process."""
+    a checkpoint written together -- and no process is left, and the run directory is whole."""
     run = tmp_path / "run"
     overrides = _overrides(tiny_dir, "train.steps=40", "log.checkpoint_every=0")
     job = Job(tmp_path, run, overrides)
@@ -195,12 +195,7 @@ def test_a_launcher_killed_with_sigkill_still_stops_its_job(tiny_dir, tmp_path):
     assert not alive and not left, f"processes of the job outlived it: {sorted(alive | left)}"
     rows = check_run_dir(run, len(read_jsonl(run / "metrics.jsonl")))
     assert 2 <= len(rows) < 40 and (run / "checkpoints" / f"step-{len(rows):06d}" / "COMPLETE").exists()
-    done = subprocess.run([sys.executable, "-m", "gspo.cli", "train", *_overrides(tiny_dir, f"train.steps={len(rows) + 2}",
-                                                                                   "log.checkpoint_every=0"),
-                           "--resume", "--run-dir", str(run)], cwd=tmp_path, env=ENV, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    check_run_dir(run, len(rows) + 2)
+    # (a resume on one process from such a stop: the SIGTERM case of test_a_stop_signal_to_gspo_train_nproc...)
 
 
 def _one_error_line(err: str) -> str:
