@@ -359,6 +359,7 @@ def _comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
 
 
+@pytest.mark.extended
 def test_kills_at_random_moments_during_resume_leave_a_run_equal_to_an_uninterrupted_one(tiny_dir, tmp_path):  # noqa: F811
     """`gspo train --resume` SIGKILLed at random moments (while it loads, trains, checkpoints or rewinds its logs),
     three times, then resumed to the end: the run directory passes check_run_dir and its metrics equal those of a run
@@ -655,6 +656,7 @@ while line := sys.stdin.readline():
 """
 
 
+@pytest.mark.extended
 def test_kills_at_every_file_operation_of_a_rollback_leave_a_resumable_run(tiny_dir, tmp_path):  # noqa: F811
     """A sentinel rollback renames the abandoned checkpoints and rewinds the log files. The run is SIGKILLed at each
     of the rollback's file operations in turn (every rename, replace and fsync after it begins, then right after it

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from gspo.runlog.metrics import read_jsonl
 
 from test_faults import check_run_dir
@@ -47,6 +49,7 @@ def _interrupted(proc: subprocess.Popen) -> str:
     return last
 
 
+@pytest.mark.extended
 def test_ctrl_c_before_the_first_checkpoint_then_the_command_it_names_goes_on(tiny_dir, tmp_path):  # noqa: F811
     """1. SIGINT at moments spread over start-up (imports, the config, the model, the reward import, which holds the
        process until the test releases it, so every moment falls before training): exit 130, one line, no traceback

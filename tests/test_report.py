@@ -532,6 +532,7 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.extended
 def test_compare_jobs_survives_a_failed_run_a_killed_run_and_sigterm_then_resumes(tiny_dir, tmp_path):  # noqa: F811
     """`gspo compare --jobs 2` over three arms, with real faults at chosen moments (tests/compare_rewards.py holds a run
     inside its second rollout batch, after its first checkpoint, until the test releases it):
