@@ -2,13 +2,17 @@
 ``rollout.max_staleness`` values, one process at a time on one GPU, then a table of wall-clock and reward.
 
   python benchmarks/async_runs.py run --model /root/smollm2/model.gguf --out $OUT \\
-      --runs gspo:0:1,gspo:1:1,gspo:1:1:off [-- key=value ...]     # algorithm:eta:seed[:overlap[:nproc[:decode]]]
+      --runs gspo:0:1,gspo:1:1,gspo:1:1:off [-- key=value ...]  # algorithm:eta:seed[:overlap[:nproc[:decode[:in_flight]]]]
   python benchmarks/async_runs.py table $OUT                       # prints the table, writes async_summary.json
 
 Per run: the process's and the loop's wall-clock (``timings.json``), the reward of the first and the last 10 rollout
 batches, the loop time at which the 5-batch running mean of the reward first reached ``--target`` (default 0.8),
 the staleness, and how long the actor and the engine waited for each other per batch. ``metrics.jsonl`` and
 ``timings.json`` of each run are copied under ``--out/<name>/``.
+
+With ``log.profile_batch = b`` among the overrides, each run's profiled batch is also read from its Chrome trace: how
+long the GPU ran kernels of any stream in that batch, of each stream, and of two streams at once (the overlap of the
+engine's decode with the update's passes), written to ``--out/<name>/gpu_busy.json`` with the profile's tables.
 """
 from __future__ import annotations
 
@@ -24,16 +28,50 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_name(spec: str) -> tuple[str, list[str], int]:
-    """``algorithm:eta:seed[:overlap[:nproc[:decode]]]`` -> the run's name, its overrides and its processes (``nproc``
-    GPUs under ``gspo train --nproc``, ``decode`` of them decode processes)."""
+    """``algorithm:eta:seed[:overlap[:nproc[:decode[:in_flight]]]]`` -> the run's name, its overrides and its processes
+    (``nproc`` GPUs under ``gspo train --nproc``, ``decode`` of them decode processes; ``in_flight`` is
+    ``rollout.in_flight``)."""
     algo, eta, seed, *rest = spec.split(":")
     overlap = rest[0] if rest else "thread"
     nproc = int(rest[1]) if len(rest) > 1 else 1
     decode = int(rest[2]) if len(rest) > 2 else 0
+    in_flight = rest[3] if len(rest) > 3 else "off"
     name = (f"{algo}_eta{eta}_s{seed}" + ("" if overlap == "thread" else f"_{overlap}")
-            + (f"_n{nproc}" if nproc > 1 else "") + (f"_d{decode}" if decode else ""))
+            + (f"_n{nproc}" if nproc > 1 else "") + (f"_d{decode}" if decode else "")
+            + ("" if in_flight == "off" else f"_{in_flight}"))
     return name, [f"algorithm='{algo}'", f"rollout.max_staleness={eta}", f"rollout.overlap='{overlap}'", f"seed={seed}",
-                  f"rollout.decode_processes={decode}"], nproc
+                  f"rollout.decode_processes={decode}", f"rollout.in_flight='{in_flight}'"], nproc
+
+
+def gpu_busy(trace: Path) -> dict:
+    """The GPU's kernel time in a ``torch.profiler`` Chrome trace: the union of all kernels' intervals, each stream's,
+    and the time two or more streams ran kernels at once, against the trace's span (first kernel start to last end)."""
+    import gzip
+
+    events = json.loads(gzip.open(trace).read())["traceEvents"]
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["args"].get("stream", -1)) for e in events
+               if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    if not kernels:
+        return {}
+    # a sweep over start/end points: how many streams are busy between consecutive points
+    points = sorted([(a, 1, s) for a, _, s in kernels] + [(b, -1, s) for _, b, s in kernels])
+    running: dict[int, int] = {}
+    busy = overlap = 0.0
+    per_stream: dict[int, float] = {}
+    last = points[0][0]
+    for t, d, s in points:
+        live = [k for k, v in running.items() if v > 0]
+        if live:
+            busy += t - last
+            if len(live) > 1:
+                overlap += t - last
+            for k in live:
+                per_stream[k] = per_stream.get(k, 0.0) + t - last
+        running[s] = running.get(s, 0) + d
+        last = t
+    span = max(b for _, b, _ in kernels) - min(a for a, _, _ in kernels)
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "busy_fraction": busy / span, "two_streams_ms": overlap / 1e3,
+            "kernels": len(kernels), "stream_busy_ms": {str(k): v / 1e3 for k, v in sorted(per_stream.items())}}
 
 
 def cmd_run(a: argparse.Namespace) -> None:
@@ -50,9 +88,12 @@ def cmd_run(a: argparse.Namespace) -> None:
         rc = subprocess.call(cmd)
         wall = time.time() - t0
         (out / name).mkdir(exist_ok=True)
-        for f in ("metrics.jsonl", "timings.json"):
+        for f in ("metrics.jsonl", "timings.json", "profile/rank0.txt"):
             if (run_dir / f).exists():
-                shutil.copy(run_dir / f, out / name / f)
+                shutil.copy(run_dir / f, out / name / Path(f).name)
+        if (run_dir / "profile/rank0.trace.json.gz").exists():
+            (out / name / "gpu_busy.json").write_text(json.dumps(gpu_busy(run_dir / "profile/rank0.trace.json.gz"),
+                                                                 indent=1))
         import torch
 
         card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -86,12 +127,14 @@ def summary(run: Path, target: float) -> dict:
             "loop_s": timings.get("loop_s"),
             "batches": len(first), "reward_first": rewards[0], "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
             "time_to_target_s": reached, "staleness_max": max((r.get("async/staleness_max", 0.0) for r in first)),
+            "staleness_mean": mean("async/staleness_mean"), "swaps": mean("async/swaps"),
             "actor_wait_s": mean("async/actor_wait_s"), "engine_wait_s": mean("async/engine_wait_s"),
             "collect_s": mean("time/collect"), "update_s": sum(r["time/update"] for r in rows) / max(len(first), 1),
             "logprobs_s": mean("time/logprobs"),
             "clip_seq": mean("clip/seq_total", off_policy), "clip_token": mean("clip/token_total", off_policy),
             "mismatch_weight_mean": mean("mismatch/weight_mean"), "mismatch_weight_max": mean("mismatch/weight_max"),
-            "entropy_last": first[-1].get("entropy"), "final_step": rows[-1]["step"]}
+            "entropy_last": first[-1].get("entropy"), "final_step": rows[-1]["step"],
+            "gpu_busy": json.loads((run / "gpu_busy.json").read_text()) if (run / "gpu_busy.json").exists() else None}
 
 
 def cmd_table(a: argparse.Namespace) -> None:
@@ -102,13 +145,16 @@ def cmd_table(a: argparse.Namespace) -> None:
         return "-" if x is None else format(x, fmt)
 
     print(f"| run | card | process | loop | reward first → last 10 | loop time to 5-batch mean {a.target} | "
-          "staleness | per batch: collect / old log-probs / updates | actor waits | engine waits |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "staleness | per batch: collect / old log-probs / updates | actor waits | engine waits | profiled batch: "
+          "GPU busy, two streams at once |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out:
         print(f"| {r['name']} | {r['card']} | {f(r['process_s'], '.0f')} s | {f(r['loop_s'], '.1f')} s | "
               f"{r['reward_first']:.3f} → {r['reward_last10']:.3f} | {f(r['time_to_target_s'], '.1f')} s | "
               f"{r['staleness_max']:.0f} | {f(r['collect_s'], '.3f')} / {f(r['logprobs_s'], '.3f')} / "
-              f"{f(r['update_s'], '.3f')} s | {f(r['actor_wait_s'], '.3f')} s | {f(r['engine_wait_s'], '.3f')} s |")
+              f"{f(r['update_s'], '.3f')} s | {f(r['actor_wait_s'], '.3f')} s | {f(r['engine_wait_s'], '.3f')} s | "
+              + (f"{g['busy_ms']:.0f} of {g['span_ms']:.0f} ms, {g['two_streams_ms']:.0f} ms |" if (g := r["gpu_busy"])
+                 else "- |"))
     (res / "async_summary.json").write_text(json.dumps(out, indent=1))
 
 
