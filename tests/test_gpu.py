@@ -450,13 +450,18 @@ def test_r3_records_inside_the_captured_decode_graph(tmp_path, tokenizer):
         out.append(engine.generate(prompts, 2, params))
     assert graph._buckets and all(b.graphs for b in graph._buckets.values())  # the decode ran as graph replays
     a, b = out
-    # bf16 on two code paths: compare the rows whose greedy completions agree (most of them)
-    same = [i for i in range(len(a.prompt_ids)) if torch.equal(a.completion_ids[i], b.completion_ids[i])]
-    assert len(same) >= len(a.prompt_ids) // 2, same
+    # bf16 on two code paths: greedy completions part where two tokens nearly tie (a random model has many such
+    # ties), so the routes (by sequence position: prompt, then completion) are compared on each row's prompt and
+    # the completions' common prefix, where both engines were fed the same tokens
     width = min(a.routes_mask.shape[1], b.routes_mask.shape[1])
-    m = a.routes_mask[same, :width]
-    assert torch.equal(m, b.routes_mask[same, :width]) and m.sum() > 0
-    agree = (a.routes[same, :width][m] == b.routes[same, :width][m]).float().mean().item()
+    common = torch.zeros(len(a.prompt_ids), width, dtype=torch.bool)
+    for i, prompt in enumerate(a.prompt_ids):
+        t = min(a.completion_ids.shape[1], b.completion_ids.shape[1])
+        differ = (a.completion_ids[i, :t] != b.completion_ids[i, :t]).nonzero()
+        common[i, :len(prompt) + (int(differ[0]) if len(differ) else t)] = True
+    m = a.routes_mask[:, :width] & common
+    assert torch.equal(m, b.routes_mask[:, :width] & common) and m.sum() >= 3 * len(a.prompt_ids), m.sum()
+    agree = (a.routes[:, :width][m] == b.routes[:, :width][m]).float().mean().item()
     assert agree >= 0.98, agree
     routing.close()
     d = tmp_path / "moe"
