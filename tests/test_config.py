@@ -127,7 +127,8 @@ def test_every_field_is_documented():
     rows = field_docs()
     assert len(rows) > 40
     assert all(doc for _, _, doc in rows), [k for k, _, d in rows if not d]
-    assert set(PRESETS) == {"gspo", "gspo_token", "grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp"}
+    assert set(PRESETS) == {"gspo", "gspo_token", "grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "cispo", "gmpo",
+                            "sapo"}
 
 
 def test_shipped_configs_build(tmp_path):

@@ -3,11 +3,11 @@ from gspo.algorithms.advantages import (
     group_advantages, group_stats, overlong_penalty, whiten_tokens, zero_variance_groups,
 )
 from gspo.algorithms.losses import (
-    aggregate, clipped_surrogate, importance_ratio, k3_kl, logprob_gap, policy_loss, ratio_metrics, sequence_log_ratio,
-    token_log_ratio,
+    aggregate, cispo_surrogate, clipped_surrogate, gmpo_surrogate, importance_ratio, k3_kl, logprob_gap, policy_loss,
+    ratio_metrics, sapo_surrogate, sequence_log_ratio, token_log_ratio,
 )
 
 __all__ = [
-    "aggregate", "clipped_surrogate", "group_advantages", "group_stats", "importance_ratio", "k3_kl", "logprob_gap",
-    "overlong_penalty", "policy_loss", "ratio_metrics", "sequence_log_ratio", "token_log_ratio", "whiten_tokens", "zero_variance_groups",
+    "aggregate", "cispo_surrogate", "clipped_surrogate", "gmpo_surrogate", "group_advantages", "group_stats", "importance_ratio", "k3_kl", "logprob_gap",
+    "overlong_penalty", "policy_loss", "ratio_metrics", "sapo_surrogate", "sequence_log_ratio", "token_log_ratio", "whiten_tokens", "zero_variance_groups",
 ]

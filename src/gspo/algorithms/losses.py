@@ -98,6 +98,69 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_hig
     return loss, clipped_low, clipped_high
 
 
+# --------------------------------------------------------------------------------------------- other objectives
+
+OBJECTIVES = ("clip", "cispo", "gmpo", "sapo")
+# The ratio levels each objective is defined at (``clip``: all three).
+OBJECTIVE_LEVELS = {"clip": LEVELS, "cispo": ("token",), "gmpo": ("sequence",), "sapo": LEVELS}
+SAPO_TAU = (1.0, 1.05)  # (tau_pos, tau_neg), the SAPO paper's
+
+
+def cispo_surrogate(ratio: Tensor, logp: Tensor, advantages: Tensor, mask: Tensor, eps_low: float,
+                    eps_high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO (MiniMax-M1, Chen et al. 2025, arXiv:2506.13585): every token keeps its gradient; the importance weight
+    is truncated and held constant instead.
+
+        J(theta) = E[ sg(clip(r_{i,t}, 1 - eps_low, 1 + eps_high)) * A_{i,t} * log pi_theta(y_t | .) ]
+
+    Its gradient is  sg(r^) A grad log pi. The per-position loss here is  -sg(r^) A exp(log pi - sg(log pi)):
+    the same gradient, and the value -r^ A (the truncated-IS surrogate) rather than -r^ A log pi, whose value means
+    nothing and grows with the tokens' surprisal. Returns ``(loss (B, T), truncated_low (B, T), truncated_high (B, T))``:
+    where the weight was truncated (those tokens still get a gradient, scaled by the bound)."""
+    safe_logp = torch.where(mask, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    weight = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)  # (B, T)
+    loss = -weight * advantages * torch.exp(safe_logp - safe_logp.detach())  # (B, T)
+    with torch.no_grad():
+        return loss, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
+
+
+def gmpo_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_low: float,
+                   eps_high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """GMPO (Zhao et al. 2025, arXiv:2507.20673): the geometric mean of the token ratios, each clipped on its own, in
+    log space, on the pessimistic side of the advantage's sign.
+
+        J(theta) = E[ sgn(A_i) * prod_t min(r_{i,t} |A_i|, clip(r_{i,t}, e^-eps_low, e^eps_high) |A_i|) ^ (1/|y_i|) ]
+                 = E[ A_i * exp( (1/|y_i|) sum_t sgn(A_i) min(sgn(A_i) log r_{i,t}, sgn(A_i) clip(log r_{i,t},
+                                                                                      -eps_low, eps_high)) ) ]
+
+    Unclipped it is GSPO's s_i A_i; GSPO clips the sequence ratio s_i, GMPO each token's ratio inside it (so one
+    token far from 1 stops only its own gradient). ``advantages``: (B, 1) or (B, T) constant along a row. Each row's
+    loss -A_i g_i sits on every one of its positions, so ``seq-mean-token-mean`` averages it over sequences. Returns
+    ``(loss (B, T), clipped_low (B, T), clipped_high (B, T))``: tokens whose log-ratio the clip held."""
+    token_lr = token_log_ratio(logp, old_logp, mask)  # (B, T)
+    sign = torch.sign(advantages)  # (B, T) or (B, 1)
+    held = sign * torch.minimum(sign * token_lr, sign * token_lr.clamp(-eps_low, eps_high))  # (B, T)
+    seq = torch.exp(masked_mean(held, mask, dim=-1)).unsqueeze(-1)  # (B, 1)
+    loss = (-advantages * seq).expand_as(logp)  # (B, T)
+    with torch.no_grad():
+        return loss, (token_lr < -eps_low) & (advantages < 0), (token_lr > eps_high) & (advantages > 0)
+
+
+def sapo_surrogate(ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO (Gao et al. 2025, arXiv:2511.20347): a soft gate in place of the hard clip.
+
+        J(theta) = E[ f_{i,t}(r_{i,t}) A_{i,t} ],   f(r) = sigmoid(tau (r - 1)) * 4 / tau,
+        tau = tau_pos where A > 0, tau_neg where A <= 0
+
+    f(1) = 2 / tau and f'(1) = 1, so on policy the gradient is the plain policy gradient; away from 1 the gradient
+    weight f'(r) = 4 sigmoid(tau (r - 1)) (1 - sigmoid(tau (r - 1))) decays smoothly instead of dropping to 0 at a
+    clip edge. A larger tau_neg damps negative-advantage tokens faster (their off-policy gradients are the unstable
+    ones). Nothing is clipped. Returns the loss (B, T)."""
+    tau = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
+                      torch.as_tensor(tau_neg, dtype=ratio.dtype, device=ratio.device))  # (B, T)
+    return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
+
+
 def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref):  exp(ref - logp) - (ref - logp) - 1, 0 on padding.  (B, T)"""
     d = token_log_ratio(ref_logp, logp, mask)  # (B, T) = ref - logp
@@ -251,6 +314,8 @@ def policy_loss(
     num_seqs: float | Tensor | None = None,
     num_tokens: float | Tensor | None = None,
     weights: Tensor | None = None,
+    objective: str = "clip",
+    sapo_tau: tuple[float, float] = SAPO_TAU,
     with_metrics: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped GSPO / GSPO-token / GRPO objective (to minimise) and its diagnostics.
@@ -259,6 +324,10 @@ def policy_loss(
 
     with w = 1 unless ``weights`` are given: the behaviour-policy correction of :mod:`gspo.algorithms.corrections`
     ((B, T) constants; a position they leave out must be off ``mask`` too, so that it leaves the denominators).
+    ``objective`` replaces the clipped term: ``cispo`` (:func:`cispo_surrogate`, ``eps_*`` bound the truncated
+    weight), ``gmpo`` (:func:`gmpo_surrogate`, ``eps_*`` bound each token's log-ratio), ``sapo``
+    (:func:`sapo_surrogate` with ``sapo_tau = (tau_pos, tau_neg)``; ``eps_*`` only set the band whose exits the
+    clip metrics count).
 
     Args:
         logp: (B, T) log pi_theta of the sampled tokens (differentiable).
@@ -277,6 +346,10 @@ def policy_loss(
     :func:`length_bin_metrics`; ``max_length``, or T, also decides which bins are reported).
     """
     _check_choice(level, LEVELS, "ratio level")
+    _check_choice(objective, OBJECTIVES, "objective")
+    if level not in OBJECTIVE_LEVELS[objective]:
+        raise UserError(f"The {objective} objective is defined at the ratio level(s) "
+                        f"{', '.join(OBJECTIVE_LEVELS[objective])}, not {level!r}.")
     mask = mask.bool()
     logp = _at_least_fp32(logp)
     old_logp = old_logp.detach().to(logp.dtype)
@@ -292,8 +365,18 @@ def policy_loss(
             )
     adv = torch.where(mask, adv.expand_as(logp), torch.zeros((), device=logp.device))  # (B, T)
 
-    ratio = importance_ratio(logp, old_logp, mask, level)  # (B, T)
-    per_token, clipped_low, clipped_high = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (B, T)
+    if objective == "gmpo":
+        per_token, clipped_low, clipped_high = gmpo_surrogate(logp, old_logp, adv, mask, eps_low, eps_high)
+    else:
+        ratio = importance_ratio(logp, old_logp, mask, level)  # (B, T)
+        if objective == "clip":
+            per_token, clipped_low, clipped_high = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (B, T)
+        elif objective == "cispo":
+            per_token, clipped_low, clipped_high = cispo_surrogate(ratio, logp, adv, mask, eps_low, eps_high)
+        else:
+            per_token = sapo_surrogate(ratio, adv, *sapo_tau)
+            with torch.no_grad():  # nothing is cut: the clip metrics count the ratios outside the eps band (as verl)
+                clipped_low, clipped_high = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
     if weights is not None:
         per_token = per_token * weights.detach().to(per_token.dtype)
     kl_term = None

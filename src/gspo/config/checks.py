@@ -16,7 +16,7 @@ from typing import Any
 
 from gspo.algorithms.advantages import BASELINES, SCALES
 from gspo.algorithms.corrections import CORRECTIONS
-from gspo.algorithms.losses import AGGREGATIONS, LEVELS
+from gspo.algorithms.losses import AGGREGATIONS, LEVELS, OBJECTIVE_LEVELS, OBJECTIVES
 from gspo.config.presets import TASK_STEP_CREDIT
 from gspo.config.schema import Config
 from gspo.envs.tools import FORMATS as TOOL_FORMATS
@@ -191,8 +191,20 @@ def check_loss(cfg: Config) -> None:
             f"loss.level = {lc.level!r} with loss.aggregation = {lc.aggregation!r} weights every sequence by its "
             "length (TRL #3823); use aggregation 'seq-mean-token-mean', or set loss.allow_length_weighted_sequence = true."
         )
-    if not (0 <= lc.eps_low < 1) or lc.eps_high < 0:
-        raise UserError(f"Clip ranges must satisfy 0 <= loss.eps_low < 1 and loss.eps_high >= 0 (got {lc.eps_low}, {lc.eps_high}).")
+    _one_of(lc.objective, OBJECTIVES, "loss.objective")
+    if lc.level not in OBJECTIVE_LEVELS[lc.objective]:
+        raise UserError(f"loss.objective = {lc.objective!r} is defined at loss.level = "
+                        f"{' or '.join(repr(v) for v in OBJECTIVE_LEVELS[lc.objective])}, not {lc.level!r}; set that "
+                        f"level, or use algorithm = {lc.objective!r}, which sets it.")
+    # gmpo clips log-ratios (any eps_low >= 0 keeps e^-eps_low > 0); cispo's eps_low = 1 is "no lower bound" (w >= 0)
+    low_max, low_rule = {"gmpo": (float("inf"), ""), "cispo": (1.0, "<= 1")}.get(lc.objective, (1.0, "< 1"))
+    if not (0 <= lc.eps_low <= low_max) or (low_rule == "< 1" and lc.eps_low == 1) or lc.eps_high < 0:
+        raise UserError(f"Clip ranges must satisfy 0 <= loss.eps_low{' ' + low_rule if low_rule else ''} and "
+                        f"loss.eps_high >= 0 with loss.objective = {lc.objective!r} (got {lc.eps_low}, {lc.eps_high}).")
+    if lc.sapo_tau is not None and (lc.objective != "sapo" or len(lc.sapo_tau) != 2
+                                    or not all(t > 0 for t in lc.sapo_tau)):
+        raise UserError(f"loss.sapo_tau = {lc.sapo_tau} must be two temperatures > 0, [tau_pos, tau_neg], and only with "
+                        f"loss.objective = 'sapo' (it is {lc.objective!r}).")
     if lc.beta < 0:
         raise UserError(f"loss.beta = {lc.beta} must be >= 0.")
     _one_of(lc.mismatch_correction, CORRECTIONS, "loss.mismatch_correction")
@@ -343,7 +355,7 @@ def check_batch_shape(cfg: Config) -> None:
 def warn_surprises(cfg: Config) -> None:
     """Legal settings that do something other than what they seem to: logged, not refused."""
     lc, r, t = cfg.loss, cfg.rollout, cfg.train
-    if lc.level != "token" and max(lc.eps_low, lc.eps_high) >= 0.05:
+    if lc.level != "token" and lc.objective == "clip" and max(lc.eps_low, lc.eps_high) >= 0.05:
         log.warning("loss.eps_* = (%g, %g) on a sequence-level ratio clips almost nothing (TRL #3834); the GSPO "
                     "paper uses (3e-4, 4e-4).", lc.eps_low, lc.eps_high)
     if t.old_logprobs == "rollout" and r.engine_weight_bits:

@@ -35,12 +35,25 @@ PRESETS: dict[str, dict[str, Any]] = {
     # loss.beta (a k3 term in the loss) instead; loss.advantage_baseline = "group_mean" is REINFORCE++-baseline.
     "reinforce_pp": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.2, "loss.aggregation": "token-mean",
                      "loss.advantage_scale": "tokens", "loss.advantage_baseline": "none"},
+    # CISPO (MiniMax-M1, Chen et al. 2025): the token ratio truncated to [0, 5] and held constant (ScaleRL's bounds,
+    # arXiv:2510.13786; MiniMax sets no lower bound and tunes only the upper), every token keeping its gradient;
+    # group advantages, the token-mean loss (the paper's 1 / sum |o_i|).
+    "cispo": {"loss.level": "token", "loss.objective": "cispo", "loss.eps_low": 1.0, "loss.eps_high": 4.0,
+              "loss.aggregation": "token-mean", "loss.advantage_scale": "group"},
+    # GMPO (Zhao et al. 2025): the geometric mean of the token ratios, each clipped to [e^-0.4, e^0.4] (the paper's
+    # epsilon = 0.4, in log space), one term per sequence.
+    "gmpo": {"loss.level": "sequence", "loss.objective": "gmpo", "loss.eps_low": 0.4, "loss.eps_high": 0.4,
+             "loss.aggregation": "seq-mean-token-mean", "loss.advantage_scale": "group"},
+    # SAPO (Gao et al. 2025, Qwen): the token ratio through a sigmoid gate with temperatures 1.0 (A > 0) and 1.05
+    # (A < 0) instead of a clip; per-sequence length normalisation as GRPO.
+    "sapo": {"loss.level": "token", "loss.objective": "sapo", "loss.eps_low": 0.2, "loss.eps_high": 0.2,
+             "loss.aggregation": "seq-mean-token-mean", "loss.advantage_scale": "group", "loss.sapo_tau": [1.0, 1.05]},
 }
 
 
 # Switches only some presets turn on: off wherever the algorithm's preset leaves them unset.
 _PRESET_FALLBACK = {"loss.mask_truncated": False, "dapo.dynamic_sampling": False, "dapo.overlong_penalty": False,
-                    "loss.advantage_baseline": "group_mean"}
+                    "loss.advantage_baseline": "group_mean", "loss.objective": "clip"}
 
 TASK_STEP_CREDIT = {"running_sum": "gspo.rewards.builtin:running_sum_step_spans",  # loss.step_credit = "task"
                     "numbered_words": "gspo.rewards.builtin:numbered_words_line_spans"}

@@ -156,6 +156,14 @@ class LossConfig:
     advantage_baseline: str | None = None
     """What each reward is compared with: the ``group_mean`` (GRPO, GSPO), the mean of the group's other rewards
     (``leave_one_out``: RLOO), or nothing (``none``: REINFORCE++, whose ``tokens`` scale then centres over the batch)."""
+    objective: str | None = None
+    """The surrogate each token's ratio enters: ``clip`` (PPO's clipped ratio: GSPO, GRPO, DAPO...), ``cispo`` (the
+    ratio truncated to [1 - eps_low, 1 + eps_high] and held constant, every token keeping its gradient: MiniMax-M1),
+    ``gmpo`` (the geometric mean of token ratios each clipped to [e^-eps_low, e^eps_high]: sequence level) or ``sapo``
+    (a soft sigmoid gate instead of a clip, with ``loss.sapo_tau``)."""
+    sapo_tau: list[float] | None = None
+    """``[tau_pos, tau_neg]``: the SAPO gate's temperatures for positive and negative advantages (larger damps
+    off-policy gradients faster). Unset with ``loss.objective = "sapo"``: [1.0, 1.05], the SAPO paper's."""
     beta: float = 0.0
     """Weight of the k3 KL penalty to a frozen copy of the initial model (0 loads no reference model)."""
     mask_truncated: bool | None = None
@@ -395,8 +403,8 @@ class LogConfig:
 @dataclass
 class Config:
     algorithm: str = "gspo"
-    """Preset: ``gspo``, ``gspo_token``, ``grpo``, ``dapo``, ``dr_grpo``, ``rloo`` or ``reinforce_pp``; explicit fields
-    override it."""
+    """Preset: ``gspo``, ``gspo_token``, ``grpo``, ``dapo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``cispo``, ``gmpo``
+    or ``sapo``; explicit fields override it."""
     seed: int = 1
     """One seed for data order, sampling, and initialisation of anything random."""
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from gspo.algorithms import logprob_gap, policy_loss
+from gspo.algorithms.losses import SAPO_TAU
 from gspo.algorithms.corrections import DEFAULT_BOUNDS, mismatch_weights
 from gspo.config import Config
 from gspo.errors import UserError
@@ -295,7 +296,8 @@ class Actor:
         rows_dev = to_device(rows, dev)
         mb_mask = mask[rows_dev]  # (mb, T)
         loss_kw = dict(level=cfg.loss.level, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
-                       aggregation=cfg.loss.aggregation, beta=cfg.loss.beta, max_length=cfg.rollout.max_new_tokens)
+                       aggregation=cfg.loss.aggregation, beta=cfg.loss.beta, max_length=cfg.rollout.max_new_tokens,
+                       objective=cfg.loss.objective, sapo_tau=tuple(cfg.loss.sapo_tau or SAPO_TAU))
         counts = dict(num_seqs=mb_mask.any(-1).sum(), num_tokens=mb_mask.sum())
         mb_logp = torch.zeros(mb_mask.shape, dtype=torch.float32, device=dev)  # (mb, T) detached
         mb_ent = torch.zeros_like(mb_logp)
