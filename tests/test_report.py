@@ -432,6 +432,25 @@ def test_ratio_panels_shade_each_runs_own_clip_band(tmp_path, monkeypatch):
     assert "gspo: clip band on the sequence ratio, 1 - 0.001 to 1 + 0.002" in text
 
 
+def test_ratio_panels_shade_each_objectives_own_band(tmp_path, monkeypatch):
+    """CISPO's truncation band (its lower bound 0 is open: drawn from the axis' end), GMPO's band on the token
+    log-ratios, and none for SAPO's soft gate; the caption names each."""
+    import math
+
+    from matplotlib.axes import Axes
+
+    spans = []
+    draw = Axes.axvspan
+    monkeypatch.setattr(Axes, "axvspan", lambda ax, lo, hi, **kw: spans.append((lo, hi)) or draw(ax, lo, hi, **kw))
+    runs = [_synthetic_run(tmp_path / algo, algo, [0.01, 0.02]) for algo in ("cispo", "gmpo", "sapo")]
+    page = write_report(runs, tmp_path / "report")
+    assert spans == [pytest.approx((-2.0, math.log(5.0))), pytest.approx((-0.4, 0.4))]
+    text = _figcaption(page, "ratios.png")
+    assert "cispo: CISPO's truncation band on the token ratio, 1 - 1 to 1 + 4" in text
+    assert "gmpo: GMPO's clip band on each token's log ratio inside the geometric mean, -0.4 to 0.4" in text
+    assert "sapo: no clip band (SAPO's soft gate)" in text
+
+
 def _alt(page: Path, figure: str) -> str:
     """The alt text of ``figure`` on the report page: the figure's titles."""
     import html

@@ -71,9 +71,9 @@ def _legend(ax, fontsize: int) -> None:
         ax.legend(fontsize=fontsize)
 
 
-def clip_band(config: dict[str, Any]) -> tuple[str, float, float] | None:
-    """The ratio level and clip range (eps_low, eps_high) a run trained with: its config.json's, the fields it lacks
-    from its algorithm's preset as training fills them; None when the config names no known algorithm."""
+def clip_band(config: dict[str, Any]) -> tuple[str, float, float, str] | None:
+    """The ratio level, clip range (eps_low, eps_high) and objective a run trained with: its config.json's, the fields
+    it lacks from its algorithm's preset as training fills them; None when the config names no known algorithm."""
     from gspo.config import PRESETS, Config, LossConfig, apply_preset
 
     if config.get("algorithm") not in PRESETS:
@@ -82,7 +82,7 @@ def clip_band(config: dict[str, Any]) -> tuple[str, float, float] | None:
     loss = LossConfig(**{k: v for k, v in (config.get("loss") or {}).items() if k in known})
     cfg = Config(algorithm=config["algorithm"], loss=loss)
     apply_preset(cfg)
-    return cfg.loss.level, cfg.loss.eps_low, cfg.loss.eps_high
+    return cfg.loss.level, cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.objective
 
 
 def load_run(path: str | Path) -> Run:
@@ -328,24 +328,41 @@ def _histogram_counts(run: Run) -> tuple[list[float], list[int], list[int]] | No
     return edges, tok, seq
 
 
-def _band_text(band: tuple[str, float, float] | None) -> str:
+def _band_text(band: tuple[str, float, float, str] | None) -> str:
     if band is None:
         return "no clip band (the run's config.json names no known algorithm)"
-    level, low, high = band
+    level, low, high, objective = band
+    if objective == "cispo":
+        return f"CISPO's truncation band on the token ratio, 1 - {low:g} to 1 + {high:g} (tokens outside still train)"
+    if objective == "gmpo":
+        return f"GMPO's clip band on each token's log ratio inside the geometric mean, -{low:g} to {high:g}"
+    if objective == "sapo":
+        return "no clip band (SAPO's soft gate)"
     return f"clip band on the {level} ratio, 1 - {low:g} to 1 + {high:g}"
+
+
+def _band_edges(band: tuple[str, float, float, str]) -> tuple[float, float] | None:
+    """The band's edges on the log-ratio axis (-inf where a lower bound of 0 leaves it open); None: no band."""
+    _, low, high, objective = band
+    if objective == "sapo":
+        return None
+    if objective == "gmpo":
+        return -low, high
+    return (math.log(1 - low) if low < 1 else -math.inf), math.log(1 + high)
 
 
 BAND_COLOR = "#e69f00"  # apart from every arm's colour: the band must not merge with the sequence-ratio bars
 
 
-def _draw_clip_band(ax, band: tuple[str, float, float] | None) -> None:
-    """The run's own clip band; its edges as lines too, so that a band narrower than a pixel still shows."""
-    if band is None:
+def _draw_clip_band(ax, band: tuple[str, float, float, str] | None) -> None:
+    """The run's own clip band; its edges as lines too, so that a band narrower than a pixel still shows (an open
+    lower edge is drawn from the axis' end)."""
+    edges = None if band is None else _band_edges(band)
+    if edges is None:
         return
-    _, low, high = band
-    lo, hi = math.log(1 - low), math.log(1 + high)
+    lo, hi = max(edges[0], -2.0), edges[1]
     ax.axvspan(lo, hi, color=BAND_COLOR, alpha=0.18, lw=0, zorder=0.5, label=_band_text(band))
-    for x in (lo, hi):
+    for x in (lo, hi) if math.isfinite(edges[0]) else (hi,):
         ax.axvline(x, color=BAND_COLOR, lw=1.0, zorder=0.6)  # under the histograms
 
 
