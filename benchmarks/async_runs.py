@@ -1,4 +1,4 @@
-"""Asynchronous rollouts against the synchronous loop: the reference run (configs/quickstart.toml) at several
+"""Asynchronous rollouts against the synchronous loop: the reference run (configs/quickstart.toml, or ``--config``) at several
 ``rollout.max_staleness`` values, one process at a time on one GPU, then a table of wall-clock and reward.
 
   python benchmarks/async_runs.py run --model /root/smollm2/model.gguf --out $OUT \\
@@ -81,7 +81,7 @@ def cmd_run(a: argparse.Namespace) -> None:
         name, overrides, nproc = run_name(spec)
         run_dir = Path(a.scratch) / name
         shutil.rmtree(run_dir, ignore_errors=True)
-        cmd = [sys.executable, "-m", "gspo.cli", "train", str(ROOT / "configs/quickstart.toml"), "--run-dir",
+        cmd = [sys.executable, "-m", "gspo.cli", "train", str(ROOT / a.config), "--run-dir",
                str(run_dir), f"model.name='{a.model}'", "log.checkpoint_every=0", *overrides, *a.extra,
                *(["--nproc", str(nproc)] if nproc > 1 else [])]
         t0 = time.time()
@@ -163,6 +163,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--model", default="smollm2-135m-instruct")
+    r.add_argument("--config", default="configs/quickstart.toml", help="the runs' config, relative to the repository")
     r.add_argument("--runs", default="gspo:0:1,gspo:1:1")
     r.add_argument("--out", required=True)
     r.add_argument("--scratch", default="/tmp/gspo-async")
