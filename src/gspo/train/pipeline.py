@@ -260,6 +260,10 @@ class Pipeline:
         self.engine.sync_weights(weights)
         return time.perf_counter() - t0
 
+    def _newest(self) -> int:
+        """The newest version the engine has or may load (under ``cond``)."""
+        return max((self.engine_version, *self.copies))
+
     def _load_copy(self, version: int, copy: _Copy) -> float:
         """In the engine thread: load a published version's copy into the engine, on its stream, and drop the copy
         once the engine has read it; the seconds it took."""
@@ -320,13 +324,13 @@ class Pipeline:
                         # paused for a checkpoint: only the batches older versions sample, which it saves
                         self.cond.wait_for(lambda: self.stopping or (not self.paused or g < self.version) and (
                             self.engine_version == g or g in self.copies
-                            or self.in_flight and max((self.engine_version, *self.copies)) >= g))
+                            or self.in_flight and self._newest() >= g))
                         self.engine_waits = None
                         if self.stopping:
                             return
                         waited = time.perf_counter() - t0
                         if self.in_flight:  # the newest version there is, never older than the lag allows
-                            g = max((self.engine_version, *self.copies))
+                            g = self._newest()
                         copy = self.copies.get(g)
                         ready, self.ready_event = self.ready_event, None
                         self.collecting = True
@@ -369,8 +373,8 @@ class _InFlight:
     def poll(self) -> bool:
         p = self.pipeline
         with p.cond:
-            newest = max(p.copies, default=-1)
-            if newest <= p.engine_version:
+            newest = p._newest()
+            if newest == p.engine_version:
                 return False
             copy = p.copies[newest]
         p.swap_s += p._load_copy(newest, copy)
