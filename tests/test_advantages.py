@@ -200,5 +200,5 @@ def test_no_baseline_keeps_the_signal_of_groups_whose_rewards_are_equal():
     r = torch.tensor([1.0, 1.0, 0.0, 1.0])
     assert group_advantages(r[:2], 2, scale="tokens", baseline="none").tolist() == [1.0, 1.0]
     assert group_advantages(r[:2], 2, scale="tokens").tolist() == [0.0, 0.0]
-    with pytest.raises(UserError, match="Unknown advantage baseline 'loo'"):
+    with pytest.raises(UserError, match="Unknown group advantage baseline 'loo'"):
         group_advantages(r, 2, baseline="loo")

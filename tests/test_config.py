@@ -128,7 +128,7 @@ def test_every_field_is_documented():
     assert len(rows) > 40
     assert all(doc for _, _, doc in rows), [k for k, _, d in rows if not d]
     assert set(PRESETS) == {"gspo", "gspo_token", "grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "cispo", "gmpo",
-                            "sapo"}
+                            "sapo", "ppo"}
 
 
 def test_shipped_configs_build(tmp_path):

@@ -68,7 +68,7 @@ def test_two_processes_train_a_batch_as_one_does(one_process_steps, tmp_path, st
                          text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = one_process_steps, torch.load(tmp_path / "two.pt")
-    assert list(a) == list(b) and len(a) == 10
+    assert list(a) == list(b) and len(a) == 11
     for case in a:
         for x, y in zip(a[case]["steps"], b[case]["steps"], strict=True):
             # the processes' timing to their gradients exists under torchrun only

@@ -27,6 +27,8 @@ CASES = {
     # LoRA: every process holds the frozen base and rank 0's adapters (each starts from its own random ones here),
     # the adapters' gradients are summed
     "gspo-lora": ["algorithm='gspo'", "lora.rank=4", "lora.alpha=8"],
+    # PPO: the value model is replicated (FSDP is refused for it), its values shared, its gradients summed
+    "ppo": ["ppo.critic_lr=1e-2"],
 }
 
 
@@ -40,7 +42,8 @@ def fixed_batch(n: int = 16, width: int = 12, vocab: int = 512) -> Batch:
                for _ in range(n)]
     engine_logp = (-torch.rand(n, width, generator=g) * 4).masked_fill(~mask, 0.0)
     rollout = Rollout(prompts, ids, mask, engine_logp, ["stop"] * n, [""] * n, pad_id=2)
-    return Batch(rollout, [None] * n, torch.zeros(n), torch.randn(n, generator=g), mask.clone(), {})
+    return Batch(rollout, [None] * n, torch.zeros(n), torch.randn(n, generator=g), mask.clone(), {})  # PPO: the
+    # advantages stand for the rewards, which the value model's GAE turns into advantages
 
 
 def run(name: str, extra: list[str], strategy: str) -> dict:
@@ -55,7 +58,7 @@ def run(name: str, extra: list[str], strategy: str) -> dict:
         torch.manual_seed(100 + comm.rank_world()[0])  # different random adapters in every process, until replicated
     world = comm.rank_world()[1]
     # LoRA trains replicated whatever the strategy of the others
-    held = "single" if world == 1 else "ddp" if cfg.lora.rank else strategy
+    held = "single" if world == 1 else "ddp" if cfg.lora.rank or name == "ppo" else strategy
     actor = build_actor(cfg, runtime, tiny_moe(family) if moe else tiny_llama(vocab_size=512, seed=0), held)
     batch = fixed_batch(vocab=256 if moe else 512)
     tokens = torch.tensor([len(p) for p in batch.rollout.prompt_ids]) + batch.rollout.lengths

@@ -30,7 +30,7 @@ from gspo.errors import UserError
 Tensor = torch.Tensor
 
 SCALES = ("group", "batch", "tokens", "none")
-BASELINES = ("group_mean", "leave_one_out", "none")
+BASELINES = ("group_mean", "leave_one_out", "none", "critic")  # critic: PPO's GAE (gspo.algorithms.ppo)
 ZERO_STD = 1e-8
 """A group std at or below this is zero variance: float64 rounding of equal rewards stays far below it."""
 
@@ -82,8 +82,9 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
     """
     if scale not in SCALES:
         raise UserError(f"Unknown advantage scale {scale!r}; use one of {', '.join(SCALES)}.")
-    if baseline not in BASELINES:
-        raise UserError(f"Unknown advantage baseline {baseline!r}; use one of {', '.join(BASELINES)}.")
+    if baseline not in BASELINES or baseline == "critic":
+        raise UserError(f"Unknown group advantage baseline {baseline!r}; use one of "
+                        f"{', '.join(b for b in BASELINES if b != 'critic')} (a critic's comes from gspo.algorithms.ppo).")
     r, valid = _grouped(rewards, group_size)
     mean, std, n = group_stats(rewards, group_size)
     centred = torch.where(valid, r - mean[:, None], torch.zeros_like(r))  # (P, G)

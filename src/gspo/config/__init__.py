@@ -9,13 +9,13 @@ from gspo.config.presets import LEVEL_EPS, PRESETS, TASK_STEP_CREDIT, apply_pres
 from gspo.config.resume import RESUMABLE, SOURCE_KEYS, resume_changes, source_fingerprint, source_fingerprints
 from gspo.config.schema import (
     Config, DapoConfig, DataConfig, DistConfig, LogConfig, LoraConfig, LossConfig, ModelConfig, MoEConfig,
-    RewardConfig, RewardsConfig, RolloutConfig, SentinelConfig, TrainConfig, flatten, unknown_key,
+    PPOConfig, RewardConfig, RewardsConfig, RolloutConfig, SentinelConfig, TrainConfig, flatten, unknown_key,
 )
 
 __all__ = [
     "Config", "DapoConfig", "DataConfig", "DistConfig", "LEVEL_EPS", "LogConfig", "LoraConfig", "LossConfig",
     "ModelConfig", "MoEConfig", "PRESETS", "RESUMABLE", "RewardConfig", "RewardsConfig", "RolloutConfig",
-    "SOURCE_KEYS", "SentinelConfig", "TASK_STEP_CREDIT", "TrainConfig", "apply_preset", "build_config", "field_docs",
+    "PPOConfig", "SOURCE_KEYS", "SentinelConfig", "TASK_STEP_CREDIT", "TrainConfig", "apply_preset", "build_config", "field_docs",
     "flatten", "load_config", "load_toml", "parse_override", "resume_changes", "source_fingerprint",
     "source_fingerprints", "unknown_key", "validate",
 ]

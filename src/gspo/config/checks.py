@@ -185,7 +185,22 @@ def check_loss(cfg: Config) -> None:
     if lc.step_credit is not None and (lc.advantage_scale == "tokens" or lc.advantage_baseline != "group_mean"):
         raise UserError(f"loss.step_credit adds process credit to group-centred advantages, and loss.advantage_scale = "
                         f"{lc.advantage_scale!r} with loss.advantage_baseline = {lc.advantage_baseline!r} is not that "
-                        "(RLOO, REINFORCE++); use a GRPO-family preset, or unset loss.step_credit.")
+                        "(RLOO, REINFORCE++, PPO); use a GRPO-family preset, or unset loss.step_credit.")
+    if lc.advantage_baseline == "critic":
+        if lc.advantage_scale not in ("tokens", "none"):
+            raise UserError(f"loss.advantage_baseline = 'critic' (PPO's GAE) gives per-token advantages, which "
+                            f"loss.advantage_scale = {lc.advantage_scale!r} (a group's or batch's reward spread) does not "
+                            "scale; use 'tokens' (whitened over the loss tokens, as verl) or 'none'.")
+        p = cfg.ppo
+        _each_valid(((0 <= p.gamma <= 1, "ppo.gamma", p.gamma, "use a discount in [0, 1]"),
+                     (0 <= p.lam <= 1, "ppo.lam", p.lam, "use a lambda in [0, 1]"),
+                     (p.value_clip >= 0, "ppo.value_clip", p.value_clip, "use 0 (no clipping) or a positive value"),
+                     (p.critic_lr > 0, "ppo.critic_lr", p.critic_lr, "use a learning rate > 0"),
+                     (p.critic_warmup >= 0, "ppo.critic_warmup", p.critic_warmup, "use 0 or more rollout batches")))
+        if cfg.rollout.decode_processes:
+            raise UserError("loss.advantage_baseline = 'critic' (PPO) with rollout.decode_processes is not built: the "
+                            "trainers compute the values, the decode processes the batches; set "
+                            "rollout.decode_processes = 0.")
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:
         raise UserError(
             f"loss.level = {lc.level!r} with loss.aggregation = {lc.aggregation!r} weights every sequence by its "

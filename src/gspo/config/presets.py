@@ -48,6 +48,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (A < 0) instead of a clip; per-sequence length normalisation as GRPO.
     "sapo": {"loss.level": "token", "loss.objective": "sapo", "loss.eps_low": 0.2, "loss.eps_high": 0.2,
              "loss.aggregation": "seq-mean-token-mean", "loss.advantage_scale": "group", "loss.sapo_tau": [1.0, 1.05]},
+    # PPO with a value model, as verl runs it for LLMs: GAE over the response tokens (ppo.gamma = ppo.lam = 1), the
+    # advantages whitened over the batch's loss tokens, the token ratio clipped at 0.2 both ways, token-mean.
+    "ppo": {"loss.level": "token", "loss.eps_low": 0.2, "loss.eps_high": 0.2, "loss.aggregation": "token-mean",
+            "loss.advantage_scale": "tokens", "loss.advantage_baseline": "critic"},
 }
 
 

@@ -155,7 +155,8 @@ class LossConfig:
     token of the batch (``tokens``: REINFORCE++), or ``none`` (Dr. GRPO, RLOO)."""
     advantage_baseline: str | None = None
     """What each reward is compared with: the ``group_mean`` (GRPO, GSPO), the mean of the group's other rewards
-    (``leave_one_out``: RLOO), or nothing (``none``: REINFORCE++, whose ``tokens`` scale then centres over the batch)."""
+    (``leave_one_out``: RLOO), nothing (``none``: REINFORCE++, whose ``tokens`` scale then centres over the batch), or
+    a value model's estimate at each token (``critic``: PPO's GAE, with the ``ppo.*`` keys)."""
     objective: str | None = None
     """The surrogate each token's ratio enters: ``clip`` (PPO's clipped ratio: GSPO, GRPO, DAPO...), ``cispo`` (the
     ratio truncated to [1 - eps_low, 1 + eps_high] and held constant, every token keeping its gradient: MiniMax-M1),
@@ -214,6 +215,27 @@ class MoEConfig:
     router_aux_loss_coef: float = 0.0
     """Weight of the load-balancing auxiliary loss (transformers' Switch-Transformer loss) added to the policy loss;
     0 (off) for RL, where the reward, not the pre-training balance, should drive the router."""
+
+
+@dataclass
+class PPOConfig:
+    """PPO's value model (``algorithm = "ppo"``, i.e. ``loss.advantage_baseline = "critic"``); unused otherwise."""
+
+    critic_model: str = ""
+    """The value model: unset, a copy of the policy's starting weights with a scalar head (zero at first); or any
+    ``model.name`` of the same tokenizer (e.g. a smaller model), its LM head replaced by the scalar head."""
+    critic_lr: float = 1e-5
+    """The value model's AdamW learning rate (constant; ``train.adam_betas``, ``weight_decay`` and
+    ``max_grad_norm`` as the policy's)."""
+    critic_warmup: int = 0
+    """Rollout batches at the start that train only the value model (the policy's updates are skipped)."""
+    value_clip: float = 0.5
+    """PPO's value clipping: each value moves at most this far from the value model's estimate before the rollout
+    batch's updates (0: no clipping)."""
+    gamma: float = 1.0
+    """GAE's discount over the response tokens (1: every token's return is the outcome reward)."""
+    lam: float = 1.0
+    """GAE's lambda (1: Monte-Carlo returns less the value; smaller leans on the value model's estimates)."""
 
 
 @dataclass
@@ -403,8 +425,8 @@ class LogConfig:
 @dataclass
 class Config:
     algorithm: str = "gspo"
-    """Preset: ``gspo``, ``gspo_token``, ``grpo``, ``dapo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``cispo``, ``gmpo``
-    or ``sapo``; explicit fields override it."""
+    """Preset: ``gspo``, ``gspo_token``, ``grpo``, ``dapo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``cispo``, ``gmpo``,
+    ``sapo`` or ``ppo``; explicit fields override it."""
     seed: int = 1
     """One seed for data order, sampling, and initialisation of anything random."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -420,6 +442,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
 
     @property
     def rollout_batches(self) -> int:

@@ -35,12 +35,14 @@ from gspo.errors import UserError
 from gspo.train.passes import PackedGraphs, as_fsdp_forward, packing_available, packing_unsupported, sequence_logprobs
 from gspo.models import attention_context, disable_dropout
 from gspo.models.moe import Routing, disable_router_noise, is_moe
+from gspo.models.value import ValueModel
 from gspo.parallel import comm
 from gspo.parallel.holding import Holding, hold
 from gspo.parallel.plan import Plan, make_plan
 from gspo.parallel.strategy import choose as choose_strategy
 from gspo.runlog.profiler import stage
 from gspo.runtime import Runtime, to_device
+from gspo.train.critic import build_critic
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout
 
@@ -103,10 +105,16 @@ def _routing(cfg: Config, model: torch.nn.Module) -> Routing | None:
 def build_actor(cfg: Config, runtime: Runtime, model: torch.nn.Module, strategy: str | None = None) -> "Actor":
     """An actor around ``model`` with no engine beside it (a tool or a test that trains without rollouts): prepared,
     held as ``strategy`` names (``single``, ``ddp``, ``fsdp``; default: what a run would choose)."""
+    # PPO: the value model is a copy of the policy's starting weights (before any hooks, adapters or shards)
+    value_model = (ValueModel(copy.deepcopy(model).to(runtime.device)) if cfg.loss.advantage_baseline == "critic"
+                   else None)
     ref_model, routing = prepare_model(cfg, runtime, model)
     strategy = strategy or choose_strategy(cfg, model, runtime.device, runtime.world_size)
     holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
-    return Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
+    actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
+    if value_model is not None:
+        actor.critic = build_critic(cfg, runtime, value_model, strategy, actor.packed)
+    return actor
 
 
 class Actor:
@@ -121,6 +129,7 @@ class Actor:
         self.holding = holding
         self.ref_model = ref_model
         self.routing = routing
+        self.critic = None  # PPO's value model (gspo.train.critic.Critic), set by gspo.train.parts.build
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.lr_scale = 1.0  # lowered by each collapse-sentinel rollback
         self._on_device: dict[str, torch.Tensor] = {}  # the rollout batch's tensors on the device, sent once
@@ -237,6 +246,10 @@ class Actor:
         rollout, dev = batch.rollout, self.runtime.device
         self._on_device = {"loss_mask": to_device(batch.loss_mask, dev), "advantages": to_device(batch.advantages, dev),
                            "sampled": to_device(rollout.sampled, dev)}
+        if self.critic is not None:  # PPO: the batch's rewards become GAE's advantages (N, T) by the value model's
+            with stage("values"):
+                self._on_device["advantages"] = self.critic.prepare(batch, plan, self._on_device["loss_mask"],
+                                                                    self._share)
         replay = self.cfg.moe.routing_replay
         routing_pass = contextlib.nullcontext()
         if self.routing is not None:
@@ -371,6 +384,9 @@ class Actor:
             metrics["dist/compute_max_s"] = metrics["dist/compute_min_s"] = time.perf_counter() - t_start
         with stage("apply"):
             metrics["grad_norm"] = self._apply(loss_total, step, pending)
+        if self.critic is not None:
+            with stage("critic"):
+                metrics.update(self.critic.step(batch, plan, k, mask))
         metrics["trained_tokens"] = tokens
         metrics.update(moe_metrics)
         self.set_training(False)
@@ -382,7 +398,10 @@ class Actor:
         with stage("clip"):
             grad_norm = self.holding.clip(self.cfg.train.max_grad_norm, pending)
         self.set_lr(step)
-        self.holding.apply(~(torch.isfinite(loss) & torch.isfinite(grad_norm)))
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        if self.critic is not None and step // self.cfg.train.minibatches < self.cfg.ppo.critic_warmup:
+            bad = torch.ones_like(bad)  # ppo.critic_warmup: only the value model trains on this rollout batch
+        self.holding.apply(bad)
         return grad_norm
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -394,6 +413,8 @@ class Actor:
         optimizer = self.holding.optimizer_state()
         if optimizer is not None:
             out["optimizer"] = optimizer
+        if self.critic is not None:
+            out.update(self.critic.state_dict())
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -403,3 +424,8 @@ class Actor:
             self.holding.load_optimizer_state(state["optimizer"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         self.lr_scale = min(self.lr_scale, state.get("lr_scale", 1.0))
+        if self.critic is not None:
+            if "critic" not in state:
+                raise UserError("The checkpoint has no value model (it was written by a run without a critic); resume "
+                                "it with its own algorithm, or start a new PPO run.")
+            self.critic.load_state_dict(state)

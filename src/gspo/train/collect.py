@@ -273,8 +273,12 @@ class Collector:
         self.check_failures(rounds)
         rollout = groups.rollout
         shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards
-        adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale,
-                               baseline=cfg.loss.advantage_baseline)  # (N,)
+        critic = cfg.loss.advantage_baseline == "critic"
+        if critic:  # PPO: the rewards themselves (N,); the actor's value model turns them into GAE advantages
+            adv = torch.where(torch.isfinite(shaped), shaped, torch.zeros_like(shaped)).float()
+        else:
+            adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale,
+                                   baseline=cfg.loss.advantage_baseline)  # (N,)
         if self.rewards.steps is not None:  # (N, T): the outcome advantage plus each token's process credit
             spans = self.rewards.step_spans(rollout.texts, groups.examples)
             adv = token_advantages(spans, self.tokenizer, rollout, adv, cfg.rollout.group_size,
@@ -286,7 +290,9 @@ class Collector:
         truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
         if cfg.loss.mask_truncated:
             loss_mask &= ~truncated[:, None]
-        if cfg.loss.advantage_scale == "tokens":  # REINFORCE++: over the loss tokens of completions with a reward
+        if critic:  # a failed reward is no return to learn from
+            loss_mask &= torch.isfinite(shaped)[:, None]
+        elif cfg.loss.advantage_scale == "tokens":  # REINFORCE++: over the loss tokens of completions with a reward
             adv = whiten_tokens(adv, loss_mask & torch.isfinite(shaped)[:, None])  # (N, T)
         m = self.reward_metrics(groups, rounds, timing)
         if cfg.dapo.overlong_penalty:

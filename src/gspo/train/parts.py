@@ -81,6 +81,9 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
                                  routing=routing if cfg.moe.routing_replay == "rollout" else None)
         holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
         actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
+        if cfg.loss.advantage_baseline == "critic":
+            actor.critic = _critic(cfg, runtime, tokenizer, strategy, actor.packed)
+            lap("critic")
         lap("engine")
         collector = _collector(cfg, runtime, tokenizer, engine, rewards, runtime.rank) if sampling else None
         lap("data")
@@ -89,6 +92,18 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
             rewards.close()
         raise
     return Parts(runtime, actor, tokenizer, engine, collector, rewards)
+
+
+def _critic(cfg: Config, runtime: Runtime, tokenizer, strategy: str, packed: bool):
+    """PPO's value model: ``ppo.critic_model``, else a copy of the policy's starting weights (see
+    :func:`gspo.train.critic.build_critic`)."""
+    from gspo.models.value import load_value_model
+    from gspo.train.critic import build_critic, refuse_strategy
+
+    refuse_strategy(strategy)  # before loading a second model
+    model = load_value_model(cfg.ppo.critic_model or cfg.model.name, runtime.device, tokenizer,
+                             tokenizer_name=None if cfg.ppo.critic_model else cfg.model.tokenizer)
+    return build_critic(cfg, runtime, model, strategy, packed)
 
 
 def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[RolloutEngine, Collector]:

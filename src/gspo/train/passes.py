@@ -99,26 +99,9 @@ def _sequence_logprobs(
     targets = to_device(ids_cpu.reshape(-1).index_select(0, flat_cpu), device)  # (M,)
     if routing is not None and row_ids is None:
         row_ids = torch.arange(n_rows)
-    if packed:
-        hidden = _packed_hidden(model, prompt_ids, ids_cpu, mask_cpu, autocast_dtype, graphs, routing, row_ids,
-                                pack_tokens)  # (M, H)
-    else:
-        input_ids, attention_mask, prompt_len = pad_sequences(prompt_ids, ids_cpu, mask_cpu, pad_id)  # (N, P+T)
-        input_ids, attention_mask = to_device(input_ids, device), to_device(attention_mask, device)
-        position_ids = positions_from_mask(attention_mask)
-        if routing is not None:  # position P-1+t predicts completion token t
-            predicts = torch.nn.functional.pad(mask_cpu, (prompt_len - 1, 1))  # (N, P+T)
-            routing.set_layout(padded_layout(attention_mask, position_ids, to_device(predicts, device), row_ids))
-        with autocast_context(device, autocast_dtype), attention_context():
-            hidden = model.get_decoder()(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            ).last_hidden_state  # (N, P+T, H)
-        # Position P-1+t predicts completion token t.
-        hidden = hidden[:, prompt_len - 1: prompt_len + width - 1]  # (N, T, H)
-        hidden = hidden.reshape(n_rows * width, -1).index_select(0, flat)  # (M, H)
+    hidden = _completion_hidden(model, prompt_ids, ids_cpu, mask_cpu, flat, pad_id=pad_id, autocast_dtype=autocast_dtype,
+                                packed=packed, graphs=graphs, routing=routing, row_ids=row_ids,
+                                pack_tokens=pack_tokens)  # (M, H)
 
     head = model.get_output_embeddings()
     config = model.config
@@ -140,6 +123,50 @@ def _sequence_logprobs(
         entropy = out.index_copy(0, flat, torch.cat(chunk_entropy)) if chunk_entropy else out.clone()  # (N*T,)
         entropy = entropy.view(n_rows, width).detach()  # (N, T)
     return logp.view(n_rows, width), entropy
+
+
+def _completion_hidden(model, prompt_ids, ids_cpu, mask_cpu, flat, *, pad_id, autocast_dtype, packed, graphs=None,
+                       routing=None, row_ids=None, pack_tokens: int = 0) -> torch.Tensor:
+    """The decoder's final hidden states ``(M, H)`` at the positions that predict each completion token (row-major,
+    ``flat`` the completion tokens' flat indices on the device): one packed row, or padded rows."""
+    if packed:
+        return _packed_hidden(model, prompt_ids, ids_cpu, mask_cpu, autocast_dtype, graphs, routing, row_ids,
+                              pack_tokens)  # (M, H)
+    device = next(model.parameters()).device
+    n_rows, width = ids_cpu.shape
+    input_ids, attention_mask, prompt_len = pad_sequences(prompt_ids, ids_cpu, mask_cpu, pad_id)  # (N, P+T)
+    input_ids, attention_mask = to_device(input_ids, device), to_device(attention_mask, device)
+    position_ids = positions_from_mask(attention_mask)
+    if routing is not None:  # position P-1+t predicts completion token t
+        predicts = torch.nn.functional.pad(mask_cpu, (prompt_len - 1, 1))  # (N, P+T)
+        routing.set_layout(padded_layout(attention_mask, position_ids, to_device(predicts, device), row_ids))
+    with autocast_context(device, autocast_dtype), attention_context():
+        hidden = model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state  # (N, P+T, H)
+    # Position P-1+t predicts completion token t.
+    hidden = hidden[:, prompt_len - 1: prompt_len + width - 1]  # (N, T, H)
+    return hidden.reshape(n_rows * width, -1).index_select(0, flat)  # (M, H)
+
+
+def sequence_values(critic, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                    *, pad_id: int, autocast_dtype: torch.dtype | None = None, packed: bool = False) -> torch.Tensor:
+    """A value model's estimates ``(N, T)`` float32, V(s_t) for each completion token t: its scalar head on the hidden
+    state at the position that predicts token t (the state before the token is chosen), differentiable w.r.t. the
+    critic, 0 where ``completion_mask`` is False. ``critic``: a :class:`gspo.models.value.ValueModel`."""
+    device = next(critic.parameters()).device
+    ids_cpu, mask_cpu = completion_ids.cpu(), completion_mask.cpu().bool()  # (N, T)
+    n_rows, width = ids_cpu.shape
+    flat_cpu = mask_cpu.reshape(-1).nonzero().squeeze(-1)  # (M,)
+    flat = to_device(flat_cpu, device)
+    hidden = _completion_hidden(critic, prompt_ids, ids_cpu, mask_cpu, flat, pad_id=pad_id,
+                                autocast_dtype=autocast_dtype, packed=packed)  # (M, H)
+    values = critic.head(hidden.float()).squeeze(-1)  # (M,) in fp32, whatever the backbone computed in
+    out = torch.zeros(n_rows * width, dtype=torch.float32, device=device)
+    return out.index_copy(0, flat, values).view(n_rows, width)
 
 
 def _packed_hidden(model, prompt_ids, completion_ids, completion_mask, autocast_dtype, graphs=None, routing=None,

@@ -1,0 +1,145 @@
+"""PPO's value model in the update (``algorithm = "ppo"``; ``loss.advantage_baseline = "critic"``): held the way a
+policy is (one process, or replicated with its gradients summed under torchrun), its estimates before a rollout
+batch's updates, GAE's advantages and returns from them, and one update of its own per optimizer step of the policy,
+on the same minibatch.
+
+Per rollout batch (:meth:`Critic.prepare`, before any weight changes):
+
+    V_old = critic(every row)                              (N, T), each process its rows, then shared
+    r_t   = the outcome reward at each row's last step     (gspo.algorithms.ppo.outcome_token_rewards)
+    A, R  = gae(r, V_old, gamma, lam)                      advantages and value targets
+    A     = whitened over the batch's loss tokens          (loss.advantage_scale = "tokens"; "none" leaves them)
+
+Per minibatch (:meth:`Critic.step`, after the policy's step): the clipped value loss of its rows against R, with
+V_old as the clip's centre, one AdamW step at ``ppo.critic_lr`` (the policy's betas, weight decay and gradient clip).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from gspo.algorithms import whiten_tokens
+from gspo.algorithms.ppo import explained_variance, gae, outcome_token_rewards, value_loss
+from gspo.errors import UserError
+from gspo.models.value import ValueModel
+from gspo.parallel import comm
+from gspo.parallel.plan import Plan
+from gspo.runtime import to_device
+from gspo.train.passes import sequence_values
+from gspo.types import Batch
+
+
+def refuse_strategy(strategy: str) -> None:
+    if strategy == "fsdp":
+        raise UserError("algorithm = 'ppo' (a value model) under dist.strategy = 'fsdp' is not built yet: the value "
+                        "model is held whole in every process; use dist.strategy = 'ddp' (or 'auto' where the model "
+                        "fits), or one process.")
+
+
+def build_critic(cfg, runtime, model: ValueModel, strategy: str, packed: bool) -> "Critic":
+    """``model`` held as the policy is (``strategy``: ``single``, or ``ddp``: replicated, gradients summed), with its
+    own AdamW at ``ppo.critic_lr``; ``packed``: whether the policy's passes are packed (the critic's are too, where its
+    architecture allows)."""
+    from gspo.parallel.holding import Holding, Replicated
+    from gspo.train.passes import packing_unsupported
+
+    refuse_strategy(strategy)
+    train = dataclasses.replace(cfg.train, lr=cfg.ppo.critic_lr)
+    holding = Replicated(model, runtime, train) if strategy == "ddp" else Holding(model, runtime, train)
+    return Critic(cfg, runtime, holding, packed and packing_unsupported(model.config) is None)
+
+
+class Critic:
+    """The value model as ``holding`` holds it (see the module docstring)."""
+
+    def __init__(self, cfg, runtime, holding, packed: bool):
+        self.cfg, self.runtime, self.holding, self.packed = cfg, runtime, holding, packed
+        self.model = holding.model
+        self.holding.set_lr(cfg.ppo.critic_lr)
+        self.old_values: torch.Tensor | None = None  # (N, T) on the device: V_old of the batch being trained
+        self.returns: torch.Tensor | None = None  # (N, T) on the device: the value targets
+
+    def values(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+        """V(s_t) ``(n, T)`` of ``rows`` of the batch, differentiable when grad is enabled."""
+        r = batch.rollout.select(rows.tolist())
+        return sequence_values(self.model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=r.pad_id,
+                               autocast_dtype=self.runtime.autocast, packed=self.packed)
+
+    @torch.no_grad()
+    def prepare(self, batch: Batch, plan: Plan, loss_mask: torch.Tensor,
+                share: Callable[[torch.Tensor, Plan, range], None]) -> torch.Tensor:
+        """V_old over every row (``share`` fills the other processes' rows), then GAE: returns the advantages
+        ``(N, T)`` on the device (whitened as ``loss.advantage_scale`` says) and keeps the returns for the updates;
+        the batch's metrics get the critic's explained variance of the returns and their means."""
+        dev, p = self.runtime.device, self.cfg.ppo
+        n_rows, width = batch.rollout.completion_ids.shape
+        old = torch.zeros(n_rows, width, dtype=torch.float32, device=dev)
+        was = self.model.training
+        self.model.train(False)
+        try:
+            for k in range(len(plan.minibatches)):
+                for sub in plan.micro[k]:
+                    old[to_device(sub, dev)] = self.values(batch, sub)
+        finally:
+            self.model.train(was)
+        share(old, plan, range(len(plan.minibatches)))
+        mask = loss_mask.to(dev)
+        rewards = outcome_token_rewards(batch.advantages.to(dev), mask)  # (N, T): collect left the rewards there
+        adv, returns = gae(rewards, old, mask, p.gamma, p.lam)  # (N, T) float64
+        if self.cfg.loss.advantage_scale == "tokens":
+            adv = whiten_tokens(adv, mask)
+        self.old_values, self.returns = old, returns.float()
+        batch.metrics["critic/explained_variance"] = explained_variance(old, returns, mask)
+        n = mask.sum().clamp(min=1)
+        batch.metrics["critic/value_mean"] = torch.where(mask, old, 0.0).sum() / n
+        batch.metrics["critic/return_mean"] = torch.where(mask, returns, 0.0).sum() / n
+        return adv.float()
+
+    def step(self, batch: Batch, plan: Plan, k: int, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One optimizer step of the value model on minibatch ``k`` (``mask``: the loss mask on the device); its
+        metrics over the whole minibatch."""
+        dev, rows = self.runtime.device, plan.minibatches[k]
+        rows_dev = to_device(rows, dev)
+        mb_mask = mask[rows_dev]  # (mb, T)
+        num_tokens = mb_mask.sum()
+        clip = self.cfg.ppo.value_clip
+        self.model.train(True)
+        self.holding.zero_grad(keep_allocated=False)
+        mb_values = torch.zeros(mb_mask.shape, dtype=torch.float32, device=dev)
+        own = len(rows) // plan.world
+        start = plan.rank * own
+        loss_total = torch.zeros((), dtype=torch.float64, device=dev)
+        for sub in plan.micro[k]:
+            sub_dev = to_device(sub, dev)
+            v = self.values(batch, sub)
+            loss, _ = value_loss(v, self.old_values[sub_dev], self.returns[sub_dev], mask[sub_dev], clip,
+                                 num_tokens=num_tokens)
+            (loss * self.holding.loss_scale if self.holding.loss_scale != 1 else loss).backward()
+            loss_total += loss.detach().double()
+            mb_values[start:start + len(sub)] = v.detach()
+            start += len(sub)
+        if plan.world > 1:
+            share = slice(plan.rank * own, (plan.rank + 1) * own)
+            mb_values = comm.gather_rows(mb_values[share])
+            loss_total = comm.all_sum(loss_total)
+        pending = self.holding.start_gradient_sum()
+        grad_norm = self.holding.clip(self.cfg.train.max_grad_norm, pending)
+        self.holding.apply(~(torch.isfinite(loss_total) & torch.isfinite(grad_norm)))
+        self.model.train(False)
+        with torch.no_grad():
+            _, metrics = value_loss(mb_values, self.old_values[rows_dev], self.returns[rows_dev], mb_mask, clip)
+        return {"critic/value_loss": loss_total, "critic/grad_norm": grad_norm,
+                "critic/value_clip_frac": metrics["critic/value_clip_frac"]}
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """The value model's weights and optimizer, for ``trainer_state.pt`` (the same in every process)."""
+        return {"critic": self.model.state_dict(), "critic_optimizer": self.holding.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["critic"])
+        self.holding.optimizer.load_state_dict(state["critic_optimizer"])
+        self.holding.set_lr(self.cfg.ppo.critic_lr)

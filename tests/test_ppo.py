@@ -1,0 +1,91 @@
+"""algorithm = "ppo": the value model trains beside the policy, its metrics are logged, a resumed run continues
+bit for bit (the critic and its optimizer are in the checkpoint), and what is not built is refused in one line."""
+import pytest
+import torch
+
+from gspo.errors import UserError
+from gspo.runlog.metrics import read_jsonl
+from gspo.train import Trainer
+
+from test_trainer import tiny_config, tiny_dir  # noqa: F401 (a fixture)
+
+CRITIC_KEYS = ["critic/value_loss", "critic/grad_norm", "critic/value_clip_frac", "critic/explained_variance",
+               "critic/value_mean", "critic/return_mean"]
+
+
+def _critic_params(trainer):
+    return {k: v.detach().clone() for k, v in trainer.actor.critic.model.named_parameters()}
+
+
+def test_ppo_trains_the_policy_and_the_value_model(tiny_dir, tmp_path):
+    """Both models change; the first rollout batch's values are 0 (a zero head), so its returns are the rewards and
+    the explained variance is 0; the critic's metrics are on every line."""
+    trainer = Trainer(tiny_config(tiny_dir, "algorithm='ppo'", "train.steps=4", "ppo.critic_lr=1e-2"),
+                      tmp_path / "run")
+    policy = {k: v.detach().clone() for k, v in trainer.actor.model.named_parameters()}
+    critic = _critic_params(trainer)
+    assert not critic["head.weight"].any()
+    trainer.train()
+    assert any(not torch.equal(policy[k], v) for k, v in trainer.actor.model.named_parameters())
+    assert any(not torch.equal(critic[k], v) for k, v in trainer.actor.critic.model.named_parameters())
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 4 and all(k in r for r in rows for k in CRITIC_KEYS)
+    assert rows[0]["critic/value_mean"] == 0.0 and rows[0]["critic/explained_variance"] == pytest.approx(0.0, abs=1e-9)
+    assert rows[2]["critic/value_mean"] != 0.0  # the second batch's values come from the trained head
+    assert all(r["critic/value_loss"] > 0 for r in rows)
+
+
+def test_critic_warmup_trains_only_the_value_model(tiny_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_dir, "algorithm='ppo'", "ppo.critic_warmup=1"), tmp_path / "run")
+    policy = {k: v.detach().clone() for k, v in trainer.actor.model.named_parameters()}
+    critic = _critic_params(trainer)
+    trainer.train()
+    assert all(torch.equal(policy[k], v) for k, v in trainer.actor.model.named_parameters())
+    assert any(not torch.equal(critic[k], v) for k, v in trainer.actor.critic.model.named_parameters())
+
+
+def test_ppo_resumes_bit_for_bit(tiny_dir, tmp_path):
+    """Four steps in one go, and two then two more from the checkpoint, write the same metrics and end with the same
+    policy and value model."""
+    extra = ("algorithm='ppo'", "ppo.critic_lr=1e-2")
+    whole = Trainer(tiny_config(tiny_dir, *extra, "train.steps=4"), tmp_path / "whole")
+    whole.train()
+    half = Trainer(tiny_config(tiny_dir, *extra), tmp_path / "half")
+    half.train()
+    resumed = Trainer(tiny_config(tiny_dir, *extra, "train.steps=4"), tmp_path / "half", resume=True)
+    resumed.train()
+    a, b = read_jsonl(tmp_path / "whole" / "metrics.jsonl"), read_jsonl(tmp_path / "half" / "metrics.jsonl")
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "mem/"))}  # noqa: E731
+    assert [drop(r) for r in a] == [drop(r) for r in b]
+    for m1, m2 in ((whole.actor.model, resumed.actor.model), (whole.actor.critic.model, resumed.actor.critic.model)):
+        assert all(torch.equal(x, y) for x, y in zip(m1.parameters(), m2.parameters()))
+
+
+def test_ppo_refusals(tiny_dir):
+    from gspo.config import build_config
+
+    with pytest.raises(UserError, match="loss.advantage_baseline = 'critic' \\(PPO's GAE\\) gives per-token advantages"):
+        build_config({"algorithm": "ppo", "loss": {"advantage_scale": "group"}})
+    with pytest.raises(UserError, match="ppo.lam = 1.5 is invalid; use a lambda in \\[0, 1\\]"):
+        build_config({"algorithm": "ppo", "ppo": {"lam": 1.5}})
+    with pytest.raises(UserError, match="loss.step_credit adds process credit.*PPO"):
+        build_config({"algorithm": "ppo", "loss": {"step_credit": "task"}, "data": {"task": "running_sum"}})
+    from gspo.algorithms import group_advantages
+
+    with pytest.raises(UserError, match="Unknown group advantage baseline 'critic'"):
+        group_advantages(torch.zeros(4), 2, baseline="critic")  # GAE is the value model's, not a group statistic
+    c = build_config({"algorithm": "ppo"}).loss
+    assert (c.advantage_baseline, c.advantage_scale, c.level, c.eps_low, c.eps_high) == ("critic", "tokens", "token",
+                                                                                         0.2, 0.2)
+
+
+def test_ppo_with_lora_and_asynchronous_rollouts(tiny_dir, tmp_path):
+    """The value model beside a LoRA policy (the critic trains in full), with rollouts one version ahead."""
+    pytest.importorskip("peft")
+    trainer = Trainer(tiny_config(tiny_dir, "algorithm='ppo'", "train.steps=4", "lora.rank=4", "lora.alpha=8",
+                                  "rollout.max_staleness=1"), tmp_path / "run")
+    critic = _critic_params(trainer)
+    trainer.train()
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 4 and all(k in r for r in rows for k in CRITIC_KEYS)
+    assert any(not torch.equal(critic[k], v) for k, v in trainer.actor.critic.model.named_parameters())
