@@ -134,6 +134,8 @@ def summary(run: Path, target: float) -> dict:
             "clip_seq": mean("clip/seq_total", off_policy), "clip_token": mean("clip/token_total", off_policy),
             "mismatch_weight_mean": mean("mismatch/weight_mean"), "mismatch_weight_max": mean("mismatch/weight_max"),
             "entropy_last": first[-1].get("entropy"), "final_step": rows[-1]["step"],
+            "memory_peak_gib": max((r["memory/peak_gib"] for r in rows if r.get("memory/peak_gib")), default=None),
+            "explained_variance_last": first[-1].get("critic/explained_variance"),
             "gpu_busy": json.loads((run / "gpu_busy.json").read_text()) if (run / "gpu_busy.json").exists() else None}
 
 
