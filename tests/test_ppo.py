@@ -10,7 +10,7 @@ from gspo.train import Trainer
 from test_trainer import tiny_config, tiny_dir  # noqa: F401 (a fixture)
 
 CRITIC_KEYS = ["critic/value_loss", "critic/grad_norm", "critic/value_clip_frac", "critic/explained_variance",
-               "critic/value_mean", "critic/return_mean"]
+               "critic/value_mean", "critic/return_mean", "critic/skipped"]
 
 
 def _critic_params(trainer):
@@ -36,7 +36,11 @@ def test_ppo_trains_the_policy_and_the_value_model(tiny_dir, tmp_path):
 
 
 def test_critic_warmup_trains_only_the_value_model(tiny_dir, tmp_path):
-    trainer = Trainer(tiny_config(tiny_dir, "algorithm='ppo'", "ppo.critic_warmup=1"), tmp_path / "run")
+    """(With activation checkpointing, which the value model takes too.)"""
+    trainer = Trainer(tiny_config(tiny_dir, "algorithm='ppo'", "ppo.critic_warmup=1", "model.gradient_checkpointing=true"),
+                      tmp_path / "run")
+    backbone = trainer.actor.critic.model.backbone
+    assert getattr(backbone, "is_activation_checkpointing", None) or backbone.is_gradient_checkpointing
     policy = {k: v.detach().clone() for k, v in trainer.actor.model.named_parameters()}
     critic = _critic_params(trainer)
     trainer.train()
@@ -66,6 +70,10 @@ def test_ppo_refusals(tiny_dir):
 
     with pytest.raises(UserError, match="loss.advantage_baseline = 'critic' \\(PPO's GAE\\) gives per-token advantages"):
         build_config({"algorithm": "ppo", "loss": {"advantage_scale": "group"}})
+    with pytest.raises(UserError, match="per-token advantages, which a sequence-level ratio cannot take"):
+        build_config({"algorithm": "gspo", "loss": {"advantage_baseline": "critic", "advantage_scale": "tokens"}})
+    with pytest.raises(UserError, match="per-token advantages, which GMPO cannot take"):
+        build_config({"algorithm": "gmpo", "loss": {"advantage_baseline": "critic", "advantage_scale": "tokens"}})
     with pytest.raises(UserError, match="ppo.lam = 1.5 is invalid; use a lambda in \\[0, 1\\]"):
         build_config({"algorithm": "ppo", "ppo": {"lam": 1.5}})
     with pytest.raises(UserError, match="loss.step_credit adds process credit.*PPO"):

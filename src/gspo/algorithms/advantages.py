@@ -118,7 +118,7 @@ def whiten_tokens(advantages: Tensor, mask: Tensor, *, eps: float = 1e-8) -> Ten
     m = mask.bool()
     count = m.sum()
     if count == 0:
-        return torch.zeros(mask.shape, dtype=advantages.dtype)
+        return torch.zeros(mask.shape, dtype=advantages.dtype, device=advantages.device)
     mu = a[m].mean()
     sd = a[m].std() if count >= 2 else torch.zeros((), dtype=torch.float64)
     out = (a - mu) / (sd + eps) if sd > ZERO_STD else a - mu

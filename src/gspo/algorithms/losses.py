@@ -161,6 +161,21 @@ def sapo_surrogate(ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: f
     return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
 
 
+def _surrogate(objective: str, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, level: str, eps_low: float,
+               eps_high: float, sapo_tau: tuple[float, float]) -> tuple[Tensor, Tensor, Tensor]:
+    """The objective's per-position loss (B, T) and where its clip acted, low and high (B, T) bool."""
+    if objective == "gmpo":
+        return gmpo_surrogate(logp, old_logp, adv, mask, eps_low, eps_high)
+    ratio = importance_ratio(logp, old_logp, mask, level)  # (B, T)
+    if objective == "clip":
+        return clipped_surrogate(ratio, adv, eps_low, eps_high)
+    if objective == "cispo":
+        return cispo_surrogate(ratio, logp, adv, mask, eps_low, eps_high)
+    with torch.no_grad():  # SAPO cuts nothing: the clip metrics count the ratios outside the eps band (as verl)
+        outside = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
+    return sapo_surrogate(ratio, adv, *sapo_tau), *outside
+
+
 def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref):  exp(ref - logp) - (ref - logp) - 1, 0 on padding.  (B, T)"""
     d = token_log_ratio(ref_logp, logp, mask)  # (B, T) = ref - logp
@@ -365,18 +380,8 @@ def policy_loss(
             )
     adv = torch.where(mask, adv.expand_as(logp), torch.zeros((), device=logp.device))  # (B, T)
 
-    if objective == "gmpo":
-        per_token, clipped_low, clipped_high = gmpo_surrogate(logp, old_logp, adv, mask, eps_low, eps_high)
-    else:
-        ratio = importance_ratio(logp, old_logp, mask, level)  # (B, T)
-        if objective == "clip":
-            per_token, clipped_low, clipped_high = clipped_surrogate(ratio, adv, eps_low, eps_high)  # (B, T)
-        elif objective == "cispo":
-            per_token, clipped_low, clipped_high = cispo_surrogate(ratio, logp, adv, mask, eps_low, eps_high)
-        else:
-            per_token = sapo_surrogate(ratio, adv, *sapo_tau)
-            with torch.no_grad():  # nothing is cut: the clip metrics count the ratios outside the eps band (as verl)
-                clipped_low, clipped_high = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
+    per_token, clipped_low, clipped_high = _surrogate(objective, logp, old_logp, adv, mask, level, eps_low, eps_high,
+                                                      sapo_tau)  # (B, T) each
     if weights is not None:
         per_token = per_token * weights.detach().to(per_token.dtype)
     kl_term = None

@@ -80,6 +80,9 @@ def probe_noise(cfg, out_path: str | Path, rows: int = 48, n_bins: int = 5) -> d
     if cfg.loss.step_credit:
         raise UserError("gspo probe measures the gradient of one advantage per response; remove loss.step_credit "
                         "(per-token advantages) from the config to probe it.")
+    if cfg.loss.advantage_baseline == "critic":
+        raise UserError("gspo probe measures the gradient of one advantage per response, and PPO's value model gives "
+                        "one per token; probe the config with another algorithm (e.g. algorithm = 'grpo').")
 
     parts = build(cfg, Runtime.from_config(cfg.model))
     actor = parts.actor

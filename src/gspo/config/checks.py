@@ -187,6 +187,10 @@ def check_loss(cfg: Config) -> None:
                         f"{lc.advantage_scale!r} with loss.advantage_baseline = {lc.advantage_baseline!r} is not that "
                         "(RLOO, REINFORCE++, PPO); use a GRPO-family preset, or unset loss.step_credit.")
     if lc.advantage_baseline == "critic":
+        if lc.level == "sequence":
+            raise UserError(f"loss.advantage_baseline = 'critic' (PPO's GAE) gives per-token advantages, which "
+                            f"{'GMPO' if lc.objective == 'gmpo' else 'a sequence-level ratio'} cannot take; use "
+                            "loss.level = 'token' or 'sequence_token'.")
         if lc.advantage_scale not in ("tokens", "none"):
             raise UserError(f"loss.advantage_baseline = 'critic' (PPO's GAE) gives per-token advantages, which "
                             f"loss.advantage_scale = {lc.advantage_scale!r} (a group's or batch's reward spread) does not "

@@ -228,7 +228,8 @@ class PPOConfig:
     """The value model's AdamW learning rate (constant; ``train.adam_betas``, ``weight_decay`` and
     ``max_grad_norm`` as the policy's)."""
     critic_warmup: int = 0
-    """Rollout batches at the start that train only the value model (the policy's updates are skipped)."""
+    """Rollout batches at the start that train only the value model (the policy's updates are skipped; its
+    learning-rate schedule counts these batches all the same, so ``train.warmup_steps`` may end during them)."""
     value_clip: float = 0.5
     """PPO's value clipping: each value moves at most this far from the value model's estimate before the rollout
     batch's updates (0: no clipping)."""

@@ -17,9 +17,11 @@ class ValueModel(torch.nn.Module):
 
     def __init__(self, causal_lm: torch.nn.Module):
         from gspo.models import disable_dropout
+        from gspo.models.moe import disable_router_noise
 
         super().__init__()
         disable_dropout(causal_lm)  # the update must see the values the pre-update pass saw
+        disable_router_noise(causal_lm)
         self.backbone = causal_lm.get_decoder()
         self.config = causal_lm.config
         hidden = getattr(self.config, "hidden_size", None)

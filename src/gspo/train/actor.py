@@ -117,6 +117,15 @@ def build_actor(cfg: Config, runtime: Runtime, model: torch.nn.Module, strategy:
     return actor
 
 
+def _timing_events(plan: Plan, dev: torch.device):
+    """Under torchrun on GPUs, two CUDA events around a step's compute (the first recorded now); else None."""
+    if plan.world <= 1 or dev.type != "cuda":
+        return None
+    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    events[0].record()
+    return events
+
+
 class Actor:
     """The policy as its holding holds it, its passes, learning-rate schedule and update (see the module docstring).
     Built once the policy is prepared (:func:`prepare_model`), the engine has its copy and the holding is built."""
@@ -247,9 +256,10 @@ class Actor:
         self._on_device = {"loss_mask": to_device(batch.loss_mask, dev), "advantages": to_device(batch.advantages, dev),
                            "sampled": to_device(rollout.sampled, dev)}
         if self.critic is not None:  # PPO: the batch's rewards become GAE's advantages (N, T) by the value model's
-            with stage("values"):
+            with stage("values"):  # (its mask stays the collect's: the mismatch correction's is the policy's)
                 self._on_device["advantages"] = self.critic.prepare(batch, plan, self._on_device["loss_mask"],
                                                                     self._share)
+            batch.advantages = self._on_device["advantages"].cpu()  # what samples.jsonl reports, per token
         replay = self.cfg.moe.routing_replay
         routing_pass = contextlib.nullcontext()
         if self.routing is not None:
@@ -294,11 +304,7 @@ class Actor:
         micro-batch, gradient clipping, AdamW. A non-finite loss or gradient norm skips the update (on the device with
         the fused optimizer); the caller counts it from the reduced ``loss`` and ``grad_norm``."""
         cfg, dev = self.cfg, self.runtime.device
-        t_start = time.perf_counter()
-        events = None
-        if plan.world > 1 and dev.type == "cuda":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
+        t_start, events = time.perf_counter(), _timing_events(plan, dev)
         rows = plan.minibatches[k]
         mask, adv = self._on_device["loss_mask"], self._on_device["advantages"]  # (N, T), (N,) or (N, T)
         old, ref = batch.old_logprobs, batch.ref_logprobs
@@ -386,7 +392,7 @@ class Actor:
             metrics["grad_norm"] = self._apply(loss_total, step, pending)
         if self.critic is not None:
             with stage("critic"):
-                metrics.update(self.critic.step(batch, plan, k, mask))
+                metrics.update(self.critic.step(batch, plan, k))
         metrics["trained_tokens"] = tokens
         metrics.update(moe_metrics)
         self.set_training(False)

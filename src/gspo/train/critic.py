@@ -46,6 +46,13 @@ def build_critic(cfg, runtime, model: ValueModel, strategy: str, packed: bool) -
     from gspo.train.passes import packing_unsupported
 
     refuse_strategy(strategy)
+    if cfg.model.gradient_checkpointing:  # as the policy's (transformers 5.2x renamed the method; 5.17 has the old)
+        backbone = model.backbone
+        enable = getattr(backbone, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     train = dataclasses.replace(cfg.train, lr=cfg.ppo.critic_lr)
     holding = Replicated(model, runtime, train) if strategy == "ddp" else Holding(model, runtime, train)
     return Critic(cfg, runtime, holding, packed and packing_unsupported(model.config) is None)
@@ -60,6 +67,7 @@ class Critic:
         self.holding.set_lr(cfg.ppo.critic_lr)
         self.old_values: torch.Tensor | None = None  # (N, T) on the device: V_old of the batch being trained
         self.returns: torch.Tensor | None = None  # (N, T) on the device: the value targets
+        self.mask: torch.Tensor | None = None  # (N, T) on the device: the steps GAE ran over (the collect's loss mask)
 
     def values(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
         """V(s_t) ``(n, T)`` of ``rows`` of the batch, differentiable when grad is enabled."""
@@ -90,17 +98,17 @@ class Critic:
         adv, returns = gae(rewards, old, mask, p.gamma, p.lam)  # (N, T) float64
         if self.cfg.loss.advantage_scale == "tokens":
             adv = whiten_tokens(adv, mask)
-        self.old_values, self.returns = old, returns.float()
+        self.old_values, self.returns, self.mask = old, returns.float(), mask
         batch.metrics["critic/explained_variance"] = explained_variance(old, returns, mask)
         n = mask.sum().clamp(min=1)
         batch.metrics["critic/value_mean"] = torch.where(mask, old, 0.0).sum() / n
         batch.metrics["critic/return_mean"] = torch.where(mask, returns, 0.0).sum() / n
         return adv.float()
 
-    def step(self, batch: Batch, plan: Plan, k: int, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One optimizer step of the value model on minibatch ``k`` (``mask``: the loss mask on the device); its
-        metrics over the whole minibatch."""
-        dev, rows = self.runtime.device, plan.minibatches[k]
+    def step(self, batch: Batch, plan: Plan, k: int) -> dict[str, torch.Tensor]:
+        """One optimizer step of the value model on minibatch ``k``, over the tokens GAE ran over; its metrics over
+        the whole minibatch (``critic/skipped``: 1 where a non-finite loss or gradient skipped the step)."""
+        dev, rows, mask = self.runtime.device, plan.minibatches[k], self.mask
         rows_dev = to_device(rows, dev)
         mb_mask = mask[rows_dev]  # (mb, T)
         num_tokens = mb_mask.sum()
@@ -126,12 +134,13 @@ class Critic:
             loss_total = comm.all_sum(loss_total)
         pending = self.holding.start_gradient_sum()
         grad_norm = self.holding.clip(self.cfg.train.max_grad_norm, pending)
-        self.holding.apply(~(torch.isfinite(loss_total) & torch.isfinite(grad_norm)))
+        bad = ~(torch.isfinite(loss_total) & torch.isfinite(grad_norm))
+        self.holding.apply(bad)
         self.model.train(False)
         with torch.no_grad():
             _, metrics = value_loss(mb_values, self.old_values[rows_dev], self.returns[rows_dev], mb_mask, clip)
         return {"critic/value_loss": loss_total, "critic/grad_norm": grad_norm,
-                "critic/value_clip_frac": metrics["critic/value_clip_frac"]}
+                "critic/value_clip_frac": metrics["critic/value_clip_frac"], "critic/skipped": bad.float()}
 
     # ------------------------------------------------------------------------------------------ checkpoints
 

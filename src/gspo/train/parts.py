@@ -81,10 +81,10 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
                                  routing=routing if cfg.moe.routing_replay == "rollout" else None)
         holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
         actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
+        lap("engine")
         if cfg.loss.advantage_baseline == "critic":
             actor.critic = _critic(cfg, runtime, tokenizer, strategy, actor.packed)
             lap("critic")
-        lap("engine")
         collector = _collector(cfg, runtime, tokenizer, engine, rewards, runtime.rank) if sampling else None
         lap("data")
     except BaseException:
