@@ -81,4 +81,7 @@ if __name__ == "__main__":
     results = {name: run(name, extra, strategy) for name, extra in CASES.items()}
     if comm.rank_world()[0] == 0:
         torch.save(results, sys.argv[1])
+    if torch.distributed.is_initialized():  # an orderly end: no process leaves while another still talks to it
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     comm.close()
