@@ -97,3 +97,33 @@ def test_ppo_with_lora_and_asynchronous_rollouts(tiny_dir, tmp_path):
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 4 and all(k in r for r in rows for k in CRITIC_KEYS)
     assert any(not torch.equal(critic[k], v) for k, v in trainer.actor.critic.model.named_parameters())
+
+
+def test_what_ppo_cannot_do_is_refused_in_one_line(tiny_dir, tmp_path, capsys):
+    """The value model under FSDP2, a value model of another tokenizer, and `gspo probe` (one advantage per response)
+    end in one line naming the key and the fix."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo.cli import main
+    from gspo.runtime import Runtime
+    from gspo.train.actor import build_actor
+
+    from conftest import tiny_llama
+
+    cfg = tiny_config(tiny_dir, "algorithm='ppo'")
+    with pytest.raises(UserError, match="algorithm = 'ppo' \\(a value model\\) under dist.strategy = 'fsdp' is not built"):
+        build_actor(cfg, Runtime.from_config(cfg.model), tiny_llama(vocab_size=512, seed=0), "fsdp")
+    other = tmp_path / "other"  # the same model with one token more in its tokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    tok.add_tokens(["<extra_token_for_the_test>"])
+    AutoModelForCausalLM.from_pretrained(tiny_dir).save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(UserError, match="ppo.critic_model = .* has another tokenizer than the policy's"):
+        Trainer(tiny_config(tiny_dir, "algorithm='ppo'", f"ppo.critic_model='{other}'"), tmp_path / "run")
+    args = ["probe", "noise", "--out", str(tmp_path / "probe"), f"model.name='{tiny_dir}'", "algorithm='ppo'",
+            "rollout.prompts_per_batch=2", "rollout.group_size=4", "rewards.workers=0", "log.progress=false",
+            "rewards.functions=[{path='trainer_rewards:text_length'}]"]
+    capsys.readouterr()  # the model saves' progress bars above
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "PPO's value model gives one per token" in err[0]
