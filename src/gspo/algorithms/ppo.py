@@ -61,7 +61,7 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float,
-               num_tokens: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+               num_tokens: float | Tensor | None = None, with_metrics: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped value loss, the token mean over the mask:
 
         L_V = 1/2 mean_t max( (V_t - R_t)^2, (clip(V_t, V_old_t - clip, V_old_t + clip) - R_t)^2 )
@@ -69,7 +69,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     ``values`` (B, T) differentiable; ``old_values`` the critic's before this rollout batch's updates; ``returns``
     the targets (constants). ``clip <= 0`` turns the clipping off. ``num_tokens`` replaces the mask's count (so
     micro-batches sum to the minibatch's loss). Returns ``(loss, metrics)``: ``critic/value_clip_frac`` (tokens where
-    the clipped term was the larger), ``critic/value_mean``, ``critic/return_mean``."""
+    the clipped term was the larger), ``critic/value_mean``, ``critic/return_mean`` (empty unless ``with_metrics``)."""
     m = mask.bool()
     v = values if values.dtype in (torch.float32, torch.float64) else values.float()
     old, ret = old_values.detach().to(v.dtype), returns.detach().to(v.dtype)
@@ -82,6 +82,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     per_token = torch.where(m, per_token, torch.zeros((), dtype=v.dtype, device=v.device))
     count = m.sum() if num_tokens is None else num_tokens
     loss = 0.5 * per_token.sum() / torch.as_tensor(count, dtype=v.dtype, device=v.device).clamp(min=1)
+    if not with_metrics:
+        return loss, {}
     with torch.no_grad():
         n = m.sum().clamp(min=1)
         metrics = {"critic/value_clip_frac": ((clipped > unclipped) & m).sum() / n,

@@ -216,10 +216,11 @@ def check_loss(cfg: Config) -> None:
                         f"{' or '.join(repr(v) for v in OBJECTIVE_LEVELS[lc.objective])}, not {lc.level!r}; set that "
                         f"level, or use algorithm = {lc.objective!r}, which sets it.")
     # gmpo clips log-ratios (any eps_low >= 0 keeps e^-eps_low > 0); cispo's eps_low = 1 is "no lower bound" (w >= 0)
-    low_max, low_rule = {"gmpo": (float("inf"), ""), "cispo": (1.0, "<= 1")}.get(lc.objective, (1.0, "< 1"))
-    if not (0 <= lc.eps_low <= low_max) or (low_rule == "< 1" and lc.eps_low == 1) or lc.eps_high < 0:
-        raise UserError(f"Clip ranges must satisfy 0 <= loss.eps_low{' ' + low_rule if low_rule else ''} and "
-                        f"loss.eps_high >= 0 with loss.objective = {lc.objective!r} (got {lc.eps_low}, {lc.eps_high}).")
+    low_ok, low_rule = {"gmpo": (lc.eps_low >= 0, ""), "cispo": (0 <= lc.eps_low <= 1, " <= 1")}.get(
+        lc.objective, (0 <= lc.eps_low < 1, " < 1"))
+    if not low_ok or lc.eps_high < 0:
+        raise UserError(f"Clip ranges must satisfy 0 <= loss.eps_low{low_rule} and loss.eps_high >= 0 with "
+                        f"loss.objective = {lc.objective!r} (got {lc.eps_low}, {lc.eps_high}).")
     if lc.sapo_tau is not None and (lc.objective != "sapo" or len(lc.sapo_tau) != 2
                                     or not all(t > 0 for t in lc.sapo_tau)):
         raise UserError(f"loss.sapo_tau = {lc.sapo_tau} must be two temperatures > 0, [tau_pos, tau_neg], and only with "

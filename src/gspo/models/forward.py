@@ -136,6 +136,15 @@ def attention_implementation(config, name: str):
 # --------------------------------------------------------------------------------------------- RL preparation
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each layer's activations in the backward (non-reentrant). transformers 5.2x renamed the method; 5.17
+    (the GPU image) only has the old name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def disable_dropout(model: torch.nn.Module) -> int:
     """Set every dropout probability to 0 and return how many modules had one.
 

@@ -33,7 +33,7 @@ from gspo.algorithms.corrections import DEFAULT_BOUNDS, mismatch_weights
 from gspo.config import Config
 from gspo.errors import UserError
 from gspo.train.passes import PackedGraphs, as_fsdp_forward, packing_available, packing_unsupported, sequence_logprobs
-from gspo.models import attention_context, disable_dropout
+from gspo.models import attention_context, disable_dropout, enable_activation_checkpointing
 from gspo.models.moe import Routing, disable_router_noise, is_moe
 from gspo.models.value import ValueModel
 from gspo.parallel import comm
@@ -74,11 +74,7 @@ def prepare_model(cfg: Config, runtime: Runtime, model: torch.nn.Module
         log.warning("train.old_logprobs = 'rollout' under bf16 autocast: the engine's log-probs differ from the "
                     "trainer's by ~0.02 per token, more than GSPO's clip range; use 'recompute' or model.precision = 'fp32'.")
     if cfg.model.gradient_checkpointing:
-        # transformers 5.2x renamed the method; 5.17 (the GPU image) only has the old name.
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     # With LoRA the reference policy is the policy with its adapters off: no second copy.
     ref_model = (copy.deepcopy(model).eval().requires_grad_(False) if cfg.loss.beta > 0 and not cfg.lora.rank
                  else None)

@@ -23,6 +23,7 @@ import torch
 from gspo.algorithms import whiten_tokens
 from gspo.algorithms.ppo import explained_variance, gae, outcome_token_rewards, value_loss
 from gspo.errors import UserError
+from gspo.models import enable_activation_checkpointing
 from gspo.models.value import ValueModel
 from gspo.parallel import comm
 from gspo.parallel.plan import Plan
@@ -46,13 +47,8 @@ def build_critic(cfg, runtime, model: ValueModel, strategy: str, packed: bool) -
     from gspo.train.passes import packing_unsupported
 
     refuse_strategy(strategy)
-    if cfg.model.gradient_checkpointing:  # as the policy's (transformers 5.2x renamed the method; 5.17 has the old)
-        backbone = model.backbone
-        enable = getattr(backbone, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.model.gradient_checkpointing:  # as the policy's
+        enable_activation_checkpointing(model.backbone)
     train = dataclasses.replace(cfg.train, lr=cfg.ppo.critic_lr)
     holding = Replicated(model, runtime, train) if strategy == "ddp" else Holding(model, runtime, train)
     return Critic(cfg, runtime, holding, packed and packing_unsupported(model.config) is None)
@@ -123,7 +119,7 @@ class Critic:
             sub_dev = to_device(sub, dev)
             v = self.values(batch, sub)
             loss, _ = value_loss(v, self.old_values[sub_dev], self.returns[sub_dev], mask[sub_dev], clip,
-                                 num_tokens=num_tokens)
+                                 num_tokens=num_tokens, with_metrics=False)
             (loss * self.holding.loss_scale if self.holding.loss_scale != 1 else loss).backward()
             loss_total += loss.detach().double()
             mb_values[start:start + len(sub)] = v.detach()
