@@ -28,6 +28,7 @@ ARM_SUFFIXES: dict[str, dict[str, Any]] = {
     "r3": {"moe.routing_replay": "rollout"},  # Routing Replay R3
     "enginelp": {"train.old_logprobs": "rollout"},  # the engine's log-probs as the old policy's (no recomputation)
     "int8": {"rollout.engine_weight_bits": 8},  # the engine samples from int8-rounded weights
+    "exact": {"rollout.exact": True},  # engine and trainer compute the same log-probs, bit for bit
     "credit": {"loss.step_credit": "task"},  # per-token process credit of the task's steps
     "envcredit": {"loss.step_credit": "env"},  # per-turn credit from an environment's step rewards
     "tis": {"loss.mismatch_correction": "tis"},  # engine-mismatch corrections (gspo.algorithms.corrections)

@@ -344,6 +344,34 @@ def check_step_credit(cfg: Config) -> None:
                         "token-level preset such as 'grpo'.")
 
 
+def check_exact(cfg: Config) -> None:
+    """``rollout.exact``: one forward shared by the graph engine and the trainer; what it is not built with is
+    refused here, before anything loads (the model's own limits are checked when the engine is built)."""
+    r = cfg.rollout
+    if not r.exact:
+        return
+    refusals = (
+        (r.engine not in ("graph", "auto"), f"rollout.engine = {r.engine!r} (its kernels are not the trainer's)",
+         "set rollout.engine = 'graph'"),
+        (r.fused_step == "off", "rollout.fused_step = 'off' (the module step is not batch-invariant)",
+         "set rollout.fused_step = 'auto'"),
+        (r.engine_weight_bits > 0, f"rollout.engine_weight_bits = {r.engine_weight_bits} (a deliberate gap)",
+         "set rollout.engine_weight_bits = 0"),
+        (cfg.lora.rank > 0, "LoRA (the exact pass reads plain weights, not adapters)", "set lora.rank = 0"),
+        (cfg.dist.strategy == "fsdp", "dist.strategy = 'fsdp' (the exact pass needs whole weights)",
+         "set dist.strategy = 'ddp'"),
+        (cfg.env.on, "multi-turn rows (env.path / env.tools: their extensions run the module path)",
+         "leave [env] unset"),
+        (r.in_flight == "recompute", "rollout.in_flight = 'recompute' (it rewrites caches on the module path)",
+         "set rollout.in_flight = 'keep' or 'off'"),
+        (cfg.moe.routing_replay != "off", f"moe.routing_replay = {cfg.moe.routing_replay!r} (MoE blocks are not built)",
+         "set moe.routing_replay = 'off' or rollout.exact = false"),
+    )
+    for refused, what, fix in refusals:
+        if refused:
+            raise UserError(f"rollout.exact is not built for {what}; {fix}, or set rollout.exact = false.")
+
+
 def check_old_logprobs(cfg: Config) -> None:
     """The old policy's log-probs must come from where the other settings need them."""
     r, t = cfg.rollout, cfg.train
@@ -392,7 +420,7 @@ def warn_surprises(cfg: Config) -> None:
 # still names the same first one in most cases), then the guards that need two sections each valid on its own.
 CHECKS = (check_sentinel, check_log, check_model, check_run, check_train, check_data, check_rewards, check_loss,
           check_lora, check_rollout, check_moe, check_dist, check_dapo, check_env,
-          check_step_credit, check_old_logprobs, check_batch_shape)
+          check_step_credit, check_exact, check_old_logprobs, check_batch_shape)
 
 
 def validate(cfg: Config) -> None:

@@ -107,6 +107,14 @@ class RolloutConfig:
     small model's step for 8 rows costs over half of one for 256, which a full step would keep paying for the few
     rows left; the same distribution, another random stream than ``off``), ``off`` runs every step on the whole
     batch."""
+    exact: bool = False
+    """Engine and trainer agree bit for bit: the graph engine's decode step, its prefill and the trainer's log-prob
+    pass run one forward of batch-invariant Triton kernels (``gspo.rollout.exact_kernels``), so the engine's log-prob
+    of every sampled token equals the trainer's recomputation for the same weights, whatever the batch, the lengths or
+    the row compaction, with CUDA graphs on; ``logprob/engine_diff_max`` shows 0.0. With ``train.old_logprobs =
+    "rollout"`` the recompute pass disappears and the first update's ratio is exactly 1. The update's gradient is the
+    ordinary pass's at the same weights (an extra forward per micro-batch). Dense Llama / Mistral / Qwen2 / Qwen3 on a
+    GPU, single-turn, without LoRA or FSDP; anything else is refused in one line. See docs/experiments/engine."""
     engine_weight_bits: int = 0
     """For experiments on the engine-trainer gap: the rollout engine samples from its copy of the weights with every
     weight matrix rounded to signed integers of this many bits (symmetric, one scale per output row, as weight-only

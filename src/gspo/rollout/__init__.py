@@ -64,16 +64,24 @@ def rounded_weights(weights: Iterable[tuple[str, torch.Tensor]], bits: int) -> I
 def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: torch.device,
                 autocast_dtype: torch.dtype | None = None, fused_step: str = "auto", compact_rows: str = "auto",
                 replica: bool = False, vllm_gpu_memory: float = 0.3,
-                routing: Routing | None = None) -> RolloutEngine:
+                routing: Routing | None = None, exact: bool = False) -> RolloutEngine:
     """The engine ``rollout.engine`` names: ``graph``, ``hf``, ``vllm`` (:mod:`gspo.rollout.vllm_engine`, imported only
     then), or ``auto`` (graph on CUDA when the model is supported); ``fused_step = "off"`` keeps the graph engine on the
     HF modules' decode step, ``compact_rows = "off"`` runs its steps on the whole batch. ``model`` gives the
     architecture and the first weights; ``replica``: the hf engine keeps its own copy of them instead of sampling from
     ``model`` (the graph and vLLM engines always do), for a policy that will be sharded across processes.
     ``routing``: an MoE policy's :class:`gspo.models.moe.Routing` for the engine to record routes into (R3); an
-    engine that cannot record them is refused, in one line, before it is built."""
+    engine that cannot record them is refused, in one line, before it is built. ``exact``: the graph engine with
+    ``rollout.exact``'s batch-invariant forward (on the CPU only under Triton's interpreter, as the tests run it)."""
     from gspo.rollout import graph
 
+    if exact:
+        import os
+
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise UserError("rollout.exact runs Triton kernels, which need a CUDA GPU; run on one, or set "
+                            "rollout.exact = false.")
+        kind = "graph"
     if kind == "auto":
         why_not = graph.unsupported(model, autocast_dtype)
         kind = "graph" if device.type == "cuda" and why_not is None else "hf"
@@ -89,7 +97,7 @@ def make_engine(kind: str, model, tokenizer, *, stop_ids: list[int], device: tor
         _refuse_unrecorded_routing(graph.GraphEngine, routing)
         return graph.GraphEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype,
                                  fused=False if fused_step == "off" else None,
-                                 compact=False if compact_rows == "off" else None, routing=routing)
+                                 compact=False if compact_rows == "off" else None, routing=routing, exact=exact)
     _refuse_unrecorded_routing(HFEngine, routing, hookless_copy=replica)
     return HFEngine(model, tokenizer, stop_ids=stop_ids, device=device, autocast_dtype=autocast_dtype, replica=replica,
                     routing=routing)

@@ -71,6 +71,23 @@ def fused_unsupported(model, length: int = 0) -> str | None:
     return None
 
 
+def exact_unsupported(model, fused_why_not: str | None, routing=None) -> str | None:
+    """Why ``rollout.exact`` cannot run this model (None when it can): the fused step's families, dense layers only (an
+    MoE block's grouped expert GEMMs and combine are not batch-invariant yet), no routing records (R3), and a rotary
+    embedding whose frequencies do not change with the length (the kernels compute cos / sin from ``inv_freq``)."""
+    if fused_why_not is not None:
+        return fused_why_not
+    layers = model.model.layers[: model.config.num_hidden_layers]
+    if not all(_dense_mlp(layer.mlp) for layer in layers):
+        return "its MoE blocks have no batch-invariant kernels yet (dense Llama / Mistral / Qwen2 / Qwen3 only)"
+    if routing is not None:
+        return "routing replay records need MoE blocks"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if "dynamic" in str(rope_type) or rope_type == "longrope":
+        return f"rope_type {rope_type!r} changes its frequencies with the sequence length"
+    return None
+
+
 class _Layer:
     """One decoder layer's packed weights (views into the engine's low-precision copies) and its norms."""
 
@@ -133,13 +150,21 @@ class FusedDecoder:
     :class:`gspo.rollout.graph.EngineWeights` makes the storage of that copy's Linear modules: the prefill's module path
     and the fused step read the same tensors, and ``sync_weights`` fills them (no second copy of the weights)."""
 
-    def __init__(self, model, dtype: torch.dtype, device):
+    def __init__(self, model, dtype: torch.dtype, device, exact: bool = False):
         cfg = model.config
         self.model = model
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, kv_heads(cfg), head_dim(cfg)
         self.layers = [_Layer(layer, dtype, device) for layer in model.model.layers[: cfg.num_hidden_layers]]
         self.norm = model.model.norm
         self.dtype = dtype
+        # rollout.exact: every step runs the batch-invariant kernels of gspo.rollout.exact_kernels, and the prefill
+        # (and the trainer's pass, gspo.train.exact) is the same forward over packed tokens (see ``exact_forward``)
+        self.exact = exact
+        if exact:
+            rotary = model.model.rotary_emb
+            self.inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
+            self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+            self._decode_tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def copies(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
         return [c for layer in self.layers for c in layer.copies()]
@@ -150,6 +175,11 @@ class FusedDecoder:
         to ``cache`` (:class:`~gspo.rollout.graph.StaticKV`) at ``slot`` and attends each row's live slots."""
         from gspo.rollout import kernels
 
+        if self.exact:  # one tile per row: its live slots from starts[b], used[b] of them (0: an ended row)
+            first, ones = self._decode_tiles.get(tok.shape[0]) or self._decode_tiles.setdefault(
+                tok.shape[0], (torch.arange(tok.shape[0], dtype=torch.int32, device=tok.device),
+                               torch.ones(tok.shape[0], dtype=torch.int32, device=tok.device)))
+            return self.exact_forward(tok, pos.view(-1), cache.k, cache.v, slot, (first, ones, starts[:-1], used))
         inner = self.model.model
         B = tok.shape[0]
         res = inner.embed_tokens(tok)  # (B, H): the residual stream, in the embedding's dtype (as HF's)
@@ -178,3 +208,48 @@ class FusedDecoder:
             delta = F.linear(act, layer.w_down, layer.b_down)  # (B, H)
         out = torch.empty(B, res.shape[1], dtype=self.dtype, device=res.device)
         return kernels.add_rmsnorm(res, delta, self.norm.weight, self.norm.variance_epsilon, out)
+
+    def exact_forward(self, ids: torch.Tensor, pos: torch.Tensor, k_store: list[torch.Tensor],
+                      v_store: list[torch.Tensor], slot: torch.Tensor, tiles: tuple,
+                      at: torch.Tensor | None = None) -> torch.Tensor:
+        """``rollout.exact``'s forward, the same computation for a decode step and a packed pass: the final-norm
+        hidden states (n, H) of tokens ``ids`` (n,) at positions ``pos`` (n,) (only rows ``at``, when given). Each
+        token's K/V go to flat slot ``slot`` of each layer's ``k_store`` / ``v_store`` (any leading shape, then Hkv, D)
+        and ``tiles`` say which slots each token attends (:func:`gspo.rollout.exact_kernels.tile_attention`). Every
+        kernel is batch-invariant, so a token's numbers are the same whatever else is in the call."""
+        from gspo.rollout import exact_kernels as ek, kernels
+
+        inner = self.model.model
+        n = ids.shape[0]
+        res = inner.embed_tokens(ids)  # (n, H): the residual stream, in the embedding's dtype (as HF's)
+        x = torch.empty(n, res.shape[1], dtype=self.dtype, device=res.device)
+        q = torch.empty(n, self.heads, self.head_dim, dtype=k_store[0].dtype, device=res.device)
+        attn = torch.empty_like(q)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            k, v = k_store[i].view(-1, self.kv_heads, self.head_dim), v_store[i].view(-1, self.kv_heads, self.head_dim)
+            kernels.add_rmsnorm(res, delta, layer.in_norm.weight, layer.in_norm.variance_epsilon, x)
+            qkv = ek.linear(x, layer.w_qkv, layer.b_qkv)  # (n, (Hq + 2 Hkv) D)
+            ek.rope_write(qkv, pos, self.inv_freq, self.rope_scale, q, k, v, slot, self.heads, self.kv_heads,
+                          self.head_dim, None if layer.q_norm is None else layer.q_norm.weight,
+                          None if layer.k_norm is None else layer.k_norm.weight,
+                          0.0 if layer.q_norm is None else layer.q_norm.variance_epsilon)
+            ek.tile_attention(q, k, v, tiles, layer.scale, attn)
+            o = ek.linear(attn.view(n, -1).to(self.dtype), layer.w_o, layer.b_o)  # (n, H)
+            kernels.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
+            gate_up = ek.linear(x, layer.w_gate_up, layer.b_gate_up)  # (n, 2I)
+            act = torch.empty(n, gate_up.shape[1] // 2, dtype=gate_up.dtype, device=res.device)
+            kernels.silu_mul(gate_up, act)
+            delta = ek.linear(act, layer.w_down, layer.b_down)  # (n, H)
+        if at is not None:  # the final norm is per row: only the rows asked for
+            res, delta = res.index_select(0, at), delta.index_select(0, at)
+        out = torch.empty(res.shape, dtype=self.dtype, device=res.device)
+        return kernels.add_rmsnorm(res, delta, self.norm.weight, self.norm.variance_epsilon, out)
+
+    def exact_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-norm hidden states (n, H): float32 logits (n, V), batch-invariant."""
+        from gspo.models import final_logits
+        from gspo.rollout import exact_kernels as ek
+
+        head = self.model.get_output_embeddings()
+        return final_logits(self.model.config, ek.linear(hidden, head.weight, head.bias, out_dtype=torch.float32))

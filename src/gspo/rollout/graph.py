@@ -41,10 +41,10 @@ from gspo.errors import UserError
 from gspo.models import (attention_context, attention_implementation, autocast_context, cache_kwarg, final_logits,
                          head_dim, kv_heads, named_weights, pad_prompts, pad_token_id, stop_token_ids)
 from gspo.models.moe import Routing, find_routers
-from gspo.rollout.fused import FusedDecoder, fused_unsupported
+from gspo.rollout.fused import FusedDecoder, exact_unsupported, fused_unsupported
 from gspo.rollout.hf import check_request, filter_logits
 from gspo.rollout.turns import TurnRows
-from gspo.runtime import free_gpu_bytes
+from gspo.runtime import free_gpu_bytes, to_device
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
@@ -377,7 +377,7 @@ class GraphEngine:
                  autocast_dtype: torch.dtype | None = None, sync_every: int = 4, use_graphs: bool | None = None,
                  max_batch: int | None = None, low_precision_weights: bool | None = None,
                  flash_decode: bool | None = None, fused: bool | None = None, compact: bool | None = None,
-                 routing: Routing | None = None):
+                 routing: Routing | None = None, exact: bool = False):
         if not supports(model):
             raise UserError(f"The graph rollout engine does not support model_type {model.config.model_type!r} "
                             f"(supported: {', '.join(SUPPORTED)}); set rollout.engine = 'hf'.")
@@ -401,6 +401,16 @@ class GraphEngine:
         self._cache_arg = cache_kwarg(model.model.layers[0].forward)
         self.warmup_s = 0.0  # seconds spent capturing graphs, cumulative
         why_not = fused_unsupported(model)
+        if exact:  # rollout.exact: the fused step's batch-invariant kernels, everywhere
+            why_exact = exact_unsupported(model, why_not, routing)
+            if why_exact is not None:
+                raise UserError(f"rollout.exact cannot run this model: {why_exact}; set rollout.exact = false.")
+            fused = True
+        self.exact = exact
+        if exact:
+            from gspo.rollout.exact_kernels import token_logprobs  # needs triton: imported only here
+
+            self._exact_logprobs = token_logprobs
         if fused is None:  # MoE included: on an H100 its fused step gave 62% of the dense fused step's tokens/s
             # (the module step 49%; benchmarks/README.md#mixture-of-experts)
             fused = self.device.type == "cuda" and self.cache_dtype in (torch.float16, torch.bfloat16) and why_not is None
@@ -412,7 +422,7 @@ class GraphEngine:
         self.weights = EngineWeights(model, self.cache_dtype if fused or low_precision_weights else master_dtype,
                                      self.device)
         self.model = self.weights.model
-        self.fused = FusedDecoder(self.model, self.cache_dtype, self.device) if fused else None
+        self.fused = FusedDecoder(self.model, self.cache_dtype, self.device, exact=exact) if fused else None
         if self.fused is not None:  # its packed weights are the copy's Linear weights: one copy for both paths
             self.weights.give_storage(self.fused.copies())
         self.weights.index()
@@ -477,6 +487,8 @@ class GraphEngine:
         return inner.norm(h[:, -1])  # (b, H)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return self.fused.exact_logits(hidden)  # (b, V) float32
         return final_logits(self.model.config, self.model.get_output_embeddings()(hidden).float())  # (b, V)
 
 
@@ -484,6 +496,8 @@ class GraphEngine:
         """Tokens (b,) and log pi(token) under softmax(logits / temperature); graph-safe (no host sync)."""
         if params.greedy:
             tok = logits.argmax(-1)  # (b,)
+            if self.exact:  # the trainer's kernel, at its temperature (the one it is given for these rows)
+                return tok, self._exact_logprobs(logits, tok, params.temperature)
             return tok, F.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
         scaled = logits / params.temperature  # (b, V)
         lse = torch.logsumexp(scaled, -1)  # (b,): log pi(v) = scaled[v] - lse, without writing a (b, V) log-softmax
@@ -492,6 +506,8 @@ class GraphEngine:
         # multinomial (which syncs). E is clamped away from 0, whose log would pick a token of probability 0.
         e = torch.empty_like(filtered).exponential_(generator=self._gen).clamp_(min=1e-30).log_()  # (b, V)
         tok = (filtered - e).argmax(-1)  # (b,)
+        if self.exact:  # the trainer's own log-prob kernel (gspo.train.exact), not torch's logsumexp
+            return tok, self._exact_logprobs(logits, tok, params.temperature)
         return tok, scaled.gather(-1, tok[:, None]).squeeze(-1) - lse
 
     # ------------------------------------------------------------------------------------------ decode step
@@ -524,7 +540,8 @@ class GraphEngine:
         b.out_tok.index_copy_(1, b.step, tok[:, None])
         b.out_logp.index_copy_(1, b.step, logp[:, None])
         b.count += live
-        b.done |= torch.isin(tok, self._stop) | (b.count >= b.room)
+        # not torch.isin: past a few stop ids it sorts, which a CUDA graph cannot capture
+        b.done |= (tok[:, None] == self._stop[None, :]).any(-1) | (b.count >= b.room)
         b.tok.copy_(tok)
         b.pos += live[:, None]  # an ended row stays at its last position: its routes record stays inside the buffer
         b.step += 1
@@ -610,6 +627,9 @@ class GraphEngine:
         b = self._bucket(rows, length)
         P = length - params.max_new_tokens
         self._gen = generator
+        if self.exact and turns is not None:
+            raise UserError("rollout.exact is not built for multi-turn rows yet (their extensions run the module "
+                            "path); set rollout.exact = false.")
         if self.swaps is not None:
             if turns is not None:
                 raise UserError("In-flight weight updates (rollout.in_flight) are not built for multi-turn rows; set "
@@ -722,7 +742,7 @@ class GraphEngine:
         b.valid.copy_(torch.where(on[:, None], (slot[None, :] >= first[:, None]) & (slot[None, :] < (first + fill)[:, None]),
                                   b.valid))  # the module step's mask
         b.tok.copy_(torch.where(on, tok, b.tok))
-        b.done.copy_(~on | torch.isin(tok, self._stop) | (room <= 1))
+        b.done.copy_(~on | (tok[:, None] == self._stop[None, :]).any(-1) | (room <= 1))  # graph-safe (see _step)
         b.count.copy_(on.int())
         b.room.copy_(room)
         b.out_tok.fill_(self.pad_id)
@@ -771,8 +791,11 @@ class GraphEngine:
             first = torch.where(mask, (torch.arange(U, device=dev) * n)[:, None], b.batch)  # (U, P)
             self._route_layout = (first.reshape(-1), pos.reshape(-1))
         b.cache.window = (0, P)  # the prompts' slots: the rest of the cache is empty
-        with attention_implementation(self.model.config, "gspo_decode"):
-            hidden = self._forward(ids, pos, attn[:, None, :, :P], b.cache)  # (U, H)
+        if self.exact:
+            hidden = self._exact_prefill(b, prompts, P)  # (U, H)
+        else:
+            with attention_implementation(self.model.config, "gspo_decode"):
+                hidden = self._forward(ids, pos, attn[:, None, :, :P], b.cache)  # (U, H)
         b.cache.window = None
         if self._routing is not None:
             src_first = torch.arange(b.batch, device=dev).div(n, rounding_mode="floor").clamp(max=U - 1) * n
@@ -808,6 +831,27 @@ class GraphEngine:
         b.starts[:-1] = torch.arange(b.batch, device=dev, dtype=torch.int32) * b.length + (P - plen)
         b.fill.copy_(plen)
         b.step.fill_(1)
+
+    def _exact_prefill(self, b: _Bucket, prompts: list[list[int]], P: int) -> torch.Tensor:
+        """``rollout.exact``'s prefill: the unique prompts as one packed pass of the fused decoder's exact forward (the
+        trainer's pass, gspo.train.exact), prompt u's K/V written to its cache row u at the slots the decode step reads
+        (the last ``len`` of the first ``P``). The final-norm hidden state of each prompt's last token (U, H)."""
+        from gspo.rollout.exact_kernels import packed_tiles
+
+        if not b.fused:
+            raise UserError(f"rollout.exact: the model's sliding window is shorter than the {b.length}-slot cache, "
+                            "which only the module step handles; lower rollout.max_new_tokens or set rollout.exact = "
+                            "false.")
+        dev, L = self.device, b.length
+        lens = [len(p) for p in prompts]
+        key_starts = [u * L + P - n for u, n in enumerate(lens)]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        pos = torch.cat([torch.arange(n) for n in lens])
+        slot = torch.cat([torch.arange(n) + k for n, k in zip(lens, key_starts)])
+        last = torch.tensor(lens).cumsum(0) - 1
+        tiles = packed_tiles(lens, key_starts, self.fused.heads // self.fused.kv_heads, dev)
+        return self.fused.exact_forward(*(to_device(t, dev) for t in (ids, pos)), b.cache.k, b.cache.v,
+                                        to_device(slot, dev), tiles, at=to_device(last, dev))
 
     def _decode(self, b: _Bucket, params: SamplingParams, keep_ended: bool = False) -> None:
         """Decode until every row of ``b`` has ended its turn (or ``max_new_tokens`` steps); ``keep_ended``: rows that

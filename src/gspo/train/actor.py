@@ -43,6 +43,7 @@ from gspo.parallel.strategy import choose as choose_strategy
 from gspo.runlog.profiler import stage
 from gspo.runtime import Runtime, to_device
 from gspo.train.critic import build_critic, refuse_strategy
+from gspo.train.exact import with_gradient_of
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout
 
@@ -70,7 +71,7 @@ def prepare_model(cfg: Config, runtime: Runtime, model: torch.nn.Module
     model.to(runtime.device)
     if disable_dropout(model):
         log.info("dropout disabled: the update must see the same policy as the old log-prob pass")
-    if cfg.train.old_logprobs == "rollout" and runtime.autocast is not None:
+    if cfg.train.old_logprobs == "rollout" and runtime.autocast is not None and not cfg.rollout.exact:
         log.warning("train.old_logprobs = 'rollout' under bf16 autocast: the engine's log-probs differ from the "
                     "trainer's by ~0.02 per token, more than GSPO's clip range; use 'recompute' or model.precision = 'fp32'.")
     if cfg.model.gradient_checkpointing:
@@ -171,6 +172,11 @@ class Actor:
                      "update runs eager")
             use_graphs = False
         self.graphs = PackedGraphs(self.model, self.runtime.autocast) if use_graphs else None
+        self.exact = None  # rollout.exact: the engine's forward over packed rows (gspo.train.exact)
+        if self.cfg.rollout.exact:
+            from gspo.train.exact import ExactPass
+
+            self.exact = ExactPass(self.model, compute_dtype, device, chunk_size=t.logprob_chunk)
 
     # ------------------------------------------------------------------------------------------ what others read
 
@@ -197,6 +203,18 @@ class Actor:
         model = self.model if model is None else model
         r = rollout if rows is None else rollout.select(rows.tolist())
         routing = self.routing if model is self.model else None
+        if self.exact is not None and model is self.model:  # rollout.exact: the engine's own numbers
+            exact, entropy = self.exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask,
+                                                 self.cfg.rollout.temperature, with_entropy and not torch.is_grad_enabled())
+            if not torch.is_grad_enabled():
+                return exact, entropy
+            # the update: those values, with the gradient of the ordinary pass at the same weights
+            logp, entropy = self._logprobs(model, r, with_entropy, graphs, pack_tokens, routing, rows)
+            return with_gradient_of(exact, logp), entropy
+        return self._logprobs(model, r, with_entropy, graphs, pack_tokens, routing, rows)
+
+    def _logprobs(self, model, r: Rollout, with_entropy: bool, graphs: bool, pack_tokens: int, routing,
+                  rows) -> tuple[torch.Tensor, torch.Tensor | None]:
         return sequence_logprobs(model, r.prompt_ids, r.completion_ids, r.completion_mask,
                                  temperature=self.cfg.rollout.temperature, pad_id=r.pad_id,
                                  chunk_size=self.cfg.train.logprob_chunk, with_entropy=with_entropy,
@@ -370,6 +388,11 @@ class Actor:
         if on_policy_fill:  # every row's old log-probs exist from here on
             batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev), old,
                                              self._on_device["sampled"]))
+        elif self.exact is not None and k == 0 and cfg.rollout.max_staleness == 0:
+            # rollout.exact with the engine's log-probs as the old ones: the proof is minibatch 0's update forward,
+            # the trainer's own recomputation at the weights that sampled the batch
+            batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev)[rows_dev], mb_logp,
+                                             self._on_device["sampled"][rows_dev]))
         # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
         with torch.no_grad(), stage("step_metrics"):
             _, metrics = policy_loss(mb_logp, old[rows_dev], adv[rows_dev], mb_mask,

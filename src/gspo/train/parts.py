@@ -78,7 +78,8 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
                                           or cfg.rollout.max_staleness > 0),
                                  vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
                                  # R3 replays the experts that sampled each token: the engine records them
-                                 routing=routing if cfg.moe.routing_replay == "rollout" else None)
+                                 routing=routing if cfg.moe.routing_replay == "rollout" else None,
+                                 exact=cfg.rollout.exact)
         holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
         actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
         lap("engine")
@@ -121,7 +122,7 @@ def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[RolloutEng
         engine = make_engine(cfg.rollout.engine, model, tokenizer, stop_ids=stop_token_ids(tokenizer, model),
                              device=runtime.device, autocast_dtype=runtime.autocast,
                              fused_step=cfg.rollout.fused_step, compact_rows=cfg.rollout.compact_rows, replica=True,
-                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory)
+                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory, exact=cfg.rollout.exact)
         return engine, _collector(cfg, runtime, tokenizer, engine, rewards, index)
     except BaseException:
         rewards.close()

@@ -1,0 +1,182 @@
+"""rollout.exact: the graph engine's log-probs equal the trainer's recomputation bit for bit (torch.equal, not a
+tolerance), for each dense family, at any batch composition, with mixed lengths and row compaction; and the check
+fails when one kernel's reduction order changes (fault injection). Without a GPU the Triton kernels run in Triton's
+interpreter (conftest sets TRITON_INTERPRET); with one, the same tests run the compiled kernels."""
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from conftest import tiny_llama
+from gspo.config import build_config
+from gspo.errors import UserError
+from gspo.runlog.metrics import read_jsonl
+from gspo.types import SamplingParams
+
+pytest.importorskip("triton")
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _family(name: str):
+    torch.manual_seed(0)
+    small = dict(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, initializer_range=0.1, tie_word_embeddings=True)
+    if name == "llama":
+        return tiny_llama(vocab_size=512, seed=4, init_std=0.1)
+    if name == "qwen2":  # biases on q, k, v
+        return Qwen2ForCausalLM(Qwen2Config(**small)).eval()
+    if name == "qwen3":  # q / k norms, head_dim set apart from the hidden size
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=32, **small)).eval()
+    return MistralForCausalLM(MistralConfig(sliding_window=None, **small)).eval()  # G = 3 query heads per KV head
+
+
+def _engine(model, tokenizer, dtype, **kw):
+    from gspo.rollout.graph import GraphEngine
+
+    # many stop tokens (~8% of a random model's mass): rows end at mixed lengths, and compaction has rows to move
+    return GraphEngine(model.to(DEV), tokenizer, stop_ids=[2, *range(100, 140)], device=DEV, autocast_dtype=dtype,
+                       exact=True, **kw)
+
+
+# prompts of 1, 5 and 70 tokens (the last spans two key blocks of the attention)
+PROMPTS = [[5, 6, 7, 8, 9], [11], [13 + i % 50 for i in range(70)]]
+SHORT = [[5, 6, 7, 8, 9], [11], [13 + i for i in range(20)]]  # the other families (Triton's interpreter is slow)
+
+
+def _rollout(engine, seed=0, max_new_tokens=10, prompts=PROMPTS, n=2):
+    return engine.generate(prompts, n, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.9),
+                           generator=torch.Generator(DEV).manual_seed(seed))
+
+
+def _trainer_logprobs(model, dtype, r, rows=None):
+    from gspo.train.exact import ExactPass
+
+    exact = ExactPass(model, dtype or torch.float32, DEV)
+    if rows is not None:
+        r = r.select(rows)
+    return exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask, 0.9)[0].cpu()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_engine_logprobs_are_the_trainers_bit_for_bit(family, tokenizer):
+    """bf16 as on a GPU: each family's sampled tokens get the same log-prob from the trainer's packed pass, over the
+    whole batch and over a reordered part of it (another batch composition and other packed offsets)."""
+    model = _family(family)
+    engine = _engine(model, tokenizer, torch.bfloat16, compact=True)  # rows that end early move to a smaller step
+    r = _rollout(engine, prompts=PROMPTS if family == "llama" else SHORT)
+    m = r.completion_mask
+    assert m.sum() > 30 and len(set(r.lengths.tolist())) > 1  # mixed lengths: compaction and ragged rows happened
+    whole = _trainer_logprobs(model, torch.bfloat16, r)
+    assert torch.equal(whole[m], r.logprobs[m])
+    rows = [5, 2, 3]
+    part = _trainer_logprobs(model, torch.bfloat16, r, rows)
+    assert torch.equal(part, whole[rows])
+
+
+def test_fp32_and_greedy_are_exact_too(tokenizer):
+    model = _family("llama")
+    engine = _engine(model, tokenizer, None)
+    r = engine.generate(SHORT, 1, SamplingParams(max_new_tokens=8, greedy=True, temperature=0.9))
+    assert torch.equal(_trainer_logprobs(model, None, r)[r.completion_mask], r.logprobs[r.completion_mask])
+
+
+@pytest.mark.parametrize("fault", ["attention key block", "matmul split-K"])
+def test_a_changed_reduction_order_shows_a_nonzero_diff(fault, tokenizer, monkeypatch):
+    """Fault injection: the engine samples with one kernel's reduction order changed (keys summed in blocks of 32
+    instead of 64, or the matmul's two halves of K summed apart, as a split-K GEMM for few rows does); the trainer
+    keeps the real ones. The diff must show. (A smaller K step is not a fault: the K loop accumulates into one
+    accumulator in the same order whatever its step.)"""
+    from gspo.rollout import exact_kernels
+
+    model = _family("llama")
+    # fp32 for the matmul: in bf16 a changed K-loop's last-bit differences mostly round away at each output (on the
+    # CPU none survived a short decode); the attention's show either way
+    dtype = torch.bfloat16 if fault == "attention key block" else None
+    engine = _engine(model, tokenizer, dtype)
+    with monkeypatch.context() as patch:
+        if fault == "attention key block":
+            patch.setattr(exact_kernels, "ATTENTION_BLOCK_N", 32)
+        else:
+            # two accumulators over the halves of K, in steps of 32: a different order on the GPU (whose dot chains
+            # its accumulator through every step) and in the CPU's interpreter (which sums each step's dot apart)
+            patch.setattr(exact_kernels, "MATMUL_SPLIT_K", 2)
+            patch.setattr(exact_kernels, "MATMUL_BLOCK", (64, 64, 32))
+        r = _rollout(engine, max_new_tokens=4, prompts=PROMPTS[2:])
+    m = r.completion_mask
+    assert (_trainer_logprobs(model, dtype, r)[m] - r.logprobs[m]).abs().max() > 0
+
+
+def test_kernels_are_batch_invariant():
+    """Row i of the matmul and the log-prob kernel is the same whatever rows come with it; a decode tile of one token
+    over the cache is the packed pass's row for that token."""
+    from gspo.rollout import exact_kernels as ek
+
+    torch.manual_seed(0)
+    x, w = torch.randn(70, 96, device=DEV).bfloat16(), torch.randn(80, 96, device=DEV).bfloat16()
+    full = ek.linear(x, w)
+    assert torch.equal(ek.linear(x[33:36], w), full[33:36]) and torch.equal(ek.linear(x[[69, 0]], w), full[[69, 0]])
+    logits, targets = torch.randn(5, 3000, device=DEV), torch.tensor([0, 7, 2999, 5, 1], device=DEV)
+    lp = ek.token_logprobs(logits, targets, 0.7)
+    assert torch.equal(ek.token_logprobs(logits[3:], targets[3:], 0.7), lp[3:])
+    torch.testing.assert_close(lp, torch.log_softmax(logits / 0.7, -1).gather(-1, targets[:, None])[:, 0])
+    # attention: two sequences of 70 and 9 tokens packed (6 query heads, 2 KV heads), against one decode query each
+    H, Hkv, D, lens = 6, 2, 16, [70, 9]
+    S = sum(lens)
+    q = torch.randn(S, H, D, device=DEV).bfloat16()
+    k, v = (torch.randn(S, Hkv, D, device=DEV).bfloat16() for _ in range(2))
+    packed = ek.tile_attention(q, k, v, ek.packed_tiles(lens, [0, 70], 3, DEV), 0.25, torch.empty_like(q))
+    i32 = dict(dtype=torch.int32, device=DEV)
+    for token, start in ((69, 0), (40, 0), (75, 70)):  # a decode query: token t of its sequence, t + 1 keys
+        tiles = (torch.tensor([token], **i32), torch.ones(1, **i32), torch.tensor([start], **i32),
+                 torch.tensor([token - start + 1], **i32))
+        one = ek.tile_attention(q, k, v, tiles, 0.25, torch.zeros_like(q))
+        assert torch.equal(one[token], packed[token])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:70].float().transpose(0, 1), k[:70].float().repeat_interleave(3, 1).transpose(0, 1),
+        v[:70].float().repeat_interleave(3, 1).transpose(0, 1), is_causal=True, scale=0.25).transpose(0, 1)
+    torch.testing.assert_close(packed[:70].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_config_refuses_what_exact_is_not_built_for(tmp_path):
+    base = ["rollout.exact=true"]
+    for extra, needle in ((["rollout.engine='hf'"], "rollout.engine"), (["lora.rank=8"], "LoRA"),
+                          (["rollout.fused_step='off'"], "fused_step"), (["rollout.engine_weight_bits=8"], "bits"),
+                          (["env.path='gspo.envs.builtin:GuessNumber'"], "multi-turn")):
+        with pytest.raises(UserError, match=needle) as e:
+            build_config({}, base + extra, device="cpu")
+        assert "\n" not in str(e.value) and "rollout.exact = false" in str(e.value)
+
+
+def test_moe_model_is_refused_in_one_line(tokenizer):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                             num_experts_per_tok=2)).eval()
+    with pytest.raises(UserError, match="MoE blocks have no batch-invariant kernels") as e:
+        _engine(model, tokenizer, torch.bfloat16)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_training_run_proves_zero_diff_and_ratio_one(tmp_path, tokenizer):
+    """A run with rollout.exact and the engine's log-probs as the old ones: every batch logs engine_diff_max = 0.0
+    (minibatch 0's update forward against the engine), and minibatch 0's ratios are exactly 1."""
+    from gspo.train import Trainer
+
+    d = tmp_path / "tiny"
+    model = tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.02)  # the real tokenizer's ids
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    cfg = build_config({}, [f"model.name='{d}'", "rollout.prompts_per_batch=2", "rollout.group_size=4",
+                            "rollout.max_new_tokens=6", "train.steps=4", "train.minibatches=2", "train.lr=1e-3",
+                            "rewards.workers=0", "log.progress=false", "rollout.exact=true",
+                            "train.old_logprobs='rollout'",
+                            "rewards.functions=[{path='trainer_rewards:text_length'}]"], device="cpu")
+    Trainer(cfg, tmp_path / "run").train()
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    first = [r for r in rows if r["minibatch"] == 0]
+    assert len(first) == 2
+    for r in first:
+        assert r["logprob/engine_diff_max"] == 0.0
+        assert r["ratio/token_min"] == r["ratio/token_max"] == 1.0
