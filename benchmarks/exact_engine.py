@@ -49,8 +49,14 @@ def timed(fn, repeats: int) -> float:
 
 
 def throughput(a, model, tok, autocast, prompts_all, out: dict) -> None:
+    from gspo.rollout import exact_kernels
+
     no_stop = [model.config.vocab_size + 1]
-    for exact in (False, True):
+    default_config = exact_kernels.MATMUL_BLOCK
+    configs = [None] + [tuple(int(x) for x in c.split("x")) for c in a.matmul_configs.split(",") if c]
+    for config in configs:  # None: the fused step; then the exact engine with each matmul configuration
+        exact = config is not None
+        exact_kernels.MATMUL_BLOCK = config or default_config
         engine = GraphEngine(model, tok, stop_ids=no_stop, device="cuda", autocast_dtype=autocast, exact=exact)
         for shape in a.shapes.split(","):
             rows, new = (int(x) for x in shape.split("x"))
@@ -61,12 +67,14 @@ def throughput(a, model, tok, autocast, prompts_all, out: dict) -> None:
             run()
             warm = time.perf_counter() - t0
             s = timed(run, a.repeats)
-            row = {"path": "exact" if exact else "fused", "rows": rows, "new": new, "tokens_per_s": rows * new / s,
+            path = "exact " + "x".join(map(str, config)) if exact else "fused"
+            row = {"path": path, "rows": rows, "new": new, "tokens_per_s": rows * new / s,
                    "ms_per_step": 1000 * s / new, "warmup_s": warm}
             out["throughput"].append(row)
             print(json.dumps(row), flush=True)
         del engine
         torch.cuda.empty_cache()
+    exact_kernels.MATMUL_BLOCK = default_config
 
 
 def exactness(a, model, tok, autocast, prompts_all, out: dict) -> None:
@@ -152,6 +160,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--shapes", default="512x128,1024x512")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--matmul-configs", default="64x128x64x4",
+                   help="the exact engine's matmul configurations to time (BLOCK_M x BLOCK_N x BLOCK_K x warps)")
     p.add_argument("--exact-batches", type=int, default=4)
     p.add_argument("--exact-rows", type=int, default=1024)
     p.add_argument("--exact-new", type=int, default=512)
@@ -163,6 +173,7 @@ def main() -> None:
     device, autocast, model, tok, card = bench_on_device(a.model, "cuda")
     task = ArithmeticTask(seed=0)
     prompts_all = encode_prompts(tok, [task[i] for i in range(max(1024, a.exact_rows + 100))])
+    prompts_all = [[min(t, model.config.vocab_size - 1) for t in p] for p in prompts_all]  # a random model's vocabulary
     out = {"model": a.model, "card": card, "torch": torch.__version__, "throughput": [], "exactness": []}
     for part in a.parts.split(","):
         {"throughput": throughput, "exactness": exactness, "trainer": trainer_cost}[part](a, model, tok, autocast,

@@ -29,9 +29,11 @@ import triton.language as tl
 
 from gspo.rollout.kernels import _INTERPRETED, _round
 
-# The matmul's one configuration. Every call uses it, whatever the rows: the point of the kernel. 64 x 64 x 64 tiles
-# keep a 512-row decode step's GEMMs at ~100 programs and a packed pass's at thousands.
-MATMUL_BLOCK = (64, 64, 64)
+# The matmul's one configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps). Every call uses it, whatever the rows: the point of
+# the kernel. Chosen on an H200 (benchmarks/exact_engine.py --matmul-configs, SmolLM2-135M): 64 x 128 x 64 with 4 warps
+# gave the exact engine 93% / 95% of the fused step's tokens/s at 512 x 128 / 1024 x 512; 64 x 64 x 64 91% / 93%,
+# 128 x 64 x 64 86% / 91%, 128 x 128 x 64 (8 warps) 82% / 92%, 32 x 64 x 64 83% / 82%.
+MATMUL_BLOCK = (64, 128, 64, 4)
 MATMUL_SPLIT_K = 1  # 2: a split-K reduction order (the tests' fault injection; never set by gspo)
 # Attention: rows of a tile (token x query head of one KV head) and keys per block. A decode tile uses G of the
 # BLOCK_M rows; the same BLOCK_M for both sides keeps each row's dot products the same instructions.
@@ -211,10 +213,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return out
-    bm, bn, bk = MATMUL_BLOCK
+    bm, bn, bk, warps = MATMUL_BLOCK
     _linear[(triton.cdiv(M, bm), triton.cdiv(N, bn))](x, weight, bias if bias is not None else weight, out, M, N, K,
                                                       HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                                      SPLIT_K=MATMUL_SPLIT_K, UPCAST=_upcast(x.dtype))
+                                                      SPLIT_K=MATMUL_SPLIT_K, UPCAST=_upcast(x.dtype),
+                                                      num_warps=warps)
     return out
 
 
@@ -258,6 +261,11 @@ def tile_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor
 def packed_tiles(seq_lens: list[int], key_starts: list[int], groups: int, device) -> tuple:
     """The tiles of a packed pass over sequences of ``seq_lens`` tokens (queries in order, sequence i's first at
     ``sum(seq_lens[:i])``), sequence i's keys from flat slot ``key_starts[i]``: (q0, ntok, kstart, kcount) int32."""
+    return tuple(tile_table(seq_lens, key_starts, groups).to(device, non_blocking=True).unbind(0))
+
+
+def tile_table(seq_lens: list[int], key_starts: list[int], groups: int) -> torch.Tensor:
+    """:func:`packed_tiles` as one CPU tensor (4, tiles) int32; a column of zeros is a tile with no token."""
     per = attention_rows(groups) // groups
     q0, ntok, kstart, kcount = [], [], [], []
     first = 0
@@ -268,8 +276,7 @@ def packed_tiles(seq_lens: list[int], key_starts: list[int], groups: int, device
             kstart.append(k)
             kcount.append(j + 1)
         first += n
-    table = torch.tensor([q0, ntok, kstart, kcount], dtype=torch.int32)
-    return tuple(table.to(device, non_blocking=True).unbind(0))
+    return torch.tensor([q0, ntok, kstart, kcount], dtype=torch.int32)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
