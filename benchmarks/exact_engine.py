@@ -160,7 +160,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--shapes", default="512x128,1024x512")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--matmul-configs", default="64x128x64x4",
+    p.add_argument("--matmul-configs", default="64x64x64x4",
                    help="the exact engine's matmul configurations to time (BLOCK_M x BLOCK_N x BLOCK_K x warps)")
     p.add_argument("--exact-batches", type=int, default=4)
     p.add_argument("--exact-rows", type=int, default=1024)

@@ -100,7 +100,7 @@ def test_a_changed_reduction_order_shows_a_nonzero_diff(fault, tokenizer, monkey
             # two accumulators over the halves of K, in steps of 32: a different order on the GPU (whose dot chains
             # its accumulator through every step) and in the CPU's interpreter (which sums each step's dot apart)
             patch.setattr(exact_kernels, "MATMUL_SPLIT_K", 2)
-            patch.setattr(exact_kernels, "MATMUL_BLOCK", (64, 128, 32, 4))
+            patch.setattr(exact_kernels, "MATMUL_BLOCK", (64, 64, 32, 4))
         r = _rollout(engine, max_new_tokens=4, prompts=PROMPTS[2:])
     m = r.completion_mask
     assert (_trainer_logprobs(model, dtype, r)[m] - r.logprobs[m]).abs().max() > 0

@@ -30,10 +30,11 @@ import triton.language as tl
 from gspo.rollout.kernels import _INTERPRETED, _round
 
 # The matmul's one configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps). Every call uses it, whatever the rows: the point of
-# the kernel. Chosen on an H200 (benchmarks/exact_engine.py --matmul-configs, SmolLM2-135M): 64 x 128 x 64 with 4 warps
-# gave the exact engine 93% / 95% of the fused step's tokens/s at 512 x 128 / 1024 x 512; 64 x 64 x 64 91% / 93%,
-# 128 x 64 x 64 86% / 91%, 128 x 128 x 64 (8 warps) 82% / 92%, 32 x 64 x 64 83% / 82%.
-MATMUL_BLOCK = (64, 128, 64, 4)
+# the kernel. A sweep on an H200 (benchmarks/exact_engine.py --matmul-configs, SmolLM2-135M) gave the exact engine, at
+# 512 x 128 / 1024 x 512, of the fused step's tokens/s: 64 x 64 x 64 91% / 93%, 64 x 128 x 64 93% / 95%, 128 x 64 x 64
+# 86% / 91%, 128 x 128 x 64 (8 warps) 82% / 92%, 32 x 64 x 64 83% / 82%. This one is the configuration whose exactness
+# was measured on the GPU (docs/experiments/engine/exact.md); 64 x 128 x 64 is faster but not yet measured there.
+MATMUL_BLOCK = (64, 64, 64, 4)
 MATMUL_SPLIT_K = 1  # 2: a split-K reduction order (the tests' fault injection; never set by gspo)
 # Attention: rows of a tile (token x query head of one KV head) and keys per block. A decode tile uses G of the
 # BLOCK_M rows; the same BLOCK_M for both sides keeps each row's dot products the same instructions.
