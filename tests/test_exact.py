@@ -73,6 +73,39 @@ def test_engine_logprobs_are_the_trainers_bit_for_bit(family, tokenizer):
     assert torch.equal(part, whole[rows])
 
 
+class _Turns:
+    """A TurnEnds: row r gets ``1 + r % 3`` turns; after each of its turns but the last, ids ``100 + r ..`` (1-4 of them,
+    different per row) are appended, as an environment's observation would be."""
+
+    def __init__(self):
+        self.left, self.calls = {}, 0
+
+    def __call__(self, rows, turn_ids):
+        self.calls += 1
+        out = []
+        for r in rows:
+            self.left[r] = self.left.get(r, 1 + r % 3) - 1
+            out.append(list(range(200 + r, 201 + r + r % 4)) if self.left[r] > 0 else None)
+        return out
+
+
+def test_multi_turn_rows_are_exact(tokenizer):
+    """Rows of 1-3 turns with appended ids between them: every sampled token of every turn (the first token of a later
+    turn comes from the extension's pass over the appended ids) has the trainer's log-prob over the whole row."""
+    model = _family("qwen2")
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(512))  # turns end on the stop token 2 after a few tokens
+    with torch.no_grad():
+        model.lm_head.bias[2] = 6.0
+    engine = _engine(model, tokenizer, torch.bfloat16, compact=True, sync_every=1)
+    turns = _Turns()
+    r = engine.generate(SHORT, 2, SamplingParams(max_new_tokens=20, temperature=0.9, max_turn_tokens=5),
+                        generator=torch.Generator(DEV).manual_seed(3), turns=turns)
+    appended = r.completion_mask & ~r.sampled
+    assert turns.calls >= 2 and appended.any(dim=1).sum() >= 2  # later turns happened, after appended ids
+    trainer = _trainer_logprobs(model, torch.bfloat16, r)
+    assert torch.equal(trainer[r.sampled], r.logprobs[r.sampled])
+
+
 def test_fp32_and_greedy_are_exact_too(tokenizer):
     model = _family("llama")
     engine = _engine(model, tokenizer, None)
@@ -141,7 +174,7 @@ def test_config_refuses_what_exact_is_not_built_for(tmp_path):
     base = ["rollout.exact=true"]
     for extra, needle in ((["rollout.engine='hf'"], "rollout.engine"), (["lora.rank=8"], "LoRA"),
                           (["rollout.fused_step='off'"], "fused_step"), (["rollout.engine_weight_bits=8"], "bits"),
-                          (["env.path='gspo.envs.builtin:GuessNumber'"], "multi-turn")):
+                          (["rollout.max_staleness=1", "rollout.in_flight='recompute'"], "in_flight")):
         with pytest.raises(UserError, match=needle) as e:
             build_config({}, base + extra, device="cpu")
         assert "\n" not in str(e.value) and "rollout.exact = false" in str(e.value)

@@ -360,8 +360,6 @@ def check_exact(cfg: Config) -> None:
         (cfg.lora.rank > 0, "LoRA (the exact pass reads plain weights, not adapters)", "set lora.rank = 0"),
         (cfg.dist.strategy == "fsdp", "dist.strategy = 'fsdp' (the exact pass needs whole weights)",
          "set dist.strategy = 'ddp'"),
-        (cfg.env.on, "multi-turn rows (env.path / env.tools: their extensions run the module path)",
-         "leave [env] unset"),
         (r.in_flight == "recompute", "rollout.in_flight = 'recompute' (it rewrites caches on the module path)",
          "set rollout.in_flight = 'keep' or 'off'"),
         (cfg.moe.routing_replay != "off", f"moe.routing_replay = {cfg.moe.routing_replay!r} (MoE blocks are not built)",

@@ -114,7 +114,7 @@ class RolloutConfig:
     the row compaction, with CUDA graphs on; ``logprob/engine_diff_max`` shows 0.0. With ``train.old_logprobs =
     "rollout"`` the recompute pass disappears and the first update's ratio is exactly 1. The update's gradient is the
     ordinary pass's at the same weights (an extra forward per micro-batch). Dense Llama / Mistral / Qwen2 / Qwen3 on a
-    GPU, single-turn, without LoRA or FSDP; anything else is refused in one line. See docs/experiments/engine."""
+    GPU, single- or multi-turn, without LoRA or FSDP; anything else is refused in one line. See docs/experiments/engine."""
     engine_weight_bits: int = 0
     """For experiments on the engine-trainer gap: the rollout engine samples from its copy of the weights with every
     weight matrix rounded to signed integers of this many bits (symmetric, one scale per output row, as weight-only

@@ -259,23 +259,25 @@ def tile_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor
     return out
 
 
-def packed_tiles(seq_lens: list[int], key_starts: list[int], groups: int, device) -> tuple:
+def packed_tiles(seq_lens: list[int], key_starts: list[int], groups: int, device,
+                 held: list[int] | None = None) -> tuple:
     """The tiles of a packed pass over sequences of ``seq_lens`` tokens (queries in order, sequence i's first at
-    ``sum(seq_lens[:i])``), sequence i's keys from flat slot ``key_starts[i]``: (q0, ntok, kstart, kcount) int32."""
-    return tuple(tile_table(seq_lens, key_starts, groups).to(device, non_blocking=True).unbind(0))
+    ``sum(seq_lens[:i])``), sequence i's keys from flat slot ``key_starts[i]``: (q0, ntok, kstart, kcount) int32.
+    ``held[i]``: keys sequence i already has before its first token here (a multi-turn row's cache), 0 by default."""
+    return tuple(tile_table(seq_lens, key_starts, groups, held).to(device, non_blocking=True).unbind(0))
 
 
-def tile_table(seq_lens: list[int], key_starts: list[int], groups: int) -> torch.Tensor:
+def tile_table(seq_lens: list[int], key_starts: list[int], groups: int, held: list[int] | None = None) -> torch.Tensor:
     """:func:`packed_tiles` as one CPU tensor (4, tiles) int32; a column of zeros is a tile with no token."""
     per = attention_rows(groups) // groups
     q0, ntok, kstart, kcount = [], [], [], []
     first = 0
-    for n, k in zip(seq_lens, key_starts):
+    for n, k, h in zip(seq_lens, key_starts, held or [0] * len(seq_lens)):
         for j in range(0, n, per):
             q0.append(first + j)
             ntok.append(min(per, n - j))
             kstart.append(k)
-            kcount.append(j + 1)
+            kcount.append(h + j + 1)
         first += n
     return torch.tensor([q0, ntok, kstart, kcount], dtype=torch.int32)
 

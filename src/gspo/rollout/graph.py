@@ -627,9 +627,6 @@ class GraphEngine:
         b = self._bucket(rows, length)
         P = length - params.max_new_tokens
         self._gen = generator
-        if self.exact and turns is not None:
-            raise UserError("rollout.exact is not built for multi-turn rows yet (their extensions run the module "
-                            "path); set rollout.exact = false.")
         if self.swaps is not None:
             if turns is not None:
                 raise UserError("In-flight weight updates (rollout.in_flight) are not built for multi-turn rows; set "
@@ -687,6 +684,8 @@ class GraphEngine:
         (at least 64, at most the cache's length): the shapes are static, so on CUDA the forward is a graph captured
         once per ``(W, S)`` and replayed (as one eager forward it cost a roughly fixed 38-57 ms of kernel launches on an
         H200, 14-47% of re-prefilling the history). Rows with nothing to feed are all padding and end at once."""
+        if self.exact:
+            return self._exact_extend(b, at, chunks, room, params)
         W = max(8, 1 << (max(len(c) for c in chunks) - 1).bit_length())
         ids = torch.full((b.batch, W), self.pad_id, dtype=torch.long)
         k = torch.zeros(b.batch, dtype=torch.int32)
@@ -708,6 +707,49 @@ class GraphEngine:
         else:
             self._extend_step(b, W, S, params)
         self._route_layout = (b.route_rows, b.pos[:, 0])  # decode: every row, at its fed token's position
+
+    def _exact_extend(self, b: _Bucket, at: torch.Tensor, chunks: list[list[int]], room: list[int],
+                      params: SamplingParams) -> None:
+        """``_extend`` under ``rollout.exact``: the fed ids of every row as one packed pass of the exact forward (each
+        row a sequence whose keys start at its cache row's first slot, after the ``fill`` it holds), so that their
+        K/V and the next turn's first token are the trainer's numbers; the rows' state then changes as
+        ``_extend_step`` changes it. Eager: once per turn, and its shapes change with every turn."""
+        from gspo.rollout.exact_kernels import packed_tiles
+
+        dev, L = self.device, b.length
+        rows = at.tolist()
+        first = (b.starts[:-1] % L).tolist()  # after _home: row i's state is over its own cache row i
+        fill = b.fill.tolist()
+        lens = [len(c) for c in chunks]
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long)
+        pos = torch.cat([torch.arange(fill[r], fill[r] + n) for r, n in zip(rows, lens)])
+        slot = torch.cat([torch.arange(n) + r * L + first[r] + fill[r] for r, n in zip(rows, lens)])
+        last = torch.tensor(lens).cumsum(0) - 1
+        tiles = packed_tiles(lens, [r * L + first[r] for r in rows], self.fused.heads // self.fused.kv_heads, dev,
+                             held=[fill[r] for r in rows])
+        hidden = self.fused.exact_forward(*(to_device(t, dev) for t in (ids, pos)), b.cache.k, b.cache.v,
+                                          to_device(slot, dev), tiles, at=to_device(last, dev))  # (R, H)
+        tok, logp = self._sample(self._logits(hidden), params)  # (R,)
+        on = torch.zeros(b.batch, dtype=torch.bool, device=dev)
+        on[at] = True
+        fed = torch.zeros(b.batch, dtype=b.fill.dtype, device=dev)
+        fed[at] = torch.tensor(lens, dtype=b.fill.dtype, device=dev)
+        rooms = torch.zeros(b.batch, dtype=b.room.dtype, device=dev)
+        rooms[at] = torch.tensor(room, dtype=b.room.dtype, device=dev)
+        new_tok = torch.full((b.batch,), self.pad_id, dtype=torch.long, device=dev)
+        new_tok[at] = tok
+        new_logp = torch.zeros(b.batch, dtype=b.out_logp.dtype, device=dev)
+        new_logp[at] = logp.to(new_logp.dtype)
+        b.fill += fed
+        b.pos.copy_(torch.where(on, b.fill.long(), b.pos[:, 0])[:, None])  # the position of the token just sampled
+        b.tok.copy_(torch.where(on, new_tok, b.tok))
+        b.done.copy_(~on | (new_tok[:, None] == self._stop[None, :]).any(-1) | (rooms <= 1))
+        b.count.copy_(on.int())
+        b.room.copy_(rooms)
+        b.out_tok.fill_(self.pad_id)
+        b.out_logp.zero_()
+        b.out_tok[:, 0], b.out_logp[:, 0] = new_tok, new_logp
+        b.step.fill_(1)
 
     def _extend_step(self, b: _Bucket, W: int, S: int, params: SamplingParams) -> None:
         """The work of ``_extend`` on the bucket's static buffers (``b.extension[W]``: ids ``(B, W)``, right-aligned;
