@@ -76,8 +76,9 @@ def test_ppo_refusals(tiny_dir):
         build_config({"algorithm": "gmpo", "loss": {"advantage_baseline": "critic", "advantage_scale": "tokens"}})
     with pytest.raises(UserError, match="ppo.lam = 1.5 is invalid; use a lambda in \\[0, 1\\]"):
         build_config({"algorithm": "ppo", "ppo": {"lam": 1.5}})
-    with pytest.raises(UserError, match="loss.step_credit adds process credit.*PPO"):
-        build_config({"algorithm": "ppo", "loss": {"step_credit": "task"}, "data": {"task": "running_sum"}})
+    with pytest.raises(UserError, match="loss.step_credit adds process credit.*RLOO, REINFORCE"):
+        build_config({"algorithm": "rloo", "loss": {"step_credit": "task"}, "data": {"task": "running_sum"}})
+    build_config({"algorithm": "ppo", "loss": {"step_credit": "task"}, "data": {"task": "running_sum"}})  # GAE takes it
     from gspo.algorithms import group_advantages
 
     with pytest.raises(UserError, match="Unknown group advantage baseline 'critic'"):
@@ -127,3 +128,16 @@ def test_what_ppo_cannot_do_is_refused_in_one_line(tiny_dir, tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "PPO's value model gives one per token" in err[0]
+
+
+def test_step_credit_feeds_gae(tiny_dir, tmp_path):
+    """loss.step_credit with PPO: each step's credit is a token reward at the step's last token. On the first batch
+    the value model's estimates are 0 (a zero head) and gamma = lam = 1, so every token's return is the outcome plus
+    the credit of the steps that end at or after it: the mean return moves by the credit, the outcome stays."""
+    runs = {}
+    for name, extra in (("outcome", ()), ("credit", ("loss.step_credit='trainer_rewards:every_third_char'",
+                                                     "loss.step_credit_weight=0.5"))):
+        Trainer(tiny_config(tiny_dir, "algorithm='ppo'", *extra), tmp_path / name).train()
+        runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[0]
+    assert runs["credit"]["reward/mean"] == runs["outcome"]["reward/mean"]  # the same samples (same seed)
+    assert runs["credit"]["critic/return_mean"] > runs["outcome"]["critic/return_mean"]

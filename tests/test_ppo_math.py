@@ -114,3 +114,16 @@ def test_explained_variance():
     # V = [1, 1, 1]: R - V = [0, 1, 2] has the variance of R -> 0; V = R + [1, -1, 1]: var([-1, 1, -1]) = 4/3, var(R) = 1
     assert explained_variance(ret + torch.tensor([[1.0, -1.0, 1.0, 0.0]]), ret, mask).item() == pytest.approx(-1 / 3)
     assert explained_variance(ret, torch.ones(1, 4), mask).isnan()
+
+
+def test_step_token_rewards_pay_each_steps_credit_at_its_last_token():
+    from gspo.algorithms.ppo import step_token_rewards
+
+    out = step_token_rewards([[2, 5, 0], [], [7]], [[1.0, 0.5, 9.0], [], [3.0]], width=6, weight=2.0)
+    # row 0: steps end at tokens 1 and 4 (the empty step pays nothing); row 2's step ends past the width: dropped
+    assert out.tolist() == [[0, 2, 0, 0, 1, 0], [0] * 6, [0] * 6]
+    # into GAE with gamma = lam = 1 and zero values: each token's advantage is the rewards from it on
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    rewards = outcome_token_rewards(torch.tensor([1.0]), mask, out[:1])
+    adv, returns = gae(rewards, torch.zeros(1, 6), mask, 1.0, 1.0)
+    assert adv.tolist() == [[4.0, 4.0, 2.0, 2.0, 2.0, 0.0]] and torch.equal(returns, adv)

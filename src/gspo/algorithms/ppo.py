@@ -32,6 +32,22 @@ def outcome_token_rewards(rewards: Tensor, mask: Tensor, token_rewards: Tensor |
     return out
 
 
+def step_token_rewards(step_ends: list[list[int]], step_credit: list[list[float]], width: int,
+                       weight: float = 1.0) -> Tensor:
+    """Process rewards as token rewards for GAE (``loss.step_credit`` with PPO): step k of row b, ending just past token
+    ``step_ends[b][k] - 1``, pays ``weight * step_credit[b][k]`` at that token, its last.  (B, width) float64
+
+    Unlike the group-relative step credit of the GRPO family (:func:`gspo.algorithms.advantages.step_advantages`,
+    credits centred within their group), the critic learns what each step is worth: the credits are raw rewards, as a
+    process reward model's scores are in PPO. A step that ends at token 0 (an empty step) pays nothing."""
+    out = torch.zeros(len(step_ends), width, dtype=torch.float64)
+    for b, (ends, credits) in enumerate(zip(step_ends, step_credit)):
+        for end, credit in zip(ends, credits):
+            if 0 < end <= width:
+                out[b, end - 1] += weight * float(credit)
+    return out
+
+
 def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over each row's steps, backwards from its last.
 

@@ -182,10 +182,12 @@ def check_loss(cfg: Config) -> None:
     _one_of(lc.aggregation, AGGREGATIONS, "loss.aggregation")
     _one_of(lc.advantage_scale, SCALES, "loss.advantage_scale")
     _one_of(lc.advantage_baseline, BASELINES, "loss.advantage_baseline")
-    if lc.step_credit is not None and (lc.advantage_scale == "tokens" or lc.advantage_baseline != "group_mean"):
-        raise UserError(f"loss.step_credit adds process credit to group-centred advantages, and loss.advantage_scale = "
-                        f"{lc.advantage_scale!r} with loss.advantage_baseline = {lc.advantage_baseline!r} is not that "
-                        "(RLOO, REINFORCE++, PPO); use a GRPO-family preset, or unset loss.step_credit.")
+    if lc.step_credit is not None and lc.advantage_baseline != "critic" and (
+            lc.advantage_scale == "tokens" or lc.advantage_baseline != "group_mean"):
+        raise UserError(f"loss.step_credit adds process credit to group-centred advantages (or, with PPO, token rewards "
+                        f"to GAE), and loss.advantage_scale = {lc.advantage_scale!r} with loss.advantage_baseline = "
+                        f"{lc.advantage_baseline!r} is neither (RLOO, REINFORCE++); use a GRPO-family preset or "
+                        "algorithm = 'ppo', or unset loss.step_credit.")
     if lc.advantage_baseline == "critic":
         if lc.level == "sequence":
             raise UserError(f"loss.advantage_baseline = 'critic' (PPO's GAE) gives per-token advantages, which "

@@ -185,8 +185,9 @@ class LossConfig:
     picks the one of ``data.task``; ``env``: with ``env.path``, each turn is a step credited with the reward its
     ``step`` returned). Each token
     gets the outcome advantage plus the normalised credit of its step and every later one (DeepSeekMath's process
-    supervision; centred on the group's steps and scaled as ``loss.advantage_scale`` says). Token-level ratios only:
-    GSPO-token (``gspo_token``) or GRPO-family presets."""
+    supervision; centred on the group's steps and scaled as ``loss.advantage_scale`` says). With PPO
+    (``algorithm = "ppo"``) each step's credit is instead a token reward at the step's last token, which GAE and the
+    value model take in. Token-level ratios only: GSPO-token (``gspo_token``), GRPO-family presets or PPO."""
     step_credit_weight: float = 1.0
     """Weight of the process-credit term against the outcome advantage (with ``loss.step_credit``)."""
     mismatch_correction: str = "off"

@@ -55,6 +55,14 @@ def turn_advantages(rollout, outcome: torch.Tensor, rewards: torch.Tensor, group
     credit is the environment's reward for it (``rollout.turn_rewards``), ending just past the turn's last sampled
     token (see :func:`gspo.algorithms.advantages.step_advantages`). A turn cut off by a token limit has no reward and
     keeps the outcome advantage alone; a trajectory whose environment failed (NaN reward) gets no process credit."""
+    step_ends, step_credit = turn_steps(rollout, rewards)
+    return step_advantages(outcome, step_ends, step_credit, group_size, rollout.completion_ids.shape[1],
+                           weight=weight, scale=scale)
+
+
+def turn_steps(rollout, rewards: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    """Each multi-turn row's steps: the token ends (just past each turn's last sampled token) and credits (the
+    environment's reward for the turn) of its turns that have one; none for a row whose environment failed."""
     step_ends, step_credit = [], []
     for i, credits in enumerate(rollout.turn_rewards):
         sampled = rollout.sampled[i].tolist()
@@ -62,8 +70,7 @@ def turn_advantages(rollout, outcome: torch.Tensor, rewards: torch.Tensor, group
         k = 0 if rewards[i] != rewards[i] else min(len(ends), len(credits))
         step_ends.append(ends[:k])
         step_credit.append(list(credits[:k]))
-    return step_advantages(outcome, step_ends, step_credit, group_size, rollout.completion_ids.shape[1],
-                           weight=weight, scale=scale)
+    return step_ends, step_credit
 
 
 def token_advantages(spans: list[tuple[list[int], list[float]]], tokenizer, rollout, outcome: torch.Tensor,
@@ -71,6 +78,13 @@ def token_advantages(spans: list[tuple[list[int], list[float]]], tokenizer, roll
     """Per-token advantages ``(N, T)`` of a rollout batch: each completion's steps (``spans``: character ends and
     credits, from :meth:`gspo.rewards.runner.RewardRunner.step_spans`) mapped to token ends, added to the outcome
     advantages ``(N,)`` (see :func:`step_advantages`)."""
+    step_ends, step_credit = task_steps(spans, tokenizer, rollout)
+    return step_advantages(outcome, step_ends, step_credit, group_size, rollout.completion_ids.shape[1],
+                           weight=weight, scale=scale)
+
+
+def task_steps(spans: list[tuple[list[int], list[float]]], tokenizer, rollout) -> tuple[list[list[int]], list[list[float]]]:
+    """Each completion's steps (``spans``: character ends and credits) as token ends and credits."""
     step_ends, step_credit = [], []
     for i, (text, (ends, credits)) in enumerate(zip(rollout.texts, spans)):
         ids = rollout.completion_ids[i][rollout.completion_mask[i]].tolist()
@@ -78,5 +92,4 @@ def token_advantages(spans: list[tuple[list[int], list[float]]], tokenizer, roll
         # the tokens of a step ending at character e: those starting before e
         step_ends.append([bisect.bisect_left(starts, e) for e in ends])
         step_credit.append(credits)
-    return step_advantages(outcome, step_ends, step_credit, group_size, rollout.completion_ids.shape[1],
-                           weight=weight, scale=scale)
+    return step_ends, step_credit

@@ -29,7 +29,9 @@ from gspo.runlog.profiler import stage
 from gspo.prompts import encode_prompts
 from gspo.envs.episodes import COUNTS as env_counts, Episodes, batch_metrics as env_metrics
 from gspo.rewards.runner import RewardRunner
-from gspo.rewards.steps import token_advantages, turn_advantages
+from gspo.algorithms.advantages import step_advantages
+from gspo.algorithms.ppo import outcome_token_rewards, step_token_rewards
+from gspo.rewards.steps import task_steps, turn_steps
 from gspo.types import FINISH_LENGTH, Batch, Example, Groups, Rollout, SamplingParams
 
 log = logging.getLogger("gspo")
@@ -279,19 +281,23 @@ class Collector:
         else:
             adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale,
                                    baseline=cfg.loss.advantage_baseline)  # (N,)
-        if self.rewards.steps is not None:  # (N, T): the outcome advantage plus each token's process credit
-            spans = self.rewards.step_spans(rollout.texts, groups.examples)
-            adv = token_advantages(spans, self.tokenizer, rollout, adv, cfg.rollout.group_size,
-                                   cfg.loss.step_credit_weight, cfg.loss.advantage_scale)
-        elif cfg.loss.step_credit == "env":  # (N, T): the same, each turn a step credited with its environment reward
-            adv = turn_advantages(rollout, adv, groups.rewards, cfg.rollout.group_size, cfg.loss.step_credit_weight,
-                                  cfg.loss.advantage_scale)
+        steps = None  # (token ends, credits) of each row's steps, with loss.step_credit
+        if self.rewards.steps is not None:
+            steps = task_steps(self.rewards.step_spans(rollout.texts, groups.examples), self.tokenizer, rollout)
+        elif cfg.loss.step_credit == "env":  # each turn a step credited with its environment reward
+            steps = turn_steps(rollout, groups.rewards)
+        if steps is not None and not critic:  # (N, T): the outcome advantage plus each token's process credit
+            adv = step_advantages(adv, *steps, cfg.rollout.group_size, rollout.completion_ids.shape[1],
+                                  weight=cfg.loss.step_credit_weight, scale=cfg.loss.advantage_scale)
         loss_mask = rollout.sampled.clone()  # (N, T): the tokens the policy chose
         truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
         if cfg.loss.mask_truncated:
             loss_mask &= ~truncated[:, None]
         if critic:  # a failed reward is no return to learn from
             loss_mask &= torch.isfinite(shaped)[:, None]
+            if steps is not None:  # (N, T) token rewards for GAE: the outcome at the last step, the steps' credit
+                process = step_token_rewards(*steps, rollout.completion_ids.shape[1], cfg.loss.step_credit_weight)
+                adv = outcome_token_rewards(adv, loss_mask, process).float()
         elif cfg.loss.advantage_scale == "tokens":  # REINFORCE++: over the loss tokens of completions with a reward
             adv = whiten_tokens(adv, loss_mask & torch.isfinite(shaped)[:, None])  # (N, T)
         m = self.reward_metrics(groups, rounds, timing)

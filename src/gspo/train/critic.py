@@ -6,7 +6,8 @@ on the same minibatch.
 Per rollout batch (:meth:`Critic.prepare`, before any weight changes):
 
     V_old = critic(every row)                              (N, T), each process its rows, then shared
-    r_t   = the outcome reward at each row's last step     (gspo.algorithms.ppo.outcome_token_rewards)
+    r_t   = the outcome reward at each row's last step     (gspo.algorithms.ppo.outcome_token_rewards), plus with
+            loss.step_credit each step's credit at its last token (gspo.algorithms.ppo.step_token_rewards)
     A, R  = gae(r, V_old, gamma, lam)                      advantages and value targets
     A     = whitened over the batch's loss tokens          (loss.advantage_scale = "tokens"; "none" leaves them)
 
@@ -90,7 +91,9 @@ class Critic:
             self.model.train(was)
         share(old, plan, range(len(plan.minibatches)))
         mask = loss_mask.to(dev)
-        rewards = outcome_token_rewards(batch.advantages.to(dev), mask)  # (N, T): collect left the rewards there
+        rewards = batch.advantages.to(dev)  # collect left the rewards there: (N,) outcomes, or (N, T) token rewards
+        if rewards.dim() == 1:  # (with loss.step_credit the steps' credit is already in)
+            rewards = outcome_token_rewards(rewards, mask)  # (N, T)
         adv, returns = gae(rewards, old, mask, p.gamma, p.lam)  # (N, T) float64
         if self.cfg.loss.advantage_scale == "tokens":
             adv = whiten_tokens(adv, mask)
