@@ -73,16 +73,6 @@ def turn_steps(rollout, rewards: torch.Tensor) -> tuple[list[list[int]], list[li
     return step_ends, step_credit
 
 
-def token_advantages(spans: list[tuple[list[int], list[float]]], tokenizer, rollout, outcome: torch.Tensor,
-                     group_size: int, weight: float, scale: str = "group") -> torch.Tensor:
-    """Per-token advantages ``(N, T)`` of a rollout batch: each completion's steps (``spans``: character ends and
-    credits, from :meth:`gspo.rewards.runner.RewardRunner.step_spans`) mapped to token ends, added to the outcome
-    advantages ``(N,)`` (see :func:`step_advantages`)."""
-    step_ends, step_credit = task_steps(spans, tokenizer, rollout)
-    return step_advantages(outcome, step_ends, step_credit, group_size, rollout.completion_ids.shape[1],
-                           weight=weight, scale=scale)
-
-
 def task_steps(spans: list[tuple[list[int], list[float]]], tokenizer, rollout) -> tuple[list[list[int]], list[list[float]]]:
     """Each completion's steps (``spans``: character ends and credits) as token ends and credits."""
     step_ends, step_credit = [], []
