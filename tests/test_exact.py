@@ -9,6 +9,7 @@ from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2Fo
 from conftest import tiny_llama
 from gspo.config import build_config
 from gspo.errors import UserError
+from gspo.models import named_weights
 from gspo.runlog.metrics import read_jsonl
 from gspo.types import SamplingParams
 
@@ -30,6 +31,14 @@ def _family(name: str):
     return MistralForCausalLM(MistralConfig(sliding_window=None, **small)).eval()  # G = 3 query heads per KV head
 
 
+def _stop_sooner(model, bias: float):
+    """The LM head biased towards the stop token 2 (an LM head bias, which both sides' forward read)."""
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.weight.shape[0]))
+    with torch.no_grad():
+        model.lm_head.bias[2] = bias
+    return model
+
+
 def _engine(model, tokenizer, dtype, **kw):
     from gspo.rollout.graph import GraphEngine
 
@@ -48,24 +57,28 @@ def _rollout(engine, seed=0, max_new_tokens=10, prompts=PROMPTS, n=2):
                            generator=torch.Generator(DEV).manual_seed(seed))
 
 
-def _trainer_logprobs(model, dtype, r, rows=None):
+def _trainer_logprobs(model, dtype, r, rows=None, temperature=0.9):
     from gspo.train.exact import ExactPass
 
     exact = ExactPass(model, dtype or torch.float32, DEV)
     if rows is not None:
         r = r.select(rows)
-    return exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask, 0.9)[0].cpu()
+    return exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask, temperature)[0].cpu()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_engine_logprobs_are_the_trainers_bit_for_bit(family, tokenizer):
     """bf16 as on a GPU: each family's sampled tokens get the same log-prob from the trainer's packed pass, over the
     whole batch and over a reordered part of it (another batch composition and other packed offsets)."""
-    model = _family(family)
-    engine = _engine(model, tokenizer, torch.bfloat16, compact=True)  # rows that end early move to a smaller step
-    r = _rollout(engine, prompts=PROMPTS if family == "llama" else SHORT)
+    model = _stop_sooner(_family(family), 3.0)
+    # 12 rows in a bucket of 16, checked every step: once 8 are left they move to an 8-row step (compaction)
+    engine = _engine(model, tokenizer, torch.bfloat16, compact=True, sync_every=1)
+    compacted = []
+    move = engine._compact
+    engine._compact = lambda b, v, rows, live: compacted.append(rows) or move(b, v, rows, live)
+    r = _rollout(engine, prompts=PROMPTS if family == "llama" else SHORT, n=4)
     m = r.completion_mask
-    assert m.sum() > 30 and len(set(r.lengths.tolist())) > 1  # mixed lengths: compaction and ragged rows happened
+    assert m.sum() > 30 and len(set(r.lengths.tolist())) > 1 and compacted  # ragged rows, and compaction happened
     whole = _trainer_logprobs(model, torch.bfloat16, r)
     assert torch.equal(whole[m], r.logprobs[m])
     rows = [5, 2, 3]
@@ -92,10 +105,7 @@ class _Turns:
 def test_multi_turn_rows_are_exact(tokenizer):
     """Rows of 1-3 turns with appended ids between them: every sampled token of every turn (the first token of a later
     turn comes from the extension's pass over the appended ids) has the trainer's log-prob over the whole row."""
-    model = _family("qwen2")
-    model.lm_head.bias = torch.nn.Parameter(torch.zeros(512))  # turns end on the stop token 2 after a few tokens
-    with torch.no_grad():
-        model.lm_head.bias[2] = 6.0
+    model = _stop_sooner(_family("qwen2"), 6.0)  # turns end on the stop token 2 after a few tokens
     engine = _engine(model, tokenizer, torch.bfloat16, compact=True, sync_every=1)
     turns = _Turns()
     r = engine.generate(SHORT, 2, SamplingParams(max_new_tokens=20, temperature=0.9, max_turn_tokens=5),
@@ -110,7 +120,32 @@ def test_fp32_and_greedy_are_exact_too(tokenizer):
     model = _family("llama")
     engine = _engine(model, tokenizer, None)
     r = engine.generate(SHORT, 1, SamplingParams(max_new_tokens=8, greedy=True, temperature=0.9))
-    assert torch.equal(_trainer_logprobs(model, None, r)[r.completion_mask], r.logprobs[r.completion_mask])
+    # greedy rows record log pi at temperature 1, as every engine does
+    assert torch.equal(_trainer_logprobs(model, None, r, temperature=1.0)[r.completion_mask],
+                       r.logprobs[r.completion_mask])
+
+
+def test_a_request_split_over_calls_and_the_padded_trainer_pass_are_exact(tokenizer):
+    """A request larger than ``max_batch`` is generated in several calls (other buckets, other cache lengths); the
+    trainer's graphed pass pads the packed row with a dummy sequence and the tile table with empty tiles (here run
+    eagerly: the CPU has no graphs): neither changes a real token's numbers."""
+    from gspo.rollout.exact_kernels import tile_table
+    from gspo.train.exact import ExactPass
+
+    model = _family("mistral")
+    engine = _engine(model, tokenizer, torch.bfloat16, max_batch=8)
+    r = _rollout(engine, prompts=SHORT, n=4, max_new_tokens=6)  # 12 rows: calls of 2 prompts x 4, then 1 x 4
+    assert torch.equal(_trainer_logprobs(model, torch.bfloat16, r)[r.completion_mask], r.logprobs[r.completion_mask])
+    exact = ExactPass(model, torch.bfloat16, DEV)
+    exact.weights.load(named_weights(model))  # (what logprobs does first)
+    lens, starts = [5, 20, 1], [0, 5, 25]
+    ids, pos = torch.randint(0, 512, (26,)), torch.cat([torch.arange(n) for n in lens])
+    plain = exact._forward(ids.to(DEV), pos.to(DEV), tile_table(lens, starts, 3).to(DEV))
+    table = tile_table([*lens, 6], [*starts, 26], 3)
+    table = torch.cat([table, table.new_zeros(4, 5)], 1)  # 5 empty tiles
+    padded = exact._forward(torch.cat([ids, torch.zeros(6, dtype=torch.long)]).to(DEV),
+                            torch.cat([pos, torch.arange(6)]).to(DEV), table.to(DEV))
+    assert torch.equal(padded[:26], plain)
 
 
 @pytest.mark.parametrize("fault", ["attention key block", "matmul split-K"])

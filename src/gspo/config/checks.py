@@ -365,7 +365,7 @@ def check_exact(cfg: Config) -> None:
         (r.in_flight == "recompute", "rollout.in_flight = 'recompute' (it rewrites caches on the module path)",
          "set rollout.in_flight = 'keep' or 'off'"),
         (cfg.moe.routing_replay != "off", f"moe.routing_replay = {cfg.moe.routing_replay!r} (MoE blocks are not built)",
-         "set moe.routing_replay = 'off' or rollout.exact = false"),
+         "set moe.routing_replay = 'off'"),
     )
     for refused, what, fix in refusals:
         if refused:

@@ -379,8 +379,9 @@ class GraphEngine:
                  flash_decode: bool | None = None, fused: bool | None = None, compact: bool | None = None,
                  routing: Routing | None = None, exact: bool = False):
         if not supports(model):
+            fix = "set rollout.exact = false (it needs this engine)" if exact else "set rollout.engine = 'hf'"
             raise UserError(f"The graph rollout engine does not support model_type {model.config.model_type!r} "
-                            f"(supported: {', '.join(SUPPORTED)}); set rollout.engine = 'hf'.")
+                            f"(supported: {', '.join(SUPPORTED)}); {fix}.")
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.stop_ids = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
@@ -496,11 +497,10 @@ class GraphEngine:
         """Tokens (b,) and log pi(token) under softmax(logits / temperature); graph-safe (no host sync)."""
         if params.greedy:
             tok = logits.argmax(-1)  # (b,)
-            if self.exact:  # the trainer's kernel, at its temperature (the one it is given for these rows)
-                return tok, self._exact_logprobs(logits, tok, params.temperature)
+            if self.exact:  # the trainer's kernel; greedy rows record log pi at temperature 1, as every engine does
+                return tok, self._exact_logprobs(logits, tok, 1.0)
             return tok, F.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
         scaled = logits / params.temperature  # (b, V)
-        lse = torch.logsumexp(scaled, -1)  # (b,): log pi(v) = scaled[v] - lse, without writing a (b, V) log-softmax
         filtered = filter_logits(scaled, params)
         # Gumbel-max: with E ~ Exp(1), -log E is Gumbel, and argmax(l - log E) is a draw from softmax(l), with no
         # multinomial (which syncs). E is clamped away from 0, whose log would pick a token of probability 0.
@@ -508,6 +508,7 @@ class GraphEngine:
         tok = (filtered - e).argmax(-1)  # (b,)
         if self.exact:  # the trainer's own log-prob kernel (gspo.train.exact), not torch's logsumexp
             return tok, self._exact_logprobs(logits, tok, params.temperature)
+        lse = torch.logsumexp(scaled, -1)  # (b,): log pi(v) = scaled[v] - lse, without writing a (b, V) log-softmax
         return tok, scaled.gather(-1, tok[:, None]).squeeze(-1) - lse
 
     # ------------------------------------------------------------------------------------------ decode step
@@ -882,8 +883,8 @@ class GraphEngine:
 
         if not b.fused:
             raise UserError(f"rollout.exact: the model's sliding window is shorter than the {b.length}-slot cache, "
-                            "which only the module step handles; lower rollout.max_new_tokens or set rollout.exact = "
-                            "false.")
+                            "which only the module step handles; lower rollout.max_new_tokens or "
+                            "data.max_prompt_tokens, or set rollout.exact = false.")
         dev, L = self.device, b.length
         lens = [len(p) for p in prompts]
         key_starts = [u * L + P - n for u, n in enumerate(lens)]

@@ -47,7 +47,7 @@ def _round(x, dtype: tl.constexpr):
 def _add_rmsnorm(res_ptr, delta_ptr, w_ptr, out_ptr, N, eps,
                  HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row: res <- res + delta (in res's dtype, as HF's residual add), out <- w * rmsnorm(res).
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows * N passes 2^31 in a long packed pass (rollout.exact's)
     offs = tl.arange(0, BLOCK)
     m = offs < N
     x = tl.load(res_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
@@ -155,7 +155,7 @@ def _decode_attention(q_ptr, k_cache, v_cache, starts_ptr, used_ptr, out_ptr, L,
 def _silu_mul(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
     # x row = [gate | up] (2I); out = silu(gate) * up, with silu(gate) rounded to the storage dtype first (HF computes
     # act_fn(gate) as its own op).
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows * 2I passes 2^31 at ~57k tokens of a 7B model's MLP
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = col < I
     gate = tl.load(x_ptr + row * 2 * I + col, mask=m, other=0.0).to(tl.float32)

@@ -174,9 +174,15 @@ class Actor:
         self.graphs = PackedGraphs(self.model, self.runtime.autocast) if use_graphs else None
         self.exact = None  # rollout.exact: the engine's forward over packed rows (gspo.train.exact)
         if self.cfg.rollout.exact:
+            from gspo.parallel.holding import Sharded
             from gspo.train.exact import ExactPass
 
-            self.exact = ExactPass(self.model, compute_dtype, device, chunk_size=t.logprob_chunk)
+            if isinstance(self.holding, Sharded):  # dist.strategy = "auto" chose FSDP for a large model
+                raise UserError("rollout.exact is not built for FSDP, which dist.strategy chose for this model (the "
+                                "exact pass needs whole weights); set dist.strategy = 'ddp', or set rollout.exact = "
+                                "false.")
+            self.exact = ExactPass(self.model, compute_dtype, device, chunk_size=t.logprob_chunk,
+                                   use_graphs=device.type == "cuda" and t.cuda_graphs == "auto")
 
     # ------------------------------------------------------------------------------------------ what others read
 
@@ -388,7 +394,8 @@ class Actor:
         if on_policy_fill:  # every row's old log-probs exist from here on
             batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev), old,
                                              self._on_device["sampled"]))
-        elif self.exact is not None and k == 0 and cfg.rollout.max_staleness == 0:
+        elif (self.exact is not None and k == 0 and cfg.train.old_logprobs == "rollout"
+              and cfg.rollout.max_staleness == 0):
             # rollout.exact with the engine's log-probs as the old ones: the proof is minibatch 0's update forward,
             # the trainer's own recomputation at the weights that sampled the batch
             batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev)[rows_dev], mb_logp,

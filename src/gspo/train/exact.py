@@ -53,9 +53,13 @@ class ExactPass:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, chunk_size: int = 1024,
                  use_graphs: bool | None = None):
-        from gspo.rollout.fused import FusedDecoder
+        from gspo.errors import UserError
+        from gspo.rollout.fused import FusedDecoder, exact_unsupported, fused_unsupported
         from gspo.rollout.graph import EngineWeights
 
+        why_not = exact_unsupported(model, fused_unsupported(model))
+        if why_not is not None:
+            raise UserError(f"rollout.exact cannot run this model: {why_not}; set rollout.exact = false.")
         self.source = model
         self.weights = EngineWeights(model, dtype, device)
         self.decoder = FusedDecoder(self.weights.model, dtype, device, exact=True)
@@ -94,8 +98,9 @@ class ExactPass:
         table = tile_table([*seq_lens, pad], [*starts, S], G)
         tiles = PackedGraphs.bucket(table.shape[1])
         key = (size, tiles)
-        if key not in self.graphs and len(self.graphs) >= self.MAX_GRAPHS:
-            return self._forward(to_device(ids, dev), to_device(pos, dev), to_device(table, dev))[:S]
+        if key not in self.graphs and len(self.graphs) >= self.MAX_GRAPHS:  # eager, unpadded
+            return self._forward(to_device(ids, dev), to_device(pos, dev),
+                                 to_device(tile_table(seq_lens, starts, G), dev))
         inputs = (torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)]),
                   torch.cat([table, table.new_zeros(4, tiles - table.shape[1])], 1))
         if key not in self.graphs:
