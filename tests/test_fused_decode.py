@@ -81,7 +81,11 @@ def test_decode_attention_reads_each_rows_live_slots_only(kernels):
     starts = torch.zeros(B + 1, dtype=torch.int32)
     starts[:B] = torch.arange(B) * L + first
     q = torch.randn(B, H, D, device=DEV).bfloat16()
-    out = kernels.decode_attention(q, k_cache, v_cache, starts.to(DEV), used.to(DEV), D ** -0.5, torch.empty_like(q))
+    from gspo.rollout.exact_kernels import tile_attention
+
+    i32 = dict(dtype=torch.int32, device=DEV)
+    tiles = (torch.arange(B, **i32), torch.ones(B, **i32), starts[:-1].to(DEV), used.to(DEV))  # a decode step's
+    out = tile_attention(q, k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D), tiles, D ** -0.5, torch.empty_like(q))
     assert out[B - 1].abs().sum() == 0  # used = 0, an ended row: nothing read, zeros written
     for b in range(B - 1):
         s, u = int(first[b]), int(used[b])

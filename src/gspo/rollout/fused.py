@@ -160,11 +160,11 @@ class FusedDecoder:
         # rollout.exact: every step runs the batch-invariant kernels of gspo.rollout.exact_kernels, and the prefill
         # (and the trainer's pass, gspo.train.exact) is the same forward over packed tokens (see ``exact_forward``)
         self.exact = exact
+        self._decode_tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> (arange, ones), static
         if exact:
             rotary = model.model.rotary_emb
             self.inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
             self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-            self._decode_tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def copies(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
         return [c for layer in self.layers for c in layer.copies()]
@@ -173,13 +173,15 @@ class FusedDecoder:
                 used: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden state (B, H) of one new token per row: tok (B,), pos (B, 1); writes the token's K/V
         to ``cache`` (:class:`~gspo.rollout.graph.StaticKV`) at ``slot`` and attends each row's live slots."""
-        from gspo.rollout import kernels
+        from gspo.rollout import exact_kernels as ek, kernels
 
-        if self.exact:  # one tile per row: its live slots from starts[b], used[b] of them (0: an ended row)
-            first, ones = self._decode_tiles.get(tok.shape[0]) or self._decode_tiles.setdefault(
-                tok.shape[0], (torch.arange(tok.shape[0], dtype=torch.int32, device=tok.device),
-                               torch.ones(tok.shape[0], dtype=torch.int32, device=tok.device)))
-            return self.exact_forward(tok, pos.view(-1), cache.k, cache.v, slot, (first, ones, starts[:-1], used))
+        # the attention's tiles: one per row, its live slots from starts[b], used[b] of them (0: an ended row)
+        first, ones = self._decode_tiles.get(tok.shape[0]) or self._decode_tiles.setdefault(
+            tok.shape[0], (torch.arange(tok.shape[0], dtype=torch.int32, device=tok.device),
+                           torch.ones(tok.shape[0], dtype=torch.int32, device=tok.device)))
+        tiles = (first, ones, starts[:-1], used)
+        if self.exact:
+            return self.exact_forward(tok, pos.view(-1), cache.k, cache.v, slot, tiles)
         inner = self.model.model
         B = tok.shape[0]
         res = inner.embed_tokens(tok)  # (B, H): the residual stream, in the embedding's dtype (as HF's)
@@ -196,7 +198,8 @@ class FusedDecoder:
                                None if layer.q_norm is None else layer.q_norm.weight,
                                None if layer.k_norm is None else layer.k_norm.weight,
                                0.0 if layer.q_norm is None else layer.q_norm.variance_epsilon)
-            kernels.decode_attention(q, cache.k[i], cache.v[i], starts, used, layer.scale, attn)
+            ek.tile_attention(q, cache.k[i].view(-1, self.kv_heads, self.head_dim),
+                              cache.v[i].view(-1, self.kv_heads, self.head_dim), tiles, layer.scale, attn)
             o = F.linear(attn.view(B, -1).to(self.dtype), layer.w_o, layer.b_o)  # (B, H)
             kernels.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
             if layer.moe is not None:  # the family's sparse block: router, top-k, grouped expert GEMMs

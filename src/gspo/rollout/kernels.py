@@ -4,8 +4,9 @@ Why hand-written: a decode step of a small model at a few hundred rows is bound 
 bytes (``benchmarks/README.md#rollout-throughput``): HF's Llama layer launches ~33 kernels per layer (RMSNorm alone is
 six, rotary ten, each cache write one), each a few microseconds of mostly idle GPU. ``torch.compile`` of the step
 fuses them but takes ~40 s to compile and copies the whole static cache at every write. These kernels fuse exactly
-what a decode step needs -- residual add + RMSNorm, rotary embedding + the K/V cache write, grouped-query attention
-over each row's live slots, SiLU-and-multiply -- so that a layer is 4 GEMMs and 5 kernels. No library ships these
+what a decode step needs -- residual add + RMSNorm, rotary embedding + the K/V cache write, SiLU-and-multiply -- and
+the grouped-query attention over each row's live slots is :func:`gspo.rollout.exact_kernels.tile_attention` (one
+tile per row), so that a layer is 4 GEMMs and 5 kernels. No library ships these
 for an HF model's own weights without taking over the model (vLLM, SGLang, FlashInfer need their own runtimes).
 
 Each kernel rounds like the HF modules under autocast: fp32 arithmetic, and a cast to the storage dtype wherever the
@@ -108,50 +109,6 @@ def _rope_cache(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, qn
 
 
 @triton.jit
-def _decode_attention(q_ptr, k_cache, v_cache, starts_ptr, used_ptr, out_ptr, L, scale,
-                      HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                      D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    # Program (b, kv head): the G query heads sharing that KV head attend row b's live slots
-    # starts[b] - b*L .. + used[b] - 1 with an online softmax (fp32), reading each K/V block once for all G heads.
-    # used[b] = 0 (an ended row) reads nothing and writes zeros.
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, D)
-    gm = g < G
-    q = tl.load(q_ptr + (b * HQ + kvh * G + g[:, None]) * D + d[None, :], mask=gm[:, None], other=0.0)  # (BG, D)
-    first = tl.load(starts_ptr + b) - b * L
-    used = tl.load(used_ptr + b)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for n0 in range(0, used, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nm = n < used
-        off = ((b * L + first + n) * HKV + kvh) * D  # (BN,)
-        k = tl.load(k_cache + off[:, None] + d[None, :], mask=nm[:, None], other=0.0)  # (BN, D)
-        if UPCAST:  # fp32 products in full precision (not TF32); also Triton's interpreter multiplies 16-bit floats
-            # wrongly in tl.dot, and their products are exact in fp32
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # (BG, BN)
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale  # (BG, BN) fp32
-        s = tl.where(nm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache + off[:, None] + d[None, :], mask=nm[:, None], other=0.0)  # (BN, D)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(_round(p, v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(_round(p, v.dtype), v)
-        m_i = m_new
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a row with no live slot (it has ended) gets zeros, not 0 / 0
-    tl.store(out_ptr + (b * HQ + kvh * G + g[:, None]) * D + d[None, :], _round(out, out_ptr.dtype.element_ty),
-             mask=gm[:, None])
-
-
-@triton.jit
 def _silu_mul(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
     # x row = [gate | up] (2I); out = silu(gate) * up, with silu(gate) rounded to the storage dtype first (HF computes
     # act_fn(gate) as its own op).
@@ -187,19 +144,6 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: t
                                        q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
                                        eps, HQ=heads, HKV=kv_heads, D=head_dim,
                                        QK_NORM=q_norm is not None)
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,
-                     used: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """One query per row and head, q (B, Hq, D), against the live slots of the cache (B, L, Hkv, D): row b's are
-    ``starts[b] - b * L`` .. ``+ used[b] - 1``. Writes and returns out (B, Hq, D)."""
-    B, heads, D = q.shape
-    L, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    G = heads // kv_heads
-    _decode_attention[(B, kv_heads)](q, k_cache, v_cache, starts, used, out, L, scale, HQ=heads, HKV=kv_heads,
-                                     G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
-                                     UPCAST=_INTERPRETED or q.dtype == torch.float32)
-    return out
 
 
 def silu_mul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
