@@ -234,7 +234,7 @@ def test_moe_runs_get_arm_labels_a_flip_figure_and_summary_numbers(tmp_path, cap
     assert 0 < json.loads(capsys.readouterr().out)["moe_flip_rate_mean"] < 0.01
 
 
-def test_compare_arms_parse_and_refuse_unknown_suffixes():
+def test_compare_arms_parse_and_refuse_unknown_suffixes(tmp_path):
     from gspo.commands.compare import arm_label, parse_arm
     from gspo.config import Config, build_config
     from gspo.errors import UserError
@@ -245,6 +245,7 @@ def test_compare_arms_parse_and_refuse_unknown_suffixes():
     assert parse_arm("gspo+stale4+tis") == ("gspo", {"rollout.max_staleness": 4, "loss.mismatch_correction": "tis"})
     assert parse_arm("gspo+enginelp+int8") == ("gspo", {"train.old_logprobs": "rollout", "rollout.engine_weight_bits": 8})
     assert parse_arm("gspo_token+credit") == ("gspo_token", {"loss.step_credit": "task"})
+    assert parse_arm("gspo+exact+enginelp") == ("gspo", {"rollout.exact": True, "train.old_logprobs": "rollout"})
     for bad in ("grpo+r9", "grpo+mb", "grpo+mbx", "grpo+lr", "grpo+lrfast", "grpo+", "gspo+stale", "gspo+stale1.5"):
         with pytest.raises(UserError, match="unknown suffix"):
             parse_arm(bad)
@@ -258,6 +259,11 @@ def test_compare_arms_parse_and_refuse_unknown_suffixes():
     assert arm_label(cfg.to_dict()) == "grpo+enginelp+int8"
     assert arm_label(build_config({}, ["log.label='grpo+mb8'"]).to_dict()) == "grpo+mb8"
     assert arm_label(Config().to_dict()) == "gspo"
+    # a boolean suffix reaches the run's config as a boolean (+exact once arrived as the string 'True')
+    from gspo.commands.compare import plan_runs
+
+    _, todo = plan_runs(None, [], [("gspo+exact", "gspo", {"rollout.exact": True})], [1], tmp_path)
+    assert "rollout.exact=true" in todo[0][0]
 
 
 def test_by_length_figure_and_experiment_summary_from_length_bins(tmp_path, capsys):

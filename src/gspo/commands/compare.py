@@ -69,6 +69,11 @@ def parse_arm(arm: str) -> tuple[str, dict[str, Any]]:
     return preset, extra
 
 
+def _literal(value: Any) -> str:
+    """A suffix's value as a dotted override's TOML literal (``True`` is ``true`` there)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def _no_second_value(arm: str, extra: dict[str, Any], settings: dict[str, Any]) -> None:
     """Two suffixes of one arm may not set the same key (``grpo+r2+r3``: which replay?)."""
     for key in settings:
@@ -118,7 +123,7 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
     for algo, preset, extra in arms:
         for seed in seeds:
             run_overrides = [*overrides, f"algorithm={preset!r}", f"seed={seed}", f"log.label={algo!r}",
-                             *(f"{k}={v!r}" for k, v in extra.items())]
+                             *(f"{k}={_literal(v)}" for k, v in extra.items())]
             try:
                 cfg = load_config(config, run_overrides)
             except UserError as e:
