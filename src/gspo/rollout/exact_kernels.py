@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gspo.rollout.kernels import _INTERPRETED, _round
+from gspo.rollout.kernels import INTERPRETED, rounded
 
 # The matmul's one configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps). Every call uses it, whatever the rows: the point of
 # the kernel. A sweep on an H200 (benchmarks/exact_engine.py --matmul-configs, SmolLM2-135M) gave the exact engine, at
@@ -78,7 +78,7 @@ def _linear(a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOC
                         UPCAST)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], _round(acc, c_ptr.dtype.element_ty),
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], rounded(acc, c_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -103,8 +103,8 @@ def _rope_write(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_store, v_store, slot_pt
         w1 = tl.where(is_q, tl.load(qn_ptr + half).to(tl.float32)[None, :], tl.load(kn_ptr + half).to(tl.float32)[None, :])
         w2 = tl.where(is_q, tl.load(qn_ptr + D // 2 + half).to(tl.float32)[None, :],
                       tl.load(kn_ptr + D // 2 + half).to(tl.float32)[None, :])
-        x1 = _round(x1 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w1
-        x2 = _round(x2 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w2
+        x1 = rounded(x1 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w1
+        x2 = rounded(x2 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w2
     angle = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + half).to(tl.float32)  # (D/2,)
     c = (tl.cos(angle) * rope_scale)[None, :]
     s = (tl.sin(angle) * rope_scale)[None, :]
@@ -112,13 +112,13 @@ def _rope_write(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_store, v_store, slot_pt
     o2 = x2 * c + x1 * s
     qm = (h < HQ)[:, None]
     dst = q_ptr + (b * HQ + h[:, None]) * D
-    tl.store(dst + half[None, :], _round(o1, q_ptr.dtype.element_ty), mask=qm)
-    tl.store(dst + D // 2 + half[None, :], _round(o2, q_ptr.dtype.element_ty), mask=qm)
+    tl.store(dst + half[None, :], rounded(o1, q_ptr.dtype.element_ty), mask=qm)
+    tl.store(dst + D // 2 + half[None, :], rounded(o2, q_ptr.dtype.element_ty), mask=qm)
     km = ((h >= HQ) & hm)[:, None]
     slot = tl.load(slot_ptr + b).to(tl.int64)
     koff = (slot * HKV + (h[:, None] - HQ)) * D
-    tl.store(k_store + koff + half[None, :], _round(o1, k_store.dtype.element_ty), mask=km)
-    tl.store(k_store + koff + D // 2 + half[None, :], _round(o2, k_store.dtype.element_ty), mask=km)
+    tl.store(k_store + koff + half[None, :], rounded(o1, k_store.dtype.element_ty), mask=km)
+    tl.store(k_store + koff + D // 2 + half[None, :], rounded(o2, k_store.dtype.element_ty), mask=km)
     g = tl.arange(0, KP)
     d = tl.arange(0, D)
     gm = (g < HKV)[:, None]
@@ -167,13 +167,13 @@ def _tile_attention(q_ptr, k_store, v_store, out_ptr, q0_ptr, ntok_ptr, kstart_p
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_store + off[:, None] + d[None, :], mask=nm[:, None], other=0.0)  # (BN, D)
         if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(_round(p, v.dtype).to(tl.float32), v.to(tl.float32),
+            acc = acc * alpha[:, None] + tl.dot(rounded(p, v.dtype).to(tl.float32), v.to(tl.float32),
                                                 input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(_round(p, v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(rounded(p, v.dtype), v)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a row with no key (an ended decode row) gets zeros
-    tl.store(out_ptr + qrow[:, None] * D + d[None, :], _round(out, out_ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(out_ptr + qrow[:, None] * D + d[None, :], rounded(out, out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -201,7 +201,7 @@ def _token_logprobs(logits_ptr, target_ptr, out_ptr, V, inv_temperature, BLOCK: 
 
 
 def _upcast(dtype: torch.dtype) -> bool:
-    return _INTERPRETED or dtype == torch.float32
+    return INTERPRETED or dtype == torch.float32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -27,12 +27,12 @@ import triton.language as tl
 # Triton's interpreter (the CPU tests) truncates float32 -> bfloat16 casts, even when asked to round; the GPU rounds to
 # nearest even, as torch does. Under the interpreter the rounding is done by hand on the bits, so the CPU tests check
 # the same numbers the GPU computes.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton reads it when a kernel is defined, as here
-_ROUND_BY_HAND = tl.constexpr(_INTERPRETED)
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton reads it when a kernel is defined, as here
+_ROUND_BY_HAND = tl.constexpr(INTERPRETED)
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr):
+def rounded(x, dtype: tl.constexpr):
     # x (float32) to ``dtype``, rounding to nearest even as torch's casts do.
     if dtype == tl.float32:
         return x
@@ -54,13 +54,13 @@ def _add_rmsnorm(res_ptr, delta_ptr, w_ptr, out_ptr, N, eps,
     x = tl.load(res_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_DELTA:
         x += tl.load(delta_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
-        x = _round(x, res_ptr.dtype.element_ty)
+        x = rounded(x, res_ptr.dtype.element_ty)
         tl.store(res_ptr + row * N + offs, x, mask=m)
         x = x.to(tl.float32)
     var = tl.sum(x * x, axis=0) / N
-    y = _round(x * tl.rsqrt(var + eps), res_ptr.dtype.element_ty).to(tl.float32)  # HF: .to(input_dtype)
+    y = rounded(x * tl.rsqrt(var + eps), res_ptr.dtype.element_ty).to(tl.float32)  # HF: .to(input_dtype)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, _round(w * y, out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + row * N + offs, rounded(w * y, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -85,8 +85,8 @@ def _rope_cache(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, qn
         else:
             w1 = tl.load(kn_ptr + half).to(tl.float32)
             w2 = tl.load(kn_ptr + D // 2 + half).to(tl.float32)
-        x1 = _round(x1 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w1
-        x2 = _round(x2 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w2
+        x1 = rounded(x1 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w1
+        x2 = rounded(x2 * r, qkv_ptr.dtype.element_ty).to(tl.float32) * w2
     c1 = tl.load(cos_ptr + b * D + half).to(tl.float32)
     c2 = tl.load(cos_ptr + b * D + D // 2 + half).to(tl.float32)
     s1 = tl.load(sin_ptr + b * D + half).to(tl.float32)
@@ -95,14 +95,14 @@ def _rope_cache(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, qn
     o2 = x2 * c2 + x1 * s2
     if h < HQ:
         dst = q_ptr + (b * HQ + h) * D
-        tl.store(dst + half, _round(o1, q_ptr.dtype.element_ty))
-        tl.store(dst + D // 2 + half, _round(o2, q_ptr.dtype.element_ty))
+        tl.store(dst + half, rounded(o1, q_ptr.dtype.element_ty))
+        tl.store(dst + D // 2 + half, rounded(o2, q_ptr.dtype.element_ty))
     else:
         kvh = h - HQ
         slot = tl.load(slot_ptr + b).to(tl.int64)
         off = (slot * HKV + kvh) * D
-        tl.store(k_cache + off + half, _round(o1, k_cache.dtype.element_ty))
-        tl.store(k_cache + off + D // 2 + half, _round(o2, k_cache.dtype.element_ty))
+        tl.store(k_cache + off + half, rounded(o1, k_cache.dtype.element_ty))
+        tl.store(k_cache + off + D // 2 + half, rounded(o2, k_cache.dtype.element_ty))
         d = tl.arange(0, D)
         v = tl.load(qkv_ptr + b * W + (HQ + HKV + kvh) * D + d)
         tl.store(v_cache + off + d, v.to(v_cache.dtype.element_ty))  # the same dtype: a copy
@@ -117,8 +117,8 @@ def _silu_mul(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
     m = col < I
     gate = tl.load(x_ptr + row * 2 * I + col, mask=m, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * I + I + col, mask=m, other=0.0).to(tl.float32)
-    act = _round(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * I + col, _round(act * up, out_ptr.dtype.element_ty), mask=m)
+    act = rounded(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * I + col, rounded(act * up, out_ptr.dtype.element_ty), mask=m)
 
 
 # ---------------------------------------------------------------------------------------------- launchers

@@ -391,15 +391,7 @@ class Actor:
         # DDP: the gradient sum, started now so that it runs under the diagnostics below (waited for in _apply)
         with stage("sum_gradients"):
             pending = self.holding.start_gradient_sum()
-        if on_policy_fill:  # every row's old log-probs exist from here on
-            batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev), old,
-                                             self._on_device["sampled"]))
-        elif (self.exact is not None and k == 0 and cfg.train.old_logprobs == "rollout"
-              and cfg.rollout.max_staleness == 0):
-            # rollout.exact with the engine's log-probs as the old ones: the proof is minibatch 0's update forward,
-            # the trainer's own recomputation at the weights that sampled the batch
-            batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev)[rows_dev], mb_logp,
-                                             self._on_device["sampled"][rows_dev]))
+        self._engine_gap(batch, k, on_policy_fill, old, rows_dev, mb_logp)
         # diagnostics over the whole minibatch at once (exact whatever the micro-batching)
         with torch.no_grad(), stage("step_metrics"):
             _, metrics = policy_loss(mb_logp, old[rows_dev], adv[rows_dev], mb_mask,
@@ -425,6 +417,19 @@ class Actor:
         metrics.update(moe_metrics)
         self.set_training(False)
         return StepOutput(metrics, rows, mb_logp, events)
+
+    def _engine_gap(self, batch: Batch, k: int, on_policy_fill: bool, old: torch.Tensor, rows_dev: torch.Tensor,
+                    mb_logp: torch.Tensor) -> None:
+        """``logprob/engine_diff_*`` once the trainer has its own numbers at the weights that sampled the batch: every
+        row's recomputed old log-probs (after minibatch 0 under ``recompute``), or under ``rollout.exact`` with the
+        engine's log-probs as the old ones, minibatch 0's update forward (0.0 is the proof of exactness)."""
+        cfg, dev = self.cfg, self.runtime.device
+        engine = to_device(batch.rollout.logprobs, dev)
+        if on_policy_fill:  # every row's old log-probs exist from here on
+            batch.metrics.update(logprob_gap(engine, old, self._on_device["sampled"]))
+        elif (self.exact is not None and k == 0 and cfg.train.old_logprobs == "rollout"
+              and cfg.rollout.max_staleness == 0):
+            batch.metrics.update(logprob_gap(engine[rows_dev], mb_logp, self._on_device["sampled"][rows_dev]))
 
     def _apply(self, loss: torch.Tensor, step: int, pending: list) -> torch.Tensor:
         """Clip and apply the accumulated gradient at ``lr_at(step)``, unless the loss or the gradient is not finite
