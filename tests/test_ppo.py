@@ -141,3 +141,31 @@ def test_step_credit_feeds_gae(tiny_dir, tmp_path):
         runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[0]
     assert runs["credit"]["reward/mean"] == runs["outcome"]["reward/mean"]  # the same samples (same seed)
     assert runs["credit"]["critic/return_mean"] > runs["outcome"]["critic/return_mean"]
+
+
+def test_the_value_model_exports_as_a_token_classification_model(tiny_dir, tmp_path, capsys):
+    """``gspo export --critic``: the value model as <Arch>ForTokenClassification with one label (transformers loads it
+    without gspo, as verl loads critics); its outputs are the trained value model's values. A run without a value model
+    and flags for the policy are refused in one line."""
+    from transformers import AutoModelForTokenClassification
+
+    from gspo.cli import main
+
+    trainer = Trainer(tiny_config(tiny_dir, "algorithm='ppo'", "ppo.critic_lr=1e-2"), tmp_path / "run")
+    trainer.train()
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "critic"), "--critic", "--dtype", "fp32"]) == 0
+    exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic").eval()
+    critic = trainer.actor.critic.model.eval()
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7]])
+    with torch.no_grad():
+        ours = critic.head(critic.backbone(input_ids=ids).last_hidden_state.float())[..., 0]
+        theirs = exported(input_ids=ids).logits[..., 0]
+    assert ours.abs().sum() > 0  # the head trained away from zero
+    torch.testing.assert_close(theirs, ours)
+    Trainer(tiny_config(tiny_dir), tmp_path / "grpo").train()
+    capsys.readouterr()
+    for argv, says in (([str(tmp_path / "grpo"), "--out", str(tmp_path / "x"), "--critic"], "has no value model"),
+                       ([str(tmp_path / "run"), "--out", str(tmp_path / "y"), "--critic", "--gguf"], "drop --merge-lora")):
+        assert main(["export", *argv]) != 0
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err

@@ -388,8 +388,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from gspo.commands.export import export
+    from gspo.commands.export import export, export_critic
 
+    if args.critic:
+        if args.merge_lora or args.gguf:
+            raise UserError("--critic exports the value model as a transformers directory; drop --merge-lora and "
+                            "--gguf (they are for the policy).")
+        ckpt = export_critic(Path(args.checkpoint), Path(args.out), dtype=args.dtype)
+        print(f"exported the value model of {ckpt} to {args.out}")
+        return 0
     ckpt = export(Path(args.checkpoint), Path(args.out), dtype=args.dtype, merge_lora=args.merge_lora, gguf=args.gguf)
     print(f"exported {ckpt} to {args.out}")
     return 0
@@ -510,6 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a LoRA checkpoint: the base model with the adapter merged in (default: the peft adapter)")
     x.add_argument("--gguf", action="store_true",
                    help="also write DIR/model.gguf (Llama-family models; llama.cpp's names and metadata)")
+    x.add_argument("--critic", action="store_true",
+                   help="a PPO run's value model instead, as <Arch>ForTokenClassification with one label")
     x.set_defaults(func=cmd_export)
     c = sub.add_parser("config", help="print every config key with its default and meaning")
     c.add_argument("--markdown", action="store_true", help="as a Markdown table")

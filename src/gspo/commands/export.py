@@ -89,6 +89,50 @@ def export(source: Path, out: Path, *, dtype: str = "bf16", merge_lora: bool = F
     return ckpt
 
 
+def export_critic(source: Path, out: Path, *, dtype: str = "bf16") -> Path:
+    """Write the value model of PPO checkpoint (or run directory) ``source`` to the new directory ``out`` as
+    ``<Arch>ForTokenClassification`` with one label: the layout in which transformers (and verl, whose critics are
+    ``AutoModelForTokenClassification`` with ``num_labels = 1``) load a value model. Its decoder is the critic's, its
+    ``score`` layer the critic's scalar head; the values it gives are the trainer's. Returns the checkpoint."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from gspo.models import load_model, load_tokenizer
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}; pick one of them.")
+    ckpt = checkpoint_of(source)
+    state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False).get("critic")
+    if state is None:
+        raise UserError(f"checkpoint {str(ckpt)!r} has no value model (its run was not algorithm = 'ppo'); drop "
+                        "--critic to export the policy.")
+    run_config = ckpt.parent.parent / "config.json"  # the run's settings: ppo.critic_model names another model
+    critic_model = (json.loads(run_config.read_text()).get("ppo", {}).get("critic_model")
+                    if run_config.is_file() else None)
+    if critic_model:
+        config = load_model(critic_model, dtype=torch.float32)[0].config
+    else:
+        config = AutoConfig.from_pretrained(ckpt)
+    config.num_labels = 1
+    try:
+        model = AutoModelForTokenClassification.from_config(config).float()
+    except ValueError as e:
+        raise UserError(f"transformers has no token-classification model for {config.model_type!r} to export the "
+                        f"value model as ({e}); the critic's weights stay in {str(ckpt / 'trainer_state.pt')!r}.") from e
+    prefix = model.base_model_prefix
+    weights = {f"{prefix}.{k[len('backbone.'):]}": v for k, v in state.items() if k.startswith("backbone.")}
+    weights.update({"score.weight": state["head.weight"], "score.bias": state["head.bias"]})
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise UserError(f"the value model of {str(ckpt)!r} does not fit {type(model).__name__} (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}); was the run's ppo.critic_model changed since?")
+    with new_directory(out) as tmp:
+        model.to(DTYPES[dtype]).save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(str(ckpt)).save_pretrained(tmp)
+    return ckpt
+
+
 @contextmanager
 def new_directory(out: Path, flag: str = "--out") -> Iterator[Path]:
     """The new directory ``out``, written whole or not at all: the body writes into ``OUT.tmp``, which is fsynced and
