@@ -158,7 +158,7 @@ class FusedDecoder:
         self.norm = model.model.norm
         self.dtype = dtype
         # rollout.exact: every step runs the batch-invariant kernels of gspo.rollout.exact_kernels, and the prefill
-        # (and the trainer's pass, gspo.train.exact) is the same forward over packed tokens (see ``exact_forward``)
+        # (and the trainer's pass, gspo.train.exact) is the same forward over packed tokens (see ``forward_tokens``)
         self.exact = exact
         self._decode_tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> (arange, ones), static
         if exact:
@@ -173,77 +173,76 @@ class FusedDecoder:
                 used: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden state (B, H) of one new token per row: tok (B,), pos (B, 1); writes the token's K/V
         to ``cache`` (:class:`~gspo.rollout.graph.StaticKV`) at ``slot`` and attends each row's live slots."""
-        from gspo.rollout import exact_kernels as ek, kernels
-
         # the attention's tiles: one per row, its live slots from starts[b], used[b] of them (0: an ended row)
         first, ones = self._decode_tiles.get(tok.shape[0]) or self._decode_tiles.setdefault(
             tok.shape[0], (torch.arange(tok.shape[0], dtype=torch.int32, device=tok.device),
                            torch.ones(tok.shape[0], dtype=torch.int32, device=tok.device)))
-        tiles = (first, ones, starts[:-1], used)
-        if self.exact:
-            return self.exact_forward(tok, pos.view(-1), cache.k, cache.v, slot, tiles)
-        inner = self.model.model
-        B = tok.shape[0]
-        res = inner.embed_tokens(tok)  # (B, H): the residual stream, in the embedding's dtype (as HF's)
-        cos, sin = inner.rotary_emb(res[:, None], pos)  # (B, 1, D) each
-        cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
-        x = torch.empty(B, res.shape[1], dtype=self.dtype, device=res.device)  # the normed input of each block
-        q = torch.empty(B, self.heads, self.head_dim, dtype=cache.k[0].dtype, device=res.device)
-        attn = torch.empty_like(q)
-        delta = None
-        for i, layer in enumerate(self.layers):
-            kernels.add_rmsnorm(res, delta, layer.in_norm.weight, layer.in_norm.variance_epsilon, x)
-            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # (B, (Hq + 2 Hkv) D)
-            kernels.rope_cache(qkv, cos, sin, q, cache.k[i], cache.v[i], slot, self.heads, self.kv_heads, self.head_dim,
-                               None if layer.q_norm is None else layer.q_norm.weight,
-                               None if layer.k_norm is None else layer.k_norm.weight,
-                               0.0 if layer.q_norm is None else layer.q_norm.variance_epsilon)
-            ek.tile_attention(q, cache.k[i].view(-1, self.kv_heads, self.head_dim),
-                              cache.v[i].view(-1, self.kv_heads, self.head_dim), tiles, layer.scale, attn)
-            o = F.linear(attn.view(B, -1).to(self.dtype), layer.w_o, layer.b_o)  # (B, H)
-            kernels.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
-            if layer.moe is not None:  # the family's sparse block: router, top-k, grouped expert GEMMs
-                delta = layer.moe(x[:, None]).reshape(B, -1)  # (B, H)
-                continue
-            gate_up = F.linear(x, layer.w_gate_up, layer.b_gate_up)  # (B, 2I)
-            act = torch.empty(B, gate_up.shape[1] // 2, dtype=gate_up.dtype, device=res.device)
-            kernels.silu_mul(gate_up, act)
-            delta = F.linear(act, layer.w_down, layer.b_down)  # (B, H)
-        out = torch.empty(B, res.shape[1], dtype=self.dtype, device=res.device)
-        return kernels.add_rmsnorm(res, delta, self.norm.weight, self.norm.variance_epsilon, out)
+        return self.forward_tokens(tok, pos.view(-1), cache.k, cache.v, slot, (first, ones, starts[:-1], used))
 
-    def exact_forward(self, ids: torch.Tensor, pos: torch.Tensor, k_store: list[torch.Tensor],
-                      v_store: list[torch.Tensor], slot: torch.Tensor, tiles: tuple,
-                      at: torch.Tensor | None = None) -> torch.Tensor:
-        """``rollout.exact``'s forward, the same computation for a decode step and a packed pass: the final-norm
-        hidden states (n, H) of tokens ``ids`` (n,) at positions ``pos`` (n,) (only rows ``at``, when given). Each
-        token's K/V go to flat slot ``slot`` of each layer's ``k_store`` / ``v_store`` (any leading shape, then Hkv, D)
-        and ``tiles`` say which slots each token attends (:func:`gspo.rollout.exact_kernels.tile_attention`). Every
-        kernel is batch-invariant, so a token's numbers are the same whatever else is in the call."""
+    def packed_forward(self, seqs: list[list[int]], key_starts: list[int], k_store: list[torch.Tensor],
+                       v_store: list[torch.Tensor], held: list[int] | None = None) -> torch.Tensor:
+        """``forward_tokens`` over sequences ``seqs`` packed in one call (the engine's prefill, a multi-turn
+        extension): sequence i already holds ``held[i]`` keys (default 0) from flat slot ``key_starts[i]``, its token
+        j is at position ``held[i] + j`` and writes slot ``key_starts[i] + held[i] + j``. The final-norm hidden state
+        of each sequence's last token (len(seqs), H)."""
+        from gspo.rollout.exact_kernels import packed_tiles
+        from gspo.runtime import to_device
+
+        held = held or [0] * len(seqs)
+        lens = [len(x) for x in seqs]
+        dev = k_store[0].device
+        ids = torch.tensor([t for x in seqs for t in x], dtype=torch.long)
+        pos = torch.cat([torch.arange(h, h + n) for h, n in zip(held, lens)])
+        slot = torch.cat([torch.arange(n) + k + h for n, k, h in zip(lens, key_starts, held)])
+        last = torch.tensor(lens).cumsum(0) - 1
+        tiles = packed_tiles(lens, key_starts, self.heads // self.kv_heads, dev, held=held)
+        return self.forward_tokens(*(to_device(t, dev) for t in (ids, pos)), k_store, v_store, to_device(slot, dev),
+                                   tiles, at=to_device(last, dev))
+
+    def forward_tokens(self, ids: torch.Tensor, pos: torch.Tensor, k_store: list[torch.Tensor],
+                       v_store: list[torch.Tensor], slot: torch.Tensor, tiles: tuple,
+                       at: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm hidden states (n, H) of tokens ``ids`` (n,) at positions ``pos`` (n,) (only rows ``at``,
+        when given). Each token's K/V go to flat slot ``slot`` of each layer's ``k_store`` / ``v_store`` (any leading
+        shape, then Hkv, D) and ``tiles`` say which slots each token attends
+        (:func:`gspo.rollout.exact_kernels.tile_attention`). With ``exact`` every kernel is batch-invariant (the
+        matmuls too, and rotary from the position in the kernel), so a token's numbers are the same whatever else is
+        in the call: a decode step's, a packed pass's, the trainer's (gspo.train.exact)."""
         from gspo.rollout import exact_kernels as ek, kernels
 
         inner = self.model.model
         n = ids.shape[0]
+        linear = ek.linear if self.exact else F.linear
         res = inner.embed_tokens(ids)  # (n, H): the residual stream, in the embedding's dtype (as HF's)
-        x = torch.empty(n, res.shape[1], dtype=self.dtype, device=res.device)
+        if not self.exact:  # HF's rotary embedding, once for every layer
+            cos, sin = inner.rotary_emb(res[:, None], pos[:, None])  # (n, 1, D) each
+            cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+        x = torch.empty(n, res.shape[1], dtype=self.dtype, device=res.device)  # the normed input of each block
         q = torch.empty(n, self.heads, self.head_dim, dtype=k_store[0].dtype, device=res.device)
         attn = torch.empty_like(q)
         delta = None
         for i, layer in enumerate(self.layers):
             k, v = k_store[i].view(-1, self.kv_heads, self.head_dim), v_store[i].view(-1, self.kv_heads, self.head_dim)
             kernels.add_rmsnorm(res, delta, layer.in_norm.weight, layer.in_norm.variance_epsilon, x)
-            qkv = ek.linear(x, layer.w_qkv, layer.b_qkv)  # (n, (Hq + 2 Hkv) D)
-            ek.rope_write(qkv, pos, self.inv_freq, self.rope_scale, q, k, v, slot, self.heads, self.kv_heads,
-                          self.head_dim, None if layer.q_norm is None else layer.q_norm.weight,
-                          None if layer.k_norm is None else layer.k_norm.weight,
-                          0.0 if layer.q_norm is None else layer.q_norm.variance_epsilon)
+            qkv = linear(x, layer.w_qkv, layer.b_qkv)  # (n, (Hq + 2 Hkv) D)
+            norms = (None if layer.q_norm is None else layer.q_norm.weight,
+                     None if layer.k_norm is None else layer.k_norm.weight,
+                     0.0 if layer.q_norm is None else layer.q_norm.variance_epsilon)
+            if self.exact:
+                ek.rope_write(qkv, pos, self.inv_freq, self.rope_scale, q, k, v, slot, self.heads, self.kv_heads,
+                              self.head_dim, *norms)
+            else:
+                kernels.rope_cache(qkv, cos, sin, q, k, v, slot, self.heads, self.kv_heads, self.head_dim, *norms)
             ek.tile_attention(q, k, v, tiles, layer.scale, attn)
-            o = ek.linear(attn.view(n, -1).to(self.dtype), layer.w_o, layer.b_o)  # (n, H)
+            o = linear(attn.view(n, -1).to(self.dtype), layer.w_o, layer.b_o)  # (n, H)
             kernels.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
-            gate_up = ek.linear(x, layer.w_gate_up, layer.b_gate_up)  # (n, 2I)
+            if layer.moe is not None:  # the family's sparse block: router, top-k, grouped expert GEMMs (not exact)
+                delta = layer.moe(x[:, None]).reshape(n, -1)  # (n, H)
+                continue
+            gate_up = linear(x, layer.w_gate_up, layer.b_gate_up)  # (n, 2I)
             act = torch.empty(n, gate_up.shape[1] // 2, dtype=gate_up.dtype, device=res.device)
             kernels.silu_mul(gate_up, act)
-            delta = ek.linear(act, layer.w_down, layer.b_down)  # (n, H)
+            delta = linear(act, layer.w_down, layer.b_down)  # (n, H)
         if at is not None:  # the final norm is per row: only the rows asked for
             res, delta = res.index_select(0, at), delta.index_select(0, at)
         out = torch.empty(res.shape, dtype=self.dtype, device=res.device)

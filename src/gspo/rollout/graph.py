@@ -44,7 +44,7 @@ from gspo.models.moe import Routing, find_routers
 from gspo.rollout.fused import FusedDecoder, exact_unsupported, fused_unsupported
 from gspo.rollout.hf import check_request, filter_logits
 from gspo.rollout.turns import TurnRows
-from gspo.runtime import free_gpu_bytes, to_device
+from gspo.runtime import free_gpu_bytes
 from gspo.types import FINISH_LENGTH, FINISH_STOP, Rollout, SamplingParams, TurnEnds
 
 # Decoder-only architectures whose layers take (hidden, attention_mask, position_ids, position_embeddings, cache) and
@@ -541,8 +541,7 @@ class GraphEngine:
         b.out_tok.index_copy_(1, b.step, tok[:, None])
         b.out_logp.index_copy_(1, b.step, logp[:, None])
         b.count += live
-        # not torch.isin: past a few stop ids it sorts, which a CUDA graph cannot capture
-        b.done |= (tok[:, None] == self._stop[None, :]).any(-1) | (b.count >= b.room)
+        b.done |= self._is_stop(tok) | (b.count >= b.room)
         b.tok.copy_(tok)
         b.pos += live[:, None]  # an ended row stays at its last position: its routes record stays inside the buffer
         b.step += 1
@@ -715,42 +714,24 @@ class GraphEngine:
         row a sequence whose keys start at its cache row's first slot, after the ``fill`` it holds), so that their
         K/V and the next turn's first token are the trainer's numbers; the rows' state then changes as
         ``_extend_step`` changes it. Eager: once per turn, and its shapes change with every turn."""
-        from gspo.rollout.exact_kernels import packed_tiles
-
         dev, L = self.device, b.length
         rows = at.tolist()
         first = (b.starts[:-1] % L).tolist()  # after _home: row i's state is over its own cache row i
         fill = b.fill.tolist()
-        lens = [len(c) for c in chunks]
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long)
-        pos = torch.cat([torch.arange(fill[r], fill[r] + n) for r, n in zip(rows, lens)])
-        slot = torch.cat([torch.arange(n) + r * L + first[r] + fill[r] for r, n in zip(rows, lens)])
-        last = torch.tensor(lens).cumsum(0) - 1
-        tiles = packed_tiles(lens, [r * L + first[r] for r in rows], self.fused.heads // self.fused.kv_heads, dev,
-                             held=[fill[r] for r in rows])
-        hidden = self.fused.exact_forward(*(to_device(t, dev) for t in (ids, pos)), b.cache.k, b.cache.v,
-                                          to_device(slot, dev), tiles, at=to_device(last, dev))  # (R, H)
+        hidden = self.fused.packed_forward(chunks, [r * L + first[r] for r in rows], b.cache.k, b.cache.v,
+                                           held=[fill[r] for r in rows])  # (R, H)
         tok, logp = self._sample(self._logits(hidden), params)  # (R,)
         on = torch.zeros(b.batch, dtype=torch.bool, device=dev)
         on[at] = True
-        fed = torch.zeros(b.batch, dtype=b.fill.dtype, device=dev)
-        fed[at] = torch.tensor(lens, dtype=b.fill.dtype, device=dev)
+        fed = torch.zeros(b.batch, dtype=torch.long, device=dev)
+        fed[at] = torch.tensor([len(c) for c in chunks], device=dev)
         rooms = torch.zeros(b.batch, dtype=b.room.dtype, device=dev)
         rooms[at] = torch.tensor(room, dtype=b.room.dtype, device=dev)
-        new_tok = torch.full((b.batch,), self.pad_id, dtype=torch.long, device=dev)
-        new_tok[at] = tok
-        new_logp = torch.zeros(b.batch, dtype=b.out_logp.dtype, device=dev)
-        new_logp[at] = logp.to(new_logp.dtype)
-        b.fill += fed
-        b.pos.copy_(torch.where(on, b.fill.long(), b.pos[:, 0])[:, None])  # the position of the token just sampled
-        b.tok.copy_(torch.where(on, new_tok, b.tok))
-        b.done.copy_(~on | (new_tok[:, None] == self._stop[None, :]).any(-1) | (rooms <= 1))
-        b.count.copy_(on.int())
-        b.room.copy_(rooms)
-        b.out_tok.fill_(self.pad_id)
-        b.out_logp.zero_()
-        b.out_tok[:, 0], b.out_logp[:, 0] = new_tok, new_logp
-        b.step.fill_(1)
+        all_tok = torch.full((b.batch,), self.pad_id, dtype=torch.long, device=dev)
+        all_tok[at] = tok
+        all_logp = torch.zeros(b.batch, dtype=logp.dtype, device=dev)
+        all_logp[at] = logp
+        self._start_turn(b, on, b.fill.long() + fed, all_tok, all_logp, rooms)
 
     def _extend_step(self, b: _Bucket, W: int, S: int, params: SamplingParams) -> None:
         """The work of ``_extend`` on the bucket's static buffers (``b.extension[W]``: ids ``(B, W)``, right-aligned;
@@ -779,13 +760,19 @@ class GraphEngine:
         cache.window = None
         tok, logp = self._sample(self._logits(hidden), params)  # (B,)
         fill = fill + k
-        b.fill.copy_(fill)
-        b.pos.copy_(torch.where(on, fill, b.pos[:, 0])[:, None])  # the position of the token just sampled
         slot = torch.arange(L, device=dev)
         b.valid.copy_(torch.where(on[:, None], (slot[None, :] >= first[:, None]) & (slot[None, :] < (first + fill)[:, None]),
                                   b.valid))  # the module step's mask
+        self._start_turn(b, on, fill, tok, logp, room)
+
+    def _start_turn(self, b: _Bucket, on: torch.Tensor, fill: torch.Tensor, tok: torch.Tensor, logp: torch.Tensor,
+                    room: torch.Tensor) -> None:
+        """After an extension: the rows ``on`` (B,) begin a turn holding ``fill`` (B,) slots, with ``tok`` / ``logp``
+        (B,) their first sampled token and ``room`` (B,) the tokens they may sample; the others end. Graph-safe."""
+        b.fill.copy_(fill)
+        b.pos.copy_(torch.where(on, fill, b.pos[:, 0])[:, None])  # the position of the token just sampled
         b.tok.copy_(torch.where(on, tok, b.tok))
-        b.done.copy_(~on | (tok[:, None] == self._stop[None, :]).any(-1) | (room <= 1))  # graph-safe (see _step)
+        b.done.copy_(~on | self._is_stop(tok) | (room <= 1))
         b.count.copy_(on.int())
         b.room.copy_(room)
         b.out_tok.fill_(self.pad_id)
@@ -793,6 +780,11 @@ class GraphEngine:
         b.out_tok[:, 0] = torch.where(on, tok, torch.full_like(tok, self.pad_id))
         b.out_logp[:, 0] = torch.where(on, logp, torch.zeros_like(logp)).to(b.out_logp.dtype)
         b.step.fill_(1)
+
+    def _is_stop(self, tok: torch.Tensor) -> torch.Tensor:
+        """Whether each token (B,) is a stop token. Not torch.isin: past a few stop ids it sorts, which a CUDA graph
+        cannot capture."""
+        return (tok[:, None] == self._stop[None, :]).any(-1)
 
     def _home(self, b: _Bucket) -> None:
         """Put every row's state back over its own cache row (``starts[i] // L == i``), in place: the fused step's
@@ -879,22 +871,13 @@ class GraphEngine:
         """``rollout.exact``'s prefill: the unique prompts as one packed pass of the fused decoder's exact forward (the
         trainer's pass, gspo.train.exact), prompt u's K/V written to its cache row u at the slots the decode step reads
         (the last ``len`` of the first ``P``). The final-norm hidden state of each prompt's last token (U, H)."""
-        from gspo.rollout.exact_kernels import packed_tiles
-
         if not b.fused:
             raise UserError(f"rollout.exact: the model's sliding window is shorter than the {b.length}-slot cache, "
                             "which only the module step handles; lower rollout.max_new_tokens or "
                             "data.max_prompt_tokens, or set rollout.exact = false.")
-        dev, L = self.device, b.length
-        lens = [len(p) for p in prompts]
-        key_starts = [u * L + P - n for u, n in enumerate(lens)]
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        pos = torch.cat([torch.arange(n) for n in lens])
-        slot = torch.cat([torch.arange(n) + k for n, k in zip(lens, key_starts)])
-        last = torch.tensor(lens).cumsum(0) - 1
-        tiles = packed_tiles(lens, key_starts, self.fused.heads // self.fused.kv_heads, dev)
-        return self.fused.exact_forward(*(to_device(t, dev) for t in (ids, pos)), b.cache.k, b.cache.v,
-                                        to_device(slot, dev), tiles, at=to_device(last, dev))
+        L = b.length
+        return self.fused.packed_forward(prompts, [u * L + P - len(p) for u, p in enumerate(prompts)], b.cache.k,
+                                         b.cache.v)
 
     def _decode(self, b: _Bucket, params: SamplingParams, keep_ended: bool = False) -> None:
         """Decode until every row of ``b`` has ended its turn (or ``max_new_tokens`` steps); ``keep_ended``: rows that

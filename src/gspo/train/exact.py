@@ -1,7 +1,7 @@
 """The trainer's side of ``rollout.exact``: log-probs computed by the very forward the graph engine samples with.
 
 The engine's decode step, its prefill and this pass are one function (:meth:`gspo.rollout.fused.FusedDecoder.
-exact_forward`) whose kernels are batch-invariant (:mod:`gspo.rollout.exact_kernels`): for the same weights and tokens
+forward_tokens`) whose kernels are batch-invariant (:mod:`gspo.rollout.exact_kernels`): for the same weights and tokens
 the trainer's log-prob of a token is the engine's, bit for bit, whatever the batch, the lengths or the row compaction.
 So ``train.old_logprobs = "rollout"`` is exact (no recompute pass), and the first update's ratio is exactly 1.
 
@@ -81,7 +81,7 @@ class ExactPass:
         k = torch.empty(S, self.groups, self.width, dtype=self.dtype, device=ids.device)  # every layer's K/V, in turn
         v = torch.empty_like(k)
         layers = len(self.decoder.layers)
-        return self.decoder.exact_forward(ids, pos, [k] * layers, [v] * layers, torch.arange(S, device=ids.device),
+        return self.decoder.forward_tokens(ids, pos, [k] * layers, [v] * layers, torch.arange(S, device=ids.device),
                                           tuple(table.unbind(0)))
 
     def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, seq_lens: list[int], starts: list[int]) -> torch.Tensor:
