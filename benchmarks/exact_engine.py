@@ -10,7 +10,12 @@
    every token in chunks of ``--chunk`` rows, another batch composition and other packed offsets. Reported: tokens
    compared, tokens that differ, max |diff|. For contrast, today's default: the fused engine's log-probs against the
    ordinary packed trainer pass (bf16 autocast) on the same kind of batch.
-3. **Trainer cost** on a minibatch of the reference run's shape (``--train-rows`` rows of the arithmetic task's
+3. **Multi-turn** (``multiturn``): rows of 1-3 turns of up to 48 sampled tokens with an observation appended after
+   each turn but the last; every sampled token's log-prob against the trainer's exact pass over the whole row.
+4. **Routes** (``routes``, MoE): the experts the exact forward picks (the engine's and the exact pass's, one function)
+   against those the ordinary pass picks (HF modules under bf16 autocast, the pass the update's gradient comes from),
+   per (token, layer, top-k slot), on the sampled rows one at a time.
+5. **Trainer cost** on a minibatch of the reference run's shape (``--train-rows`` rows of the arithmetic task's
    lengths): the update's forward + backward, ordinary (packed, CUDA-graphed) vs exact (the exact no-grad pass + the
    ordinary pass for the gradient); and the old-policy pass, ordinary (graphed, no grad) vs exact.
 """
@@ -121,6 +126,83 @@ def exactness(a, model, tok, autocast, prompts_all, out: dict) -> None:
     print(json.dumps(out["default_gap"]), flush=True)
 
 
+class Observations:
+    """Multi-turn rows for the benchmark: row r takes 1 + r % 3 turns; after each but the last, an observation of
+    4 + r % 5 ids is appended (the prompt's first ids, so they are real tokens)."""
+
+    def __init__(self, prompts: list[list[int]]):
+        self.prompts, self.left = prompts, {}
+
+    def __call__(self, rows, turn_ids):
+        out = []
+        for r in rows:
+            self.left[r] = self.left.get(r, 1 + r % 3) - 1
+            out.append(self.prompts[r][:4 + r % 5] if self.left[r] > 0 else None)
+        return out
+
+
+def multiturn(a, model, tok, autocast, prompts_all, out: dict) -> None:
+    engine = GraphEngine(model, tok, stop_ids=stop_token_ids(tok, model), device="cuda", autocast_dtype=autocast,
+                         exact=True)
+    trainer = ExactPass(model, autocast, torch.device("cuda"))
+    rows = prompts_all[:a.exact_rows // 2]
+    r = engine.generate(rows, 1, SamplingParams(max_new_tokens=160, temperature=1.0, max_turn_tokens=48),
+                        generator=torch.Generator("cuda").manual_seed(5), turns=Observations(rows))
+    total = differ = 0
+    worst = 0.0
+    for c in range(0, len(rows), a.chunk):
+        part = r.select(list(range(c, min(c + a.chunk, len(rows))))[::-1])
+        lp, _ = trainer.logprobs(part.prompt_ids, part.completion_ids, part.completion_mask, 1.0)
+        d = (lp.cpu() - part.logprobs).abs()[part.sampled]
+        total, differ = total + d.numel(), differ + int((d > 0).sum())
+        worst = max(worst, float(d.max()) if d.numel() else 0.0)
+    appended = r.completion_mask & ~r.sampled
+    out["multiturn"] = {"rows": len(rows), "sampled_tokens": total, "appended_tokens": int(appended.sum()),
+                        "rows_with_later_turns": int(appended.any(1).sum()), "differ": differ, "max_abs_diff": worst}
+    print(json.dumps(out["multiturn"]), flush=True)
+
+
+def routes(a, model, tok, autocast, prompts_all, out: dict) -> None:
+    from gspo.models import named_weights
+    from gspo.models.moe import find_routers
+    from gspo.rollout import exact_kernels
+
+    engine = GraphEngine(model, tok, stop_ids=stop_token_ids(tok, model), device="cuda", autocast_dtype=autocast,
+                         exact=True)
+    r = engine.generate(prompts_all[:64], 1, SamplingParams(max_new_tokens=256, temperature=1.0),
+                        generator=torch.Generator("cuda").manual_seed(9))
+    del engine
+    exact = ExactPass(model, autocast, torch.device("cuda"), use_graphs=False)
+    exact.weights.load(named_weights(model))
+    seen_exact, seen_hf = [], []
+    route = exact_kernels.route
+    exact_kernels.route = lambda *args: (lambda w, e: seen_exact.append(e.long()) or (w, e))(*route(*args))
+    hooks = [m.register_forward_hook(lambda mod, i, o: seen_hf.append(o[2].reshape(-1, o[2].shape[-1])))
+             for m in find_routers(model)]
+    slots = flips = 0
+    try:
+        for i in range(len(r.prompt_ids)):
+            n = int(r.completion_mask[i].sum())
+            ids = torch.tensor([*r.prompt_ids[i], *r.completion_ids[i, :n].tolist()], device="cuda")
+            seen_exact.clear()
+            seen_hf.clear()
+            with torch.no_grad(), torch.autocast("cuda", dtype=autocast):
+                exact._forward(ids, torch.arange(len(ids), device="cuda"),
+                               exact_kernels.tile_table([len(ids)], [0], exact.decoder.heads // exact.decoder.kv_heads)
+                               .cuda())
+                model(ids[None])
+            for e, h in zip(seen_exact, seen_hf):  # one per MoE layer, in order
+                flips += int((e[:, :, None] != h[:, None, :]).all(-1).sum())
+                slots += e.numel()
+    finally:
+        exact_kernels.route = route
+        for h in hooks:
+            h.remove()
+    out["routes"] = {"rows": len(r.prompt_ids), "slots": slots, "exact_vs_ordinary_flips": flips,
+                     "flip_rate": flips / max(slots, 1)}
+    print(json.dumps(out["routes"]), flush=True)
+
+
 def trainer_cost(a, model, tok, autocast, prompts_all, out: dict) -> None:
     engine = GraphEngine(model, tok, stop_ids=stop_token_ids(tok, model), device="cuda", autocast_dtype=autocast)
     r = engine.generate(prompts_all[:a.train_rows // 8], 8, SamplingParams(max_new_tokens=128, temperature=1.0),
@@ -167,16 +249,30 @@ def main() -> None:
     p.add_argument("--exact-new", type=int, default=512)
     p.add_argument("--chunk", type=int, default=96)
     p.add_argument("--train-rows", type=int, default=64)
+    p.add_argument("--exact-config", default="",
+                   help="the matmul configuration of the exactness, multi-turn and trainer parts (default: gspo's)")
+    p.add_argument("--upcycle", default="", help="EXK: upcycle the model to a Mixtral of E experts, top-K (drop 0.5)")
     p.add_argument("--parts", default="exactness,throughput,trainer")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device, autocast, model, tok, card = bench_on_device(a.model, "cuda")
+    if a.upcycle:
+        from gspo.commands.upcycle import upcycle
+
+        experts, top_k = (int(x) for x in a.upcycle.split("x"))
+        model = upcycle(model.cpu().float(), experts, top_k, drop=0.5).to(device).eval()
+    if a.exact_config:
+        from gspo.rollout import exact_kernels
+
+        exact_kernels.MATMUL_BLOCK = tuple(int(x) for x in a.exact_config.split("x"))
     task = ArithmeticTask(seed=0)
     prompts_all = encode_prompts(tok, [task[i] for i in range(max(1024, a.exact_rows + 100))])
     prompts_all = [[min(t, model.config.vocab_size - 1) for t in p] for p in prompts_all]  # a random model's vocabulary
-    out = {"model": a.model, "card": card, "torch": torch.__version__, "throughput": [], "exactness": []}
+    out = {"model": a.model + (f" upcycled {a.upcycle}" if a.upcycle else ""), "exact_config": a.exact_config,
+           "card": card, "torch": torch.__version__, "throughput": [], "exactness": []}
     for part in a.parts.split(","):
-        {"throughput": throughput, "exactness": exactness, "trainer": trainer_cost}[part](a, model, tok, autocast,
+        {"throughput": throughput, "exactness": exactness, "trainer": trainer_cost, "multiturn": multiturn,
+         "routes": routes}[part](a, model, tok, autocast,
                                                                                           prompts_all, out)
         Path(a.out).write_text(json.dumps(out, indent=1))  # after every part: a later crash loses nothing
     print(table(out))
@@ -194,6 +290,14 @@ def table(out: dict) -> str:
         g = out["default_gap"]
         lines.append(f"default (fused engine vs packed trainer): {g['tokens']} tokens, {g['differ']} differ, mean "
                      f"{g['mean_abs_diff']:.4g}, max {g['max_abs_diff']:.4g}")
+    if "multiturn" in out:
+        m = out["multiturn"]
+        lines.append(f"multi-turn: {m['sampled_tokens']} sampled tokens ({m['rows_with_later_turns']} rows with later "
+                     f"turns, {m['appended_tokens']} appended ids), {m['differ']} differ, max |diff| {m['max_abs_diff']}")
+    if "routes" in out:
+        t = out["routes"]
+        lines.append(f"routes: exact forward vs the ordinary (gradient) pass, {t['slots']} slots, "
+                     f"{t['exact_vs_ordinary_flips']} differ ({100 * t['flip_rate']:.3f}%)")
     if "trainer" in out:
         t = out["trainer"]
         lines.append(f"trainer ({t['rows']} rows, {t['tokens']} tokens): update {t['update_ordinary_s'] * 1e3:.1f} ms "

@@ -33,8 +33,36 @@ def mistral_small_shape():
                                             max_position_embeddings=4096, sliding_window=None))
 
 
+def qwen3_moe_shape():
+    """A small Qwen3-MoE (Qwen3-30B-A3B's layout at 1024 hidden: 16 layers, 16 heads, 4 KV heads, head_dim 128, q/k
+    norms, 64 experts of 384, top-8 renormalised, 151,936 vocabulary), seed 0."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=151936, hidden_size=1024, num_hidden_layers=16,
+                                              num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                                              num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384,
+                                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                              max_position_embeddings=4096, tie_word_embeddings=True))
+
+
+def qwen2_moe_shape():
+    """A small Qwen2-MoE (Qwen1.5-MoE-A2.7B's layout at 1024 hidden: 12 layers, 16 heads, 60 experts of 352, top-4
+    not renormalised, a gated shared expert of 1408, qkv biases, 151,936 vocabulary), seed 0."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=151936, hidden_size=1024, intermediate_size=2816,
+                                              num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16,
+                                              num_experts=60, num_experts_per_tok=4, moe_intermediate_size=352,
+                                              shared_expert_intermediate_size=1408, norm_topk_prob=False,
+                                              decoder_sparse_step=1, mlp_only_layers=[],
+                                              max_position_embeddings=4096, tie_word_embeddings=True))
+
+
 SHAPES = {"qwen2.5-0.5b-shape": qwen25_05b_shape, "qwen3-0.6b-shape": qwen3_06b_shape,
-          "mistral-small-shape": mistral_small_shape}
+          "mistral-small-shape": mistral_small_shape, "qwen3-moe-shape": qwen3_moe_shape,
+          "qwen2-moe-shape": qwen2_moe_shape}
 
 
 def bench_model(name: str):

@@ -10,6 +10,7 @@ from conftest import tiny_llama
 from gspo.config import build_config
 from gspo.errors import UserError
 from gspo.models import named_weights
+from gspo.models.moe import find_routers
 from gspo.runlog.metrics import read_jsonl
 from gspo.types import SamplingParams
 
@@ -216,25 +217,105 @@ def test_config_refuses_what_exact_is_not_built_for(tmp_path):
         assert "\n" not in str(e.value) and "rollout.exact = false" in str(e.value)
 
 
-def test_moe_model_is_refused_in_one_line(tokenizer):
-    from transformers import MixtralConfig, MixtralForCausalLM
+def _moe(family: str, top_k: int = 2):
+    """A tiny model of each MoE family exact runs: Mixtral, Qwen2-MoE (shared expert; layer 1 dense), Qwen3-MoE."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-    model = MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
-                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                             num_experts_per_tok=2)).eval()
-    with pytest.raises(UserError, match="MoE blocks have no batch-invariant kernels") as e:
-        _engine(model, tokenizer, torch.bfloat16)
+    torch.manual_seed(0)
+    small = dict(vocab_size=512, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, initializer_range=0.1, tie_word_embeddings=True, num_experts_per_tok=top_k)
+    cfg = {"mixtral": MixtralConfig(**small, num_local_experts=4),
+           "qwen2_moe": Qwen2MoeConfig(**small, num_experts=6, moe_intermediate_size=48, decoder_sparse_step=1,
+                                       shared_expert_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False),
+           "qwen3_moe": Qwen3MoeConfig(**small, num_experts=4, moe_intermediate_size=48, head_dim=32,
+                                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)}[family]
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    for router in find_routers(model):  # some families' routers start at zero: give them opinions
+        torch.nn.init.normal_(router.weight, std=0.5)
+    return model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_engine_logprobs_are_the_trainers_bit_for_bit(family, tokenizer):
+    """MoE: the engine routes each token, runs its experts and combines them as the trainer's pass does, whatever the
+    other tokens (which change how the (token, expert) pairs fall into the grouped matmul's tiles): same log-probs,
+    bit for bit, through compaction."""
+    model = _stop_sooner(_moe(family), 3.0)
+    engine = _engine(model, tokenizer, torch.bfloat16, compact=True, sync_every=1)
+    r = _rollout(engine, prompts=SHORT, n=4, max_new_tokens=8)
+    m = r.completion_mask
+    assert m.sum() > 30 and len(set(r.lengths.tolist())) > 1
+    whole = _trainer_logprobs(model, torch.bfloat16, r)
+    assert torch.equal(whole[m], r.logprobs[m])
+    assert torch.equal(_trainer_logprobs(model, torch.bfloat16, r, [7, 0, 4]), whole[[7, 0, 4]])
+
+
+def test_expert_kernels_are_batch_invariant_and_the_family_block():
+    """The grouped matmul's row for a (token, expert) pair is the dense kernel's row with that expert's weight; the
+    router picks torch's top-k of the softmax; the routed experts of a token do not depend on the other tokens, and are
+    the HF block's output up to bf16 rounding."""
+    from gspo.rollout import exact_kernels as ek
+    from gspo.rollout.fused import exact_sparse
+
+    model = _moe("qwen3_moe")
+    block = model.model.layers[0].mlp.to(DEV, torch.bfloat16)
+    x = torch.randn(37, 64, device=DEV).bfloat16()
+    logits = ek.linear(x, block.gate.weight, out_dtype=torch.float32)
+    weights, chosen = ek.route(logits, 2, True)
+    top = torch.topk(torch.softmax(logits, -1), 2, -1)
+    assert torch.equal(chosen.long(), top.indices)
+    torch.testing.assert_close(weights, top.values / top.values.sum(-1, keepdim=True))
+    order, at, tiles = ek.expert_tiles(chosen, 4)
+    assert torch.equal(order[at], torch.arange(74, device=DEV))
+    h = ek.grouped_linear(x, order // 2, block.experts.gate_up_proj, tiles)
+    pairs = chosen.reshape(-1).long()[order]  # each sorted pair's expert
+    assert torch.equal(pairs, pairs.sort().values)
+    for i in range(0, 74, 7):
+        tok, e = order[i] // 2, pairs[i]
+        assert torch.equal(h[i], ek.linear(x[tok][None], block.experts.gate_up_proj[e])[0])
+    out = exact_sparse(block, x)
+    rows = [30, 3, 7, 3]
+    assert torch.equal(exact_sparse(block, x[rows]), out[rows])
+    torch.testing.assert_close(out.float(), block(x[:, None]).reshape(37, -1).float(), atol=3e-2, rtol=3e-2)
+
+
+def test_moe_faults_show_and_other_routers_are_refused(tokenizer, monkeypatch):
+    """Fault injection: the engine combines each token's 3 experts in the reverse order (the same experts and weights,
+    another order of the fp32 sum; with 2 the sum commutes): the diff must show. And a router that is not a softmax top-k is refused in one
+    line."""
+    from gspo.rollout import exact_kernels
+
+    model = _moe("mixtral", top_k=3)
+    engine = _engine(model, tokenizer, None)
+    route = exact_kernels.route
+    with monkeypatch.context() as patch:
+        patch.setattr(exact_kernels, "route", lambda *a: tuple(t.flip(-1) for t in route(*a)))
+        r = _rollout(engine, max_new_tokens=4, prompts=SHORT)
+    m = r.completion_mask
+    assert (_trainer_logprobs(model, None, r)[m] - r.logprobs[m]).abs().max() > 0
+    odd = _moe("qwen3_moe")
+    router = odd.model.layers[0].mlp.gate
+    forward = router.forward
+    router.forward = lambda h: (lambda lg, w, i: (lg, w * 0.5, i))(*forward(h))  # scores not the softmax's
+    with pytest.raises(UserError, match="not a plain softmax top-k router") as e:
+        _engine(odd, tokenizer, torch.bfloat16)
     assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow
 def test_training_run_proves_zero_diff_and_ratio_one(tmp_path, tokenizer):
-    """A run with rollout.exact and the engine's log-probs as the old ones: every batch logs engine_diff_max = 0.0
-    (minibatch 0's update forward against the engine), and minibatch 0's ratios are exactly 1."""
+    """A run with rollout.exact and the engine's log-probs as the old ones, on an MoE (the dense path is the same
+    with plain MLPs; one run keeps CI's time): every batch logs engine_diff_max = 0.0 (minibatch 0's update forward
+    against the engine), and minibatch 0's ratios are exactly 1."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
     from gspo.train import Trainer
 
     d = tmp_path / "tiny"
-    model = tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.02)  # the real tokenizer's ids
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=48,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True))
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)
     cfg = build_config({}, [f"model.name='{d}'", "rollout.prompts_per_batch=2", "rollout.group_size=4",

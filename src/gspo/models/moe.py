@@ -65,14 +65,20 @@ def gate_weights(logits: torch.Tensor, indices: torch.Tensor, like: torch.Tensor
     return top.to(like.dtype)
 
 
-def check_router(router: torch.nn.Module) -> None:
-    """The replay recomputes gate weights with :func:`gate_weights`; refuse a router family it does not reproduce
-    bit for bit (a router with bias correction, groups or sigmoid scores would need its own formula)."""
+def plain_top_k(router: torch.nn.Module) -> bool:
+    """Whether ``router`` picks the top-k of a softmax over its logits and weighs them by :func:`gate_weights`, checked
+    on random hidden states (a router with bias correction, groups or sigmoid scores would need its own formula)."""
     with torch.no_grad():
         h = torch.randn(16, router.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(router.weight)
         logits, scores, idx = router(h)
-        mine = gate_weights(logits, idx, scores, renormalises(router))
-    if not torch.equal(mine, scores):
+        top = torch.topk(F.softmax(logits.float(), dim=-1), router.top_k, dim=-1).indices
+        return torch.equal(gate_weights(logits, idx, scores, renormalises(router)), scores) and torch.equal(top, idx)
+
+
+def check_router(router: torch.nn.Module) -> None:
+    """The replay recomputes gate weights with :func:`gate_weights`; refuse a router family it does not reproduce
+    bit for bit."""
+    if not plain_top_k(router):
         raise UserError(f"moe.routing_replay cannot replay {type(router).__name__}: its gate weights are not a softmax "
                         "over the experts taken at the top-k (and renormalised); set moe.routing_replay = 'off'.")
 

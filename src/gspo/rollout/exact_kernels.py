@@ -43,12 +43,12 @@ LOGPROB_BLOCK = 1024
 
 
 @triton.jit
-def _k_range(acc, a_ptr, w_ptr, rm, rn, rk, M, N, K, k_lo, k_hi, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    # acc + a[rm, k_lo:k_hi] @ w[rn, k_lo:k_hi]^T, in BLOCK_K steps
+def _k_range(acc, a_ptr, w_ptr, ra, am, rn, rk, N, K, k_lo, k_hi, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    # acc + a[ra, k_lo:k_hi] @ w[rn, k_lo:k_hi]^T, in BLOCK_K steps: ra (BM,) int64 the rows of a, am (BM,) which are
+    # real. The dense matmul and the experts' grouped one both run this, so their rows are the same dot products.
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0)
+        a = tl.load(a_ptr + ra[:, None] * K + kk[None, :], mask=am[:, None] & (kk[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
                     other=0.0)  # (BK, BN)
         if UPCAST:  # fp32 products in full precision (not TF32); the interpreter multiplies 16-bit floats wrongly
@@ -68,18 +68,71 @@ def _linear(a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOC
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    ra, am = rm.to(tl.int64), rm < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SPLIT_K == 1:
-        acc = _k_range(acc, a_ptr, w_ptr, rm, rn, rk, M, N, K, 0, K, BLOCK_K, UPCAST)
+        acc = _k_range(acc, a_ptr, w_ptr, ra, am, rn, rk, N, K, 0, K, BLOCK_K, UPCAST)
     else:
         mid = tl.cdiv(tl.cdiv(K, BLOCK_K), 2) * BLOCK_K
-        acc = _k_range(acc, a_ptr, w_ptr, rm, rn, rk, M, N, K, 0, mid, BLOCK_K, UPCAST)
-        acc += _k_range(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), a_ptr, w_ptr, rm, rn, rk, M, N, K, mid, K, BLOCK_K,
+        acc = _k_range(acc, a_ptr, w_ptr, ra, am, rn, rk, N, K, 0, mid, BLOCK_K, UPCAST)
+        acc += _k_range(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), a_ptr, w_ptr, ra, am, rn, rk, N, K, mid, K, BLOCK_K,
                         UPCAST)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], rounded(acc, c_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _grouped_linear(a_ptr, rows_ptr, w_ptr, c_ptr, tile_expert_ptr, tile_lo_ptr, tile_hi_ptr, N, K,
+                    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    # The experts' matmul over (token, expert) pairs sorted by expert: program (tile p, column block) computes pairs
+    # lo[p] .. hi[p] - 1, all routed to expert e[p]: c[i] = a[rows[i] if GATHER else i] @ w[e]^T (w: (E, N, K)). A
+    # pair's row is the dense kernel's dot product whatever tile it lands in (the same _k_range, the same blocks).
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    lo = tl.load(tile_lo_ptr + p).to(tl.int64)
+    hi = tl.load(tile_hi_ptr + p).to(tl.int64)
+    if hi > lo:  # tiles past the last expert's are empty (the grid is sized for the worst case)
+        e = tl.load(tile_expert_ptr + p).to(tl.int64)
+        i = lo + tl.arange(0, BLOCK_M)
+        im = i < hi
+        if GATHER:
+            ra = tl.load(rows_ptr + i, mask=im, other=0).to(tl.int64)
+        else:
+            ra = i
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _k_range(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), a_ptr, w_ptr + e * N * K, ra, im, rn,
+                       tl.arange(0, BLOCK_K), N, K, 0, K, BLOCK_K, UPCAST)
+        tl.store(c_ptr + i[:, None] * N + rn[None, :], rounded(acc, c_ptr.dtype.element_ty),
+                 mask=im[:, None] & (rn[None, :] < N))
+
+
+@triton.jit
+def _route(logits_ptr, weight_ptr, expert_ptr, E, TOP_K: tl.constexpr, RENORMALISE: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
+    # One program per token: softmax over its E router logits (fp32), the TOP_K largest probabilities in order (ties to
+    # the lower expert), divided by their sum where the family renormalises.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * E + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    left = tl.where(cols < E, p, -1.0)  # padding lanes are never chosen, not even over underflowed probabilities
+    slots = tl.arange(0, BLOCK_TOP)
+    vals = tl.zeros([BLOCK_TOP], tl.float32)
+    idx = tl.zeros([BLOCK_TOP], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        pick = tl.min(tl.where(left == best, cols, BLOCK_E), axis=0)  # the lowest expert among equals
+        vals = tl.where(slots == j, best, vals)
+        idx = tl.where(slots == j, pick, idx)
+        left = tl.where(cols == pick, -1.0, left)
+    if RENORMALISE:
+        vals = vals / tl.sum(vals, axis=0)
+    tl.store(weight_ptr + row * TOP_K + slots, vals, mask=slots < TOP_K)
+    tl.store(expert_ptr + row * TOP_K + slots, idx, mask=slots < TOP_K)
 
 
 @triton.jit
@@ -280,6 +333,85 @@ def tile_table(seq_lens: list[int], key_starts: list[int], groups: int, held: li
             kcount.append(h + j + 1)
         first += n
     return torch.tensor([q0, ntok, kstart, kcount], dtype=torch.int32)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts under router ``logits`` (n, E) and their gate weights (fp32 softmax over all
+    experts, taken at the chosen ones, renormalised where the family does): weights (n, k) float32, experts (n, k)
+    int32, largest first."""
+    logits = logits.contiguous()
+    n, E = logits.shape
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
+    experts = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
+    if n:
+        _route[(n,)](logits, weights, experts, E, TOP_K=top_k, RENORMALISE=renormalise,
+                     BLOCK_E=triton.next_power_of_2(E), BLOCK_TOP=triton.next_power_of_2(top_k))
+    return weights, experts
+
+
+def expert_tiles(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The (token, expert) pairs of ``experts`` (n, k) in expert order, and the grouped matmul's tiles over them.
+    Pair ``t * k + j`` is token t's j-th expert. Returns ``order`` (P,): the pair at each sorted row; ``at`` (P,): the
+    sorted row of each pair; and (expert, first row, end row) of each tile, ``cdiv(P, BLOCK_M) + E`` tiles with the
+    empty ones last. A stable counting sort in device ops of static shapes, no host sync: a decode step's CUDA graph
+    captures it (P x E int32 of scratch)."""
+    bm = MATMUL_BLOCK[0]
+    flat = experts.reshape(-1).long()
+    P, E, dev = flat.numel(), num_experts, flat.device
+    hits = flat[:, None] == torch.arange(E, device=dev)  # (P, E)
+    counts = hits.sum(0)  # (E,) pairs of each expert
+    rank = hits.to(torch.int32).cumsum(0, dtype=torch.int32).gather(1, flat[:, None])[:, 0] - 1  # among its expert's
+    pair_start = counts.cumsum(0) - counts  # (E,) each expert's first sorted row
+    at = pair_start[flat] + rank
+    order = torch.empty_like(at).scatter_(0, at, torch.arange(P, device=dev))
+    tiles = (counts + bm - 1) // bm  # (E,) tiles of each expert
+    tile_end = tiles.cumsum(0)
+    p = torch.arange(triton.cdiv(P, bm) + E, device=dev)
+    e = torch.searchsorted(tile_end, p, right=True).clamp_(max=E - 1)  # (T,) tile p's expert
+    lo = pair_start[e] + (p - (tile_end - tiles)[e]) * bm
+    hi = torch.minimum(lo + bm, pair_start[e] + counts[e])
+    real = p < tile_end[-1]
+    return order, at, (e, torch.where(real, lo, 0), torch.where(real, hi, 0))
+
+
+def grouped_linear(x: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tensor, tiles: tuple) -> torch.Tensor:
+    """Per-expert matmuls over sorted (token, expert) pairs: row i of the result is ``x[rows[i]] @ weight[e]^T`` for
+    the expert e of pair i's tile (``rows`` None: ``x[i]``), ``weight`` (E, N, K), ``tiles`` from :func:`expert_tiles`.
+    Batch-invariant, and a pair's row is bit for bit :func:`linear`'s of the same row and expert weight."""
+    e, lo, hi = tiles
+    x, weight = x.contiguous(), weight.contiguous()
+    P = rows.shape[0] if rows is not None else x.shape[0]
+    N, K = weight.shape[1], weight.shape[2]
+    out = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    if P == 0:
+        return out
+    bm, bn, bk, warps = MATMUL_BLOCK
+    _grouped_linear[(e.numel(), triton.cdiv(N, bn))](x, rows if rows is not None else lo, weight, out, e, lo, hi, N, K,
+                                                     GATHER=rows is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                                     UPCAST=_upcast(x.dtype), num_warps=warps)
+    return out
+
+
+def experts(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalise: bool, gate_up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+    """A top-k MoE block's routed experts on tokens ``x`` (n, H), batch-invariant: router logits by :func:`linear`
+    (fp32), :func:`route`, each pair's SiLU-gated expert MLP by :func:`grouped_linear` (``gate_up`` (E, 2I, H) as
+    [gate | up], ``down`` (E, H, I)), and the combine sum_j w_j * y_j over each token's experts in their top-k order, in
+    fp32, rounded once to x's dtype. (n, H)"""
+    from gspo.rollout.kernels import silu_mul
+
+    n = x.shape[0]
+    if n == 0:
+        return torch.zeros_like(x)
+    weights, chosen = route(linear(x, router_weight, out_dtype=torch.float32), top_k, renormalise)  # (n, k) each
+    order, at, tiles = expert_tiles(chosen, router_weight.shape[0])
+    h = grouped_linear(x, order // top_k, gate_up, tiles)  # (P, 2I) in expert order
+    act = silu_mul(h, torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device))
+    y = grouped_linear(act, None, down, tiles).index_select(0, at).view(n, top_k, -1)  # (n, k, H) in top-k order
+    out = y[:, 0].float() * weights[:, :1]
+    for j in range(1, top_k):  # elementwise ops: each element's sum in this order, whatever the batch
+        out = out + y[:, j].float() * weights[:, j:j + 1]
+    return out.to(x.dtype)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -71,21 +71,61 @@ def fused_unsupported(model, length: int = 0) -> str | None:
     return None
 
 
+def _exact_sparse_why_not(mlp) -> str | None:
+    """Why :func:`exact_sparse` cannot run this sparse block (None when it can): a softmax top-k router at ``gate``,
+    experts stored as (E, 2I, H) gate|up and (E, H, I) down weights without biases, and at most a gated dense shared
+    expert (Qwen2-MoE)."""
+    experts = mlp.experts
+    parts = [getattr(experts, n, None) for n in ("gate_up_proj", "down_proj")]
+    if not all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in parts) or any(
+            getattr(experts, n, None) is not None for n in ("gate_up_proj_bias", "down_proj_bias")):
+        return f"{type(experts).__name__} does not store its experts as bias-free (E, 2I, H) / (E, H, I) weights"
+    from gspo.models.moe import plain_top_k
+
+    if not plain_top_k(mlp.gate):
+        return f"router {type(mlp.gate).__name__} is not a plain softmax top-k router"
+    shared, gate = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
+    if shared is not None and not (_dense_mlp(shared) and isinstance(gate, torch.nn.Linear) and gate.bias is None):
+        return "its shared expert is not a dense MLP under a sigmoid gate"
+    return None
+
+
 def exact_unsupported(model, fused_why_not: str | None, routing=None) -> str | None:
-    """Why ``rollout.exact`` cannot run this model (None when it can): the fused step's families, dense layers only (an
-    MoE block's grouped expert GEMMs and combine are not batch-invariant yet), no routing records (R3), and a rotary
-    embedding whose frequencies do not change with the length (the kernels compute cos / sin from ``inv_freq``)."""
+    """Why ``rollout.exact`` cannot run this model (None when it can): the fused step's families, MoE blocks that
+    :func:`exact_sparse` runs (Mixtral, Qwen2-MoE, Qwen3-MoE), no routing records (R3: the exact pass routes natively,
+    it does not force recorded experts), and a rotary embedding whose frequencies do not change with the length (the
+    kernels compute cos / sin from ``inv_freq``)."""
     if fused_why_not is not None:
         return fused_why_not
-    layers = model.model.layers[: model.config.num_hidden_layers]
-    if not all(_dense_mlp(layer.mlp) for layer in layers):
-        return "its MoE blocks have no batch-invariant kernels yet (dense Llama / Mistral / Qwen2 / Qwen3 only)"
+    for layer in model.model.layers[: model.config.num_hidden_layers]:
+        why = None if _dense_mlp(layer.mlp) else _exact_sparse_why_not(layer.mlp)
+        if why is not None:
+            return f"its MoE block has no batch-invariant kernels: {why}"
     if routing is not None:
-        return "routing replay records need MoE blocks"
+        return "routing replay forces recorded experts, which the exact pass does not (it routes natively)"
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if "dynamic" in str(rope_type) or rope_type == "longrope":
         return f"rope_type {rope_type!r} changes its frequencies with the sequence length"
     return None
+
+
+def exact_sparse(block, x: torch.Tensor) -> torch.Tensor:
+    """``rollout.exact``'s MoE block on normed tokens ``x`` (n, H), batch-invariant: the routed experts
+    (:func:`gspo.rollout.exact_kernels.experts`) plus, for Qwen2-MoE, sigmoid(gate(x)) times the shared expert, added
+    in x's dtype as the family adds them. Reads the block's (the engine copy's) weights. (n, H)"""
+    from gspo.models.moe import renormalises
+    from gspo.rollout import exact_kernels as ek, kernels
+
+    router = block.gate
+    out = ek.experts(x, router.weight, router.top_k, renormalises(router), block.experts.gate_up_proj,
+                     block.experts.down_proj)
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        gate_up = torch.cat([ek.linear(x, shared.gate_proj.weight), ek.linear(x, shared.up_proj.weight)], 1)
+        act = kernels.silu_mul(gate_up, torch.empty(x.shape[0], gate_up.shape[1] // 2, dtype=x.dtype, device=x.device))
+        gate = torch.sigmoid(ek.linear(x, block.shared_expert_gate.weight))  # (n, 1)
+        out = out + gate * ek.linear(act, shared.down_proj.weight)
+    return out
 
 
 class _Layer:
@@ -236,8 +276,8 @@ class FusedDecoder:
             ek.tile_attention(q, k, v, tiles, layer.scale, attn)
             o = linear(attn.view(n, -1).to(self.dtype), layer.w_o, layer.b_o)  # (n, H)
             kernels.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
-            if layer.moe is not None:  # the family's sparse block: router, top-k, grouped expert GEMMs (not exact)
-                delta = layer.moe(x[:, None]).reshape(n, -1)  # (n, H)
+            if layer.moe is not None:  # the sparse block: the family's module, or its batch-invariant twin
+                delta = exact_sparse(layer.moe, x) if self.exact else layer.moe(x[:, None]).reshape(n, -1)  # (n, H)
                 continue
             gate_up = linear(x, layer.w_gate_up, layer.b_gate_up)  # (n, 2I)
             act = torch.empty(n, gate_up.shape[1] // 2, dtype=gate_up.dtype, device=res.device)
