@@ -251,7 +251,8 @@ def main() -> None:
     p.add_argument("--train-rows", type=int, default=64)
     p.add_argument("--exact-config", default="",
                    help="the matmul configuration of the exactness, multi-turn and trainer parts (default: gspo's)")
-    p.add_argument("--upcycle", default="", help="EXK: upcycle the model to a Mixtral of E experts, top-K (drop 0.5)")
+    p.add_argument("--upcycle", default="", help="EXK: upcycle the model to a Mixtral of E experts, top-K")
+    p.add_argument("--drop", type=float, default=0.5, help="--upcycle's Drop-Upcycling fraction (0: copies)")
     p.add_argument("--parts", default="exactness,throughput,trainer")
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -260,7 +261,7 @@ def main() -> None:
         from gspo.commands.upcycle import upcycle
 
         experts, top_k = (int(x) for x in a.upcycle.split("x"))
-        model = upcycle(model.cpu().float(), experts, top_k, drop=0.5).to(device).eval()
+        model = upcycle(model.cpu().float(), experts, top_k, drop=a.drop).to(device).eval()
     if a.exact_config:
         from gspo.rollout import exact_kernels
 
@@ -268,7 +269,7 @@ def main() -> None:
     task = ArithmeticTask(seed=0)
     prompts_all = encode_prompts(tok, [task[i] for i in range(max(1024, a.exact_rows + 100))])
     prompts_all = [[min(t, model.config.vocab_size - 1) for t in p] for p in prompts_all]  # a random model's vocabulary
-    out = {"model": a.model + (f" upcycled {a.upcycle}" if a.upcycle else ""), "exact_config": a.exact_config,
+    out = {"model": a.model + (f" upcycled {a.upcycle} drop {a.drop}" if a.upcycle else ""), "exact_config": a.exact_config,
            "card": card, "torch": torch.__version__, "throughput": [], "exactness": []}
     for part in a.parts.split(","):
         {"throughput": throughput, "exactness": exactness, "trainer": trainer_cost, "multiturn": multiturn,

@@ -273,10 +273,43 @@ def test_expert_kernels_are_batch_invariant_and_the_family_block():
     for i in range(0, 74, 7):
         tok, e = order[i] // 2, pairs[i]
         assert torch.equal(h[i], ek.linear(x[tok][None], block.experts.gate_up_proj[e])[0])
-    out = exact_sparse(block, x)
+    out, experts = exact_sparse(block, x)
+    assert torch.equal(experts, chosen)
     rows = [30, 3, 7, 3]
-    assert torch.equal(exact_sparse(block, x[rows]), out[rows])
+    assert torch.equal(exact_sparse(block, x[rows])[0], out[rows])
     torch.testing.assert_close(out.float(), block(x[:, None]).reshape(37, -1).float(), atol=3e-2, rtol=3e-2)
+
+
+def test_the_gradient_pass_forces_the_exact_routes(tokenizer):
+    """Under exact the update's values come from the exact pass and its gradient from the ordinary pass, which could
+    route a token elsewhere: the exact pass writes its experts as the batch's records (at the batch rows it was given)
+    and the ordinary pass, under ``updating``, runs exactly those experts, counting the slots it would have changed."""
+    from gspo.models.moe import Routing
+    from gspo.train.exact import ExactPass
+    from gspo.train.passes import sequence_logprobs
+
+    model = _moe("qwen3_moe")
+    routing = Routing(model, "exact")
+    prompts = [[5, 6, 7], [9] * 12, [3, 4]]
+    ids = torch.randint(3, 500, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.arange(6)[None] < torch.tensor([[6], [2], [4]])
+    routing.begin_batch(5, 20, DEV)  # a batch of 5 rows, of which rows 4, 0, 2 are here
+    rows = torch.tensor([4, 0, 2])
+    exact = ExactPass(model, torch.bfloat16, DEV)
+    exact.logprobs(prompts, ids, mask, routing=routing, row_ids=rows)
+    exact_routes = [r.long() for r in exact.decoder.routes]  # (S, k) per layer, the packed tokens in row order
+    ran = []
+    hooks = [r.register_forward_hook(lambda m, a, out: ran.append(out[2])) for r in routing.routers]  # after replay's
+    with routing.updating():
+        sequence_logprobs(model.to(DEV), prompts, ids, mask, pad_id=0, packed=True, routing=routing, row_ids=rows,
+                          autocast_dtype=torch.bfloat16)
+    for h in hooks:
+        h.remove()
+    S = sum(len(p) + int(m.sum()) for p, m in zip(prompts, mask))
+    for mine, theirs in zip(exact_routes, ran):  # the packed pass may pad: its first S tokens are the rows' own
+        assert torch.equal(theirs[:S].long(), mine[:S])
+    assert routing.recorded[[4, 0, 2]].sum() == S and not routing.recorded[[1, 3]].any()
+    assert "moe/flip_rate" in routing.flip_metrics()
 
 
 def test_moe_faults_show_and_other_routers_are_refused(tokenizer, monkeypatch):
@@ -330,3 +363,4 @@ def test_training_run_proves_zero_diff_and_ratio_one(tmp_path, tokenizer):
     for r in first:
         assert r["logprob/engine_diff_max"] == 0.0
         assert r["ratio/token_min"] == r["ratio/token_max"] == 1.0
+    assert all(r["moe/flip_rate"] >= 0 for r in rows if r.get("minibatch") is not None)  # the gradient pass's

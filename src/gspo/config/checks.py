@@ -364,8 +364,8 @@ def check_exact(cfg: Config) -> None:
          "set dist.strategy = 'ddp'"),
         (r.in_flight == "recompute", "rollout.in_flight = 'recompute' (it rewrites caches on the module path)",
          "set rollout.in_flight = 'keep' or 'off'"),
-        (cfg.moe.routing_replay != "off", f"moe.routing_replay = {cfg.moe.routing_replay!r} (the exact pass routes "
-         "natively; it does not force recorded experts)",
+        (cfg.moe.routing_replay != "off", f"moe.routing_replay = {cfg.moe.routing_replay!r} (under exact the "
+         "gradient pass forces the exact pass's own routes)",
          "set moe.routing_replay = 'off'"),
     )
     for refused, what, fix in refusals:

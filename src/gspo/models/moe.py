@@ -18,6 +18,11 @@ so the router still gets gradients. Tokens without a record (padding, positions 
 natively. Records are kept per (row, position) of the rollout batch, not per flattened token, so the update may lay
 the rows out differently (other micro-batches, packed or padded) than the pass that recorded them.
 
+Under ``rollout.exact`` (``replay = "exact"``, set by the trainer): the exact pass (gspo.train.exact), which computes
+the update's values, writes each token's experts as its records, and the gradient pass -- the ordinary one, whose
+rounding would route some tokens elsewhere -- forces them, so the gradient is that of the sub-network the values came
+from; ``moe/flip_rate`` then counts the slots the gradient pass would have routed differently.
+
 Expert volatility (``moe/flip_rate``): the fraction of (token, layer, top-k slot) whose recorded old-policy expert is
 not among the current policy's top-k experts, on the positions that predict a trained completion token.
 
@@ -127,7 +132,7 @@ class Routing:
     for the auxiliary loss. Idle (the hook returns at once) outside :meth:`recording` / :meth:`updating`."""
 
     def __init__(self, model: torch.nn.Module, replay: str = "off", aux_loss_coef: float = 0.0):
-        if replay not in REPLAY_MODES:
+        if replay not in (*REPLAY_MODES, "exact"):  # "exact": rollout.exact's, set by the trainer (not a user value)
             raise UserError(f"moe.routing_replay = {replay!r} is not one of {', '.join(REPLAY_MODES)}.")
         self.routers = find_routers(model)
         if not self.routers:
@@ -205,6 +210,17 @@ class Routing:
         width = min(width, self.records.shape[2])
         self.records[:, :n, :width] = routes[:, :width].permute(2, 0, 1, 3).to(self.records.device, self.dtype)
         self.recorded[:n, :width] = routes_mask[:, :width].to(self.recorded.device)
+
+    def write_records(self, rows: torch.Tensor, pos: torch.Tensor, experts: list[torch.Tensor]) -> None:
+        """Take ``experts`` (one (n, k) per routed layer) as the records of tokens at batch ``rows`` / ``pos`` (n,):
+        rollout.exact's pass, whose routes its update's gradient pass forces (``replay = "exact"``)."""
+        if self.records is None:
+            return
+        real = pos < self.records.shape[2]
+        rows, pos = rows[real], pos[real]
+        for layer, idx in enumerate(experts):
+            self.records[layer, rows, pos] = idx[real].to(self.dtype)
+        self.recorded[rows, pos] = True
 
     @contextlib.contextmanager
     def updating(self) -> Iterator[None]:

@@ -15,6 +15,9 @@ packed causal pass, and a decode step and a packed pass usually run different ke
   not depend on its tile: blocks past its own keys are masked to -inf, which leaves every running value as it was.
 * ``rope_write``: rotary embedding (cos / sin computed in the kernel from the position) + the K/V write, per token.
 * ``token_logprobs``: log softmax(logits / T)[target], one program per token, a fixed two-pass reduction over V.
+* MoE (``experts``): ``route`` (a token's softmax top-k, one program per token), ``grouped_linear`` (the experts'
+  matmuls over (token, expert) pairs sorted by expert, each pair's row the dense matmul's dot product whatever tile it
+  lands in) and ``_combine`` (each token's experts summed in top-k order, fp32).
 * The residual-add + RMSNorm and SiLU-and-multiply kernels of :mod:`gspo.rollout.kernels` are per-row already.
 
 Why by hand: no library ships batch-invariant kernels that run an HF model's own weights inside our CUDA graphs
@@ -32,9 +35,9 @@ from gspo.rollout.kernels import INTERPRETED, rounded
 # The matmul's one configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps). Every call uses it, whatever the rows: the point of
 # the kernel. A sweep on an H200 (benchmarks/exact_engine.py --matmul-configs, SmolLM2-135M) gave the exact engine, at
 # 512 x 128 / 1024 x 512, of the fused step's tokens/s: 64 x 64 x 64 91% / 93%, 64 x 128 x 64 93% / 95%, 128 x 64 x 64
-# 86% / 91%, 128 x 128 x 64 (8 warps) 82% / 92%, 32 x 64 x 64 83% / 82%. This one is the configuration whose exactness
-# was measured on the GPU (docs/experiments/engine/exact.md); 64 x 128 x 64 is faster but not yet measured there.
-MATMUL_BLOCK = (64, 64, 64, 4)
+# 86% / 91%, 128 x 128 x 64 (8 warps) 82% / 92%, 32 x 64 x 64 83% / 82%. This one's exactness was measured on the GPU
+# for dense and MoE families (docs/experiments/engine/exact); a change of it needs that run again.
+MATMUL_BLOCK = (64, 128, 64, 4)
 MATMUL_SPLIT_K = 1  # 2: a split-K reduction order (the tests' fault injection; never set by gspo)
 # Attention: rows of a tile (token x query head of one KV head) and keys per block. A decode tile uses G of the
 # BLOCK_M rows; the same BLOCK_M for both sides keeps each row's dot products the same instructions.
@@ -133,6 +136,20 @@ def _route(logits_ptr, weight_ptr, expert_ptr, E, TOP_K: tl.constexpr, RENORMALI
         vals = vals / tl.sum(vals, axis=0)
     tl.store(weight_ptr + row * TOP_K + slots, vals, mask=slots < TOP_K)
     tl.store(expert_ptr + row * TOP_K + slots, idx, mask=slots < TOP_K)
+
+
+@triton.jit
+def _combine(y_ptr, at_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (token t, column block): out[t] = sum_j w[t, j] * y[at[t * K + j]] over its experts in top-k order, fp32,
+    # rounded once: the same operations for a token whatever the others.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(at_ptr + t * TOP_K + j).to(tl.int64)
+        acc += tl.load(y_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32) * tl.load(w_ptr + t * TOP_K + j)
+    tl.store(out_ptr + t * H + cols, rounded(acc, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -261,6 +278,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x (M, K) @ weight (N, K)^T + bias`` in ``out_dtype`` (default x's), batch-invariant: row m of the result does
     not depend on M or on the other rows."""
+    if x.dtype != weight.dtype:  # the GPU's dot needs one dtype; the interpreter would hide a mismatch
+        raise TypeError(f"linear: x is {x.dtype} and weight {weight.dtype}")
     x, weight = x.contiguous(), weight.contiguous()
     M, K = x.shape
     N = weight.shape[0]
@@ -354,13 +373,13 @@ def expert_tiles(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     Pair ``t * k + j`` is token t's j-th expert. Returns ``order`` (P,): the pair at each sorted row; ``at`` (P,): the
     sorted row of each pair; and (expert, first row, end row) of each tile, ``cdiv(P, BLOCK_M) + E`` tiles with the
     empty ones last. A stable counting sort in device ops of static shapes, no host sync: a decode step's CUDA graph
-    captures it (P x E int32 of scratch)."""
+    captures it (E x P int32 of scratch)."""
     bm = MATMUL_BLOCK[0]
     flat = experts.reshape(-1).long()
     P, E, dev = flat.numel(), num_experts, flat.device
-    hits = flat[:, None] == torch.arange(E, device=dev)  # (P, E)
-    counts = hits.sum(0)  # (E,) pairs of each expert
-    rank = hits.to(torch.int32).cumsum(0, dtype=torch.int32).gather(1, flat[:, None])[:, 0] - 1  # among its expert's
+    hits = torch.arange(E, device=dev)[:, None] == flat[None, :]  # (E, P): a scan along the inner dimension is fast
+    counts = hits.sum(1)  # (E,) pairs of each expert
+    rank = hits.to(torch.int32).cumsum(1, dtype=torch.int32).gather(0, flat[None, :])[0] - 1  # among its expert's
     pair_start = counts.cumsum(0) - counts  # (E,) each expert's first sorted row
     at = pair_start[flat] + rank
     order = torch.empty_like(at).scatter_(0, at, torch.arange(P, device=dev))
@@ -379,6 +398,8 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor | None, weight: torch.Ten
     the expert e of pair i's tile (``rows`` None: ``x[i]``), ``weight`` (E, N, K), ``tiles`` from :func:`expert_tiles`.
     Batch-invariant, and a pair's row is bit for bit :func:`linear`'s of the same row and expert weight."""
     e, lo, hi = tiles
+    if x.dtype != weight.dtype:
+        raise TypeError(f"grouped_linear: x is {x.dtype} and weight {weight.dtype}")
     x, weight = x.contiguous(), weight.contiguous()
     P = rows.shape[0] if rows is not None else x.shape[0]
     N, K = weight.shape[1], weight.shape[2]
@@ -393,25 +414,25 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor | None, weight: torch.Ten
 
 
 def experts(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalise: bool, gate_up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
+            down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A top-k MoE block's routed experts on tokens ``x`` (n, H), batch-invariant: router logits by :func:`linear`
     (fp32), :func:`route`, each pair's SiLU-gated expert MLP by :func:`grouped_linear` (``gate_up`` (E, 2I, H) as
     [gate | up], ``down`` (E, H, I)), and the combine sum_j w_j * y_j over each token's experts in their top-k order, in
-    fp32, rounded once to x's dtype. (n, H)"""
+    fp32, rounded once to x's dtype (one kernel). Returns the output (n, H) and the chosen experts (n, k) int32."""
     from gspo.rollout.kernels import silu_mul
 
     n = x.shape[0]
     if n == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x), torch.zeros(0, top_k, dtype=torch.int32, device=x.device)
     weights, chosen = route(linear(x, router_weight, out_dtype=torch.float32), top_k, renormalise)  # (n, k) each
     order, at, tiles = expert_tiles(chosen, router_weight.shape[0])
     h = grouped_linear(x, order // top_k, gate_up, tiles)  # (P, 2I) in expert order
     act = silu_mul(h, torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device))
-    y = grouped_linear(act, None, down, tiles).index_select(0, at).view(n, top_k, -1)  # (n, k, H) in top-k order
-    out = y[:, 0].float() * weights[:, :1]
-    for j in range(1, top_k):  # elementwise ops: each element's sum in this order, whatever the batch
-        out = out + y[:, j].float() * weights[:, j:j + 1]
-    return out.to(x.dtype)
+    y = grouped_linear(act, None, down, tiles)  # (P, H) in expert order
+    out = torch.empty_like(x)
+    block = min(1024, triton.next_power_of_2(x.shape[1]))
+    _combine[(n, triton.cdiv(x.shape[1], block))](y, at, weights, out, x.shape[1], TOP_K=top_k, BLOCK=block)
+    return out, chosen
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -11,7 +11,8 @@ tokens and log-probs against the module path, and the CPU tests run the kernels 
 An MoE layer runs the same attention kernels; its sparse block (router, top-k, the experts as grouped GEMMs over the
 copy's low-precision expert weights, Qwen2-MoE's shared expert) is the family's own module, called on the fused
 step's normed hidden state: no host sync inside it (transformers sizes the expert groups with ``histc``), so it is
-captured in the step's CUDA graph, and hooks on its router (R3's route records) become kernels of that graph.
+captured in the step's CUDA graph, and hooks on its router (R3's route records) become kernels of that graph. Under
+``rollout.exact`` the block is :func:`exact_sparse` instead: the same function on batch-invariant kernels.
 
 Anything this path does not cover (other activations, sliding windows, odd head sizes, no Triton) makes
 :func:`fused_unsupported` say why, and the engine keeps the module path.
@@ -92,8 +93,8 @@ def _exact_sparse_why_not(mlp) -> str | None:
 
 def exact_unsupported(model, fused_why_not: str | None, routing=None) -> str | None:
     """Why ``rollout.exact`` cannot run this model (None when it can): the fused step's families, MoE blocks that
-    :func:`exact_sparse` runs (Mixtral, Qwen2-MoE, Qwen3-MoE), no routing records (R3: the exact pass routes natively,
-    it does not force recorded experts), and a rotary embedding whose frequencies do not change with the length (the
+    :func:`exact_sparse` runs (Mixtral, Qwen2-MoE, Qwen3-MoE), no routing records (R3: under exact the gradient pass
+    forces the exact pass's routes instead), and a rotary embedding whose frequencies do not change with the length (the
     kernels compute cos / sin from ``inv_freq``)."""
     if fused_why_not is not None:
         return fused_why_not
@@ -102,30 +103,31 @@ def exact_unsupported(model, fused_why_not: str | None, routing=None) -> str | N
         if why is not None:
             return f"its MoE block has no batch-invariant kernels: {why}"
     if routing is not None:
-        return "routing replay forces recorded experts, which the exact pass does not (it routes natively)"
+        return "routing replay records the engine's routes, and under exact the gradient pass forces the exact pass's"
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if "dynamic" in str(rope_type) or rope_type == "longrope":
         return f"rope_type {rope_type!r} changes its frequencies with the sequence length"
     return None
 
 
-def exact_sparse(block, x: torch.Tensor) -> torch.Tensor:
+def exact_sparse(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``rollout.exact``'s MoE block on normed tokens ``x`` (n, H), batch-invariant: the routed experts
     (:func:`gspo.rollout.exact_kernels.experts`) plus, for Qwen2-MoE, sigmoid(gate(x)) times the shared expert, added
-    in x's dtype as the family adds them. Reads the block's (the engine copy's) weights. (n, H)"""
+    in x's dtype as the family adds them. Reads the block's (the engine copy's) weights. Returns the output (n, H) and
+    each token's experts (n, k)."""
     from gspo.models.moe import renormalises
     from gspo.rollout import exact_kernels as ek, kernels
 
     router = block.gate
-    out = ek.experts(x, router.weight, router.top_k, renormalises(router), block.experts.gate_up_proj,
-                     block.experts.down_proj)
+    out, chosen = ek.experts(x, router.weight, router.top_k, renormalises(router), block.experts.gate_up_proj,
+                             block.experts.down_proj)
     shared = getattr(block, "shared_expert", None)
     if shared is not None:
         gate_up = torch.cat([ek.linear(x, shared.gate_proj.weight), ek.linear(x, shared.up_proj.weight)], 1)
         act = kernels.silu_mul(gate_up, torch.empty(x.shape[0], gate_up.shape[1] // 2, dtype=x.dtype, device=x.device))
         gate = torch.sigmoid(ek.linear(x, block.shared_expert_gate.weight))  # (n, 1)
         out = out + gate * ek.linear(act, shared.down_proj.weight)
-    return out
+    return out, chosen
 
 
 class _Layer:
@@ -200,6 +202,7 @@ class FusedDecoder:
         # rollout.exact: every step runs the batch-invariant kernels of gspo.rollout.exact_kernels, and the prefill
         # (and the trainer's pass, gspo.train.exact) is the same forward over packed tokens (see ``forward_tokens``)
         self.exact = exact
+        self.routes: list[torch.Tensor] = []  # see forward_tokens
         self._decode_tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> (arange, ones), static
         if exact:
             rotary = model.model.rotary_emb
@@ -253,6 +256,7 @@ class FusedDecoder:
         inner = self.model.model
         n = ids.shape[0]
         linear = ek.linear if self.exact else F.linear
+        self.routes = []  # exact: each MoE layer's chosen experts (n, k) of this call, in layer order
         res = inner.embed_tokens(ids)  # (n, H): the residual stream, in the embedding's dtype (as HF's)
         if not self.exact:  # HF's rotary embedding, once for every layer
             cos, sin = inner.rotary_emb(res[:, None], pos[:, None])  # (n, 1, D) each
@@ -277,7 +281,11 @@ class FusedDecoder:
             o = linear(attn.view(n, -1).to(self.dtype), layer.w_o, layer.b_o)  # (n, H)
             kernels.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
             if layer.moe is not None:  # the sparse block: the family's module, or its batch-invariant twin
-                delta = exact_sparse(layer.moe, x) if self.exact else layer.moe(x[:, None]).reshape(n, -1)  # (n, H)
+                if self.exact:
+                    delta, chosen = exact_sparse(layer.moe, x)  # (n, H), (n, k)
+                    self.routes.append(chosen)
+                else:
+                    delta = layer.moe(x[:, None]).reshape(n, -1)  # (n, H)
                 continue
             gate_up = linear(x, layer.w_gate_up, layer.b_gate_up)  # (n, 2I)
             act = torch.empty(n, gate_up.shape[1] // 2, dtype=gate_up.dtype, device=res.device)

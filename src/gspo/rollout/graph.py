@@ -229,8 +229,9 @@ class EngineWeights:
                 if param is None:
                     continue
                 master = source[f"{prefix}.{name}" if prefix else name]
-                # Linear weights and MoE experts' stacked weights (read by grouped GEMMs, not through nn.Linear)
-                low = isinstance(module, torch.nn.Linear) or type(module).__name__.endswith("Experts")
+                # Linear weights, MoE experts' stacked weights (read by grouped GEMMs, not through nn.Linear) and
+                # routers' (an F.linear under autocast: the same bf16 numbers as a cast at each call)
+                low = isinstance(module, torch.nn.Linear) or type(module).__name__.endswith(("Experts", "Router"))
                 dtype = linear_dtype if low and master.dtype.is_floating_point else master.dtype
                 module._parameters[name] = torch.nn.Parameter(torch.empty(master.shape, dtype=dtype, device=device),
                                                               requires_grad=False)

@@ -91,9 +91,10 @@ def _routing(cfg: Config, model: torch.nn.Module) -> Routing | None:
                             "dense model (no top-k routers); remove the [moe] settings or train an MoE model.")
         return None
     disable_router_noise(model)
-    routing = Routing(model, moe.routing_replay, moe.router_aux_loss_coef)
+    # rollout.exact: the gradient pass forces the exact pass's routes (gspo.models.moe); replay is refused with it
+    routing = Routing(model, "exact" if cfg.rollout.exact else moe.routing_replay, moe.router_aux_loss_coef)
     log.info("MoE: %d routed layers, %d experts, top-%d; routing replay %s; router auxiliary loss %s",
-             len(routing.routers), routing.num_experts, routing.top_k, moe.routing_replay,
+             len(routing.routers), routing.num_experts, routing.top_k, routing.replay,
              f"x {moe.router_aux_loss_coef}" if moe.router_aux_loss_coef else
              "off for RL (moe.router_aux_loss_coef = 0; set it > 0 to add the load-balancing loss)")
     return routing
@@ -211,7 +212,8 @@ class Actor:
         routing = self.routing if model is self.model else None
         if self.exact is not None and model is self.model:  # rollout.exact: the engine's own numbers
             exact, entropy = self.exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask,
-                                                 self.cfg.rollout.temperature, with_entropy and not torch.is_grad_enabled())
+                                                 self.cfg.rollout.temperature, with_entropy and not torch.is_grad_enabled(),
+                                                 routing=routing, row_ids=rows)
             if not torch.is_grad_enabled():
                 return exact, entropy
             # the update: those values, with the gradient of the ordinary pass at the same weights

@@ -84,32 +84,36 @@ class ExactPass:
         return self.decoder.forward_tokens(ids, pos, [k] * layers, [v] * layers, torch.arange(S, device=ids.device),
                                           tuple(table.unbind(0)))
 
-    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, seq_lens: list[int], starts: list[int]) -> torch.Tensor:
-        """(S, H) for the packed row (CPU ``ids`` / ``pos``): a graph replay when its bucket is captured or fits."""
+    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, seq_lens: list[int],
+                starts: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(S, H) for the packed row (CPU ``ids`` / ``pos``), and each MoE layer's experts (S, k): a graph replay when
+        its bucket is captured or fits."""
         from gspo.rollout.exact_kernels import tile_table
         from gspo.train.passes import PackedGraphs
 
         dev, S = self.device, ids.shape[0]
         G = self.decoder.heads // self.decoder.kv_heads
         if not self.use_graphs:
-            return self._forward(to_device(ids, dev), to_device(pos, dev), to_device(tile_table(seq_lens, starts, G), dev))
+            out = self._forward(to_device(ids, dev), to_device(pos, dev), to_device(tile_table(seq_lens, starts, G), dev))
+            return out, self.decoder.routes
         size = PackedGraphs.bucket(S + 1)  # at least one dummy token, so the dummy sequence is never empty
         pad = size - S
         table = tile_table([*seq_lens, pad], [*starts, S], G)
         tiles = PackedGraphs.bucket(table.shape[1])
         key = (size, tiles)
         if key not in self.graphs and len(self.graphs) >= self.MAX_GRAPHS:  # eager, unpadded
-            return self._forward(to_device(ids, dev), to_device(pos, dev),
-                                 to_device(tile_table(seq_lens, starts, G), dev))
+            out = self._forward(to_device(ids, dev), to_device(pos, dev),
+                                to_device(tile_table(seq_lens, starts, G), dev))
+            return out, self.decoder.routes
         inputs = (torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)]),
                   torch.cat([table, table.new_zeros(4, tiles - table.shape[1])], 1))
         if key not in self.graphs:
             self._capture(key, inputs)
-        graph, static, out = self.graphs[key]
+        graph, static, out, routes = self.graphs[key]
         for buffer, value in zip(static, inputs):
             buffer.copy_(value, non_blocking=True)
         graph.replay()
-        return out[:S]
+        return out[:S], [r[:S] for r in routes]
 
     def _capture(self, key: tuple[int, int], inputs: tuple) -> None:
         import time
@@ -128,14 +132,17 @@ class ExactPass:
         graph = torch.cuda.CUDAGraph()
         with CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self._forward(*static)
-        self.graphs[key] = (graph, static, out)
+        self.graphs[key] = (graph, static, out, self.decoder.routes)  # the routes: outputs of the graph too
         self.warmup_s += time.perf_counter() - t0
 
     @torch.no_grad()
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                 temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 temperature: float = 1.0, with_entropy: bool = False, routing=None,
+                 row_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``(N, T)`` float32 under softmax(logits / temperature) of the current weights (0 where the mask
-        is False), and the entropies ``(N, T)`` with ``with_entropy``. Completion tokens must be a prefix of each row."""
+        is False), and the entropies ``(N, T)`` with ``with_entropy``. Completion tokens must be a prefix of each row.
+        ``routing`` (an MoE policy's :class:`gspo.models.moe.Routing`): every token's experts here become its records,
+        at batch rows ``row_ids`` (default 0..N-1), for the gradient pass to force."""
         from gspo.rollout import exact_kernels as ek
 
         self.weights.load(named_weights(self.source))
@@ -150,7 +157,12 @@ class ExactPass:
         starts = torch.tensor([0, *seq_lens]).cumsum(0)[:-1]  # (N,) each sequence's first packed token
         first = starts + torch.tensor([len(p) for p in prompt_ids]) - 1  # the position that predicts token 0
         at = (first[:, None] + torch.arange(mask.shape[1])[None, :])[mask]  # (M,) row-major
-        hidden = self._hidden(ids, pos, seq_lens, starts.tolist()).index_select(0, to_device(at, dev))  # (M, H)
+        hidden, routes = self._hidden(ids, pos, seq_lens, starts.tolist())
+        if routing is not None and routes:
+            rows = torch.arange(len(seq_lens)) if row_ids is None else row_ids.cpu()
+            routing.write_records(to_device(torch.repeat_interleave(rows, torch.tensor(seq_lens)), dev),
+                                  to_device(pos, dev), routes)
+        hidden = hidden.index_select(0, to_device(at, dev))  # (M, H)
         targets = to_device(ids_cpu[mask], dev)  # (M,)
         logp, entropy = [], []
         for i in range(0, len(at), self.chunk_size):
