@@ -62,11 +62,12 @@ def supports(model) -> bool:
             and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
 
 
-def unsupported(model, autocast_dtype: torch.dtype | None) -> str | None:
-    """Why the graph engine cannot run ``model`` on CUDA with this precision, or None when it can."""
+def unsupported(model, autocast_dtype: torch.dtype | None, exact: bool = False) -> str | None:
+    """Why the graph engine cannot run ``model`` on CUDA with this precision, or None when it can (``exact``: the
+    sparse blocks run rollout.exact's kernels, never transformers' experts)."""
     if not supports(model):
         return f"model_type {getattr(model.config, 'model_type', None)!r} is not one of {', '.join(SUPPORTED)}"
-    if autocast_dtype is None and next(model.parameters()).dtype == torch.float32 and find_routers(model):
+    if autocast_dtype is None and next(model.parameters()).dtype == torch.float32 and find_routers(model) and not exact:
         return ("an fp32 MoE: transformers' grouped-GEMM experts copy to the host in fp32, which a CUDA graph cannot "
                 "capture (bf16 autocast, the GPU default, can)")
     return None
@@ -392,7 +393,7 @@ class GraphEngine:
         self.cache_dtype = autocast_dtype or master_dtype
         self.sync_every = sync_every
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and (why_not := unsupported(model, autocast_dtype)) is not None:
+        if self.use_graphs and (why_not := unsupported(model, autocast_dtype, exact)) is not None:
             raise UserError(f"The graph rollout engine cannot capture this model: {why_not}; set model.precision = "
                             "'bf16-autocast' or rollout.engine = 'hf'.")
         self.max_batch = max_batch
