@@ -214,14 +214,17 @@ def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path): 
     """A one-process run (HF weights, AdamW state in trainer_state.pt) resumes under `gspo train --nproc 2`, which
     writes sharded checkpoints (FSDP2: DCP, each process's RNG, an HF export) and profiles its batch on both processes;
     that run resumes under one process. Every resume warns that the sampling streams are new, every run finishes with
-    each step logged once, the lines before a resume are kept, and every complete checkpoint loads as an HF model. (A
+    each step logged once, the lines before a resume are kept, and every complete checkpoint loads as an HF model. The
+    runs are PPO: the value model and its optimizer are sharded too, and cross process counts with the policy. (A
     resume at three processes, DDP: test_async's decode-process test; the 3-process leg here went for CI time.)"""
     run = tmp_path / "run"
-    first = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=2"), "--run-dir", str(run))
+    ppo = "algorithm='ppo'"
+    first = _train(tmp_path, [sys.executable], _overrides(tiny_dir, ppo, "train.steps=2"), "--run-dir", str(run))
     assert first.returncode == 0, first.stderr[-3000:]
-    two = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=4", "dist.strategy='fsdp'",
+    two = _train(tmp_path, [sys.executable], _overrides(tiny_dir, ppo, "train.steps=4", "dist.strategy='fsdp'",
                                                         "log.profile_batch=2"), "--nproc", "2", "--resume", "--run-dir",
                  str(run))
+    assert "FSDP2: the value model is sharded over 2 processes" in two.stderr
     assert two.returncode == 0, two.stderr[-3000:]
     assert "resumed on 2 process(es) from a checkpoint written by 1" in two.stderr
     rows = check_run_dir(run, 4)
@@ -233,11 +236,13 @@ def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path): 
         assert all(f"gspo/{s}" in table for s in ("collect", "gather_objects", "sum_gradients", "reduce_metrics"))
         assert (run / "profile" / f"rank{rank}.trace.json.gz").stat().st_size > 0
 
-    one = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "train.steps=6"), "--resume", "--run-dir", str(run))
+    one = _train(tmp_path, [sys.executable], _overrides(tiny_dir, ppo, "train.steps=6"), "--resume", "--run-dir",
+                 str(run))
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resumed on 1 process(es) from a checkpoint written by 2" in one.stderr
     resumed = check_run_dir(run, 6)
     assert resumed[:4] == rows  # the lines before the resume are kept as they were
+    assert all("critic/value_loss" in r for r in resumed)
     assert resumed[4]["data/position"] == resumed[5]["data/position"] > rows[-1]["data/position"]
 
 

@@ -424,6 +424,14 @@ def _initialise_optimizer(optimizer) -> None:
         p.grad.copy_(g)
 
 
+def by_index(model, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`by_name`'s inverse: a state keyed by parameter name, numbered in ``model.parameters()`` order again (what
+    ``optimizer.load_state_dict`` takes)."""
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optimizer_state["param_groups"]]
+    return {"state": {index[n]: v for n, v in optimizer_state["state"].items()}, "param_groups": groups}
+
+
 def by_name(model, optimizer_state: dict[str, Any]) -> dict[str, Any]:
     """A one-process ``optimizer.state_dict()`` (parameters numbered in ``model.parameters()`` order) keyed by
     parameter name instead, the form torch's distributed state-dict helpers take."""

@@ -27,7 +27,7 @@ CASES = {
     # LoRA: every process holds the frozen base and rank 0's adapters (each starts from its own random ones here),
     # the adapters' gradients are summed
     "gspo-lora": ["algorithm='gspo'", "lora.rank=4", "lora.alpha=8"],
-    # PPO: the value model is replicated (FSDP is refused for it), its values shared, its gradients summed
+    # PPO: the value model is held as the policy is (sharded or replicated), its values shared, its gradients summed
     "ppo": ["ppo.critic_lr=1e-2"],
 }
 
@@ -58,7 +58,7 @@ def run(name: str, extra: list[str], strategy: str) -> dict:
         torch.manual_seed(100 + comm.rank_world()[0])  # different random adapters in every process, until replicated
     world = comm.rank_world()[1]
     # LoRA trains replicated whatever the strategy of the others
-    held = "single" if world == 1 else "ddp" if cfg.lora.rank or name == "ppo" else strategy
+    held = "single" if world == 1 else "ddp" if cfg.lora.rank else strategy
     actor = build_actor(cfg, runtime, tiny_moe(family) if moe else tiny_llama(vocab_size=512, seed=0), held)
     batch = fixed_batch(vocab=256 if moe else 512)
     tokens = torch.tensor([len(p) for p in batch.rollout.prompt_ids]) + batch.rollout.lengths

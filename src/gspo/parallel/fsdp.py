@@ -11,7 +11,8 @@ from gspo.errors import UserError
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = getattr(model, "model", None)
+    """The decoder layers of a causal LM (``model.model.layers``) or of PPO's value model (its backbone's)."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise UserError(f"{type(model).__name__} has no model.layers to shard across processes; gspo shards decoder "

@@ -191,12 +191,12 @@ class Sharded(Holding):
     update_graphs_off = "under FSDP (its collectives run between the layers)"
 
     def __init__(self, model, runtime, train_cfg, *, ref_model=None,
-                 prepare_forward: Callable[[torch.nn.Module], None] | None = None):
+                 prepare_forward: Callable[[torch.nn.Module], None] | None = None, what: str = "the policy"):
         fsdp.shard(model, runtime.autocast, prepare_forward)
         if ref_model is not None:
             fsdp.shard(ref_model, runtime.autocast, prepare_forward)
-        log.info("FSDP2: the policy is sharded over %d processes (one unit per decoder layer; embeddings, final norm "
-                 "and LM head in the root unit)", runtime.world_size)
+        log.info("FSDP2: %s is sharded over %d processes (one unit per decoder layer; embeddings, final norm and %s "
+                 "in the root unit)", what, runtime.world_size, "LM head" if what == "the policy" else "head")
         self.loss_scale = float(runtime.world_size)
         super().__init__(model, runtime, train_cfg)
         if runtime.device.type == "cuda":

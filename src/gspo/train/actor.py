@@ -42,7 +42,7 @@ from gspo.parallel.plan import Plan, make_plan
 from gspo.parallel.strategy import choose as choose_strategy
 from gspo.runlog.profiler import stage
 from gspo.runtime import Runtime, to_device
-from gspo.train.critic import build_critic, refuse_strategy
+from gspo.train.critic import build_critic
 from gspo.train.exact import with_gradient_of
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout
@@ -108,8 +108,6 @@ def build_actor(cfg: Config, runtime: Runtime, model: torch.nn.Module, strategy:
                    else None)
     ref_model, routing = prepare_model(cfg, runtime, model)
     strategy = strategy or choose_strategy(cfg, model, runtime.device, runtime.world_size)
-    if value_model is not None:
-        refuse_strategy(strategy)  # before the holding shards anything
     holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
     actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
     if value_model is not None:

@@ -1,5 +1,5 @@
 """PPO's value model in the update (``algorithm = "ppo"``; ``loss.advantage_baseline = "critic"``): held the way a
-policy is (one process, or replicated with its gradients summed under torchrun), its estimates before a rollout
+policy is (one process; under torchrun replicated with its gradients summed, or sharded with FSDP2), its estimates before a rollout
 batch's updates, GAE's advantages and returns from them, and one update of its own per optimizer step of the policy,
 on the same minibatch.
 
@@ -33,25 +33,22 @@ from gspo.train.passes import sequence_values
 from gspo.types import Batch
 
 
-def refuse_strategy(strategy: str) -> None:
-    if strategy == "fsdp":
-        raise UserError("algorithm = 'ppo' (a value model) under dist.strategy = 'fsdp' is not built yet: the value "
-                        "model is held whole in every process; use dist.strategy = 'ddp' (or 'auto' where the model "
-                        "fits), or one process.")
-
-
 def build_critic(cfg, runtime, model: ValueModel, strategy: str, packed: bool) -> "Critic":
-    """``model`` held as the policy is (``strategy``: ``single``, or ``ddp``: replicated, gradients summed), with its
-    own AdamW at ``ppo.critic_lr``; ``packed``: whether the policy's passes are packed (the critic's are too, where its
-    architecture allows)."""
-    from gspo.parallel.holding import Holding, Replicated
-    from gspo.train.passes import packing_unsupported
+    """``model`` held as the policy is (``strategy``: ``single``; ``ddp``: replicated, gradients summed; ``fsdp``:
+    sharded with FSDP2, one unit per decoder layer), with its own AdamW at ``ppo.critic_lr``; ``packed``: whether the
+    policy's passes are packed (the critic's are too, where its architecture allows)."""
+    from gspo.parallel.holding import Holding, Replicated, Sharded
+    from gspo.train.passes import as_fsdp_value_forward, packing_unsupported
 
-    refuse_strategy(strategy)
     if cfg.model.gradient_checkpointing:  # as the policy's
         enable_activation_checkpointing(model.backbone)
     train = dataclasses.replace(cfg.train, lr=cfg.ppo.critic_lr)
-    holding = Replicated(model, runtime, train) if strategy == "ddp" else Holding(model, runtime, train)
+    if strategy == "fsdp":
+        holding = Sharded(model, runtime, train, prepare_forward=as_fsdp_value_forward, what="the value model")
+    elif strategy == "ddp":
+        holding = Replicated(model, runtime, train)
+    else:
+        holding = Holding(model, runtime, train)
     return Critic(cfg, runtime, holding, packed and packing_unsupported(model.config) is None)
 
 
@@ -61,6 +58,7 @@ class Critic:
     def __init__(self, cfg, runtime, holding, packed: bool):
         self.cfg, self.runtime, self.holding, self.packed = cfg, runtime, holding, packed
         self.model = holding.model
+        self.sharded = holding.name == "fsdp"
         self.holding.set_lr(cfg.ppo.critic_lr)
         self.old_values: torch.Tensor | None = None  # (N, T) on the device: V_old of the batch being trained
         self.returns: torch.Tensor | None = None  # (N, T) on the device: the value targets
@@ -144,10 +142,35 @@ class Critic:
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """The value model's weights and optimizer, for ``trainer_state.pt`` (the same in every process)."""
-        return {"critic": self.model.state_dict(), "critic_optimizer": self.holding.optimizer.state_dict()}
+        """The value model's weights and optimizer for ``trainer_state.pt``, whole (under FSDP gathered to rank 0,
+        which writes the file; a collective every process calls), the optimizer keyed by parameter name so that any
+        process count and holding resumes it."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        from gspo.checkpoint import by_name
+
+        if not self.sharded:
+            return {"critic": self.model.state_dict(),
+                    "critic_optimizer": by_name(self.model, self.holding.optimizer.state_dict())}
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"critic": get_model_state_dict(self.model, options=whole),
+                "critic_optimizer": get_optimizer_state_dict(self.model, self.holding.optimizer, options=whole)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["critic"])
-        self.holding.optimizer.load_state_dict(state["critic_optimizer"])
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        from gspo.checkpoint import by_index, by_name
+
+        optimizer = state["critic_optimizer"]
+        named = all(isinstance(k, str) for k in optimizer["state"])  # written by name (older checkpoints: by index)
+        if not self.sharded:
+            self.model.load_state_dict(state["critic"])
+            self.holding.optimizer.load_state_dict(by_index(self.model, optimizer) if named else optimizer)
+        else:
+            whole = StateDictOptions(full_state_dict=True)  # every process read the whole file
+            set_model_state_dict(self.model, state["critic"], options=whole)
+            set_optimizer_state_dict(self.model, self.holding.optimizer,
+                                     optimizer if named else by_name(self.model, optimizer), options=whole)
         self.holding.set_lr(self.cfg.ppo.critic_lr)

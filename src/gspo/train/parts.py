@@ -99,9 +99,8 @@ def _critic(cfg: Config, runtime: Runtime, tokenizer, strategy: str, packed: boo
     """PPO's value model: ``ppo.critic_model``, else a copy of the policy's starting weights (see
     :func:`gspo.train.critic.build_critic`)."""
     from gspo.models.value import load_value_model
-    from gspo.train.critic import build_critic, refuse_strategy
+    from gspo.train.critic import build_critic
 
-    refuse_strategy(strategy)  # before loading a second model
     model = load_value_model(cfg.ppo.critic_model or cfg.model.name, runtime.device, tokenizer,
                              tokenizer_name=None if cfg.ppo.critic_model else cfg.model.tokenizer)
     return build_critic(cfg, runtime, model, strategy, packed)

@@ -152,8 +152,34 @@ def _completion_hidden(model, prompt_ids, ids_cpu, mask_cpu, flat, *, pad_id, au
     return hidden.reshape(n_rows * width, -1).index_select(0, flat)  # (M, H)
 
 
-def sequence_values(critic, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                    *, pad_id: int, autocast_dtype: torch.dtype | None = None, packed: bool = False) -> torch.Tensor:
+def sequence_values(critic, *args, **kwargs) -> torch.Tensor:
+    # The arguments and docstring are _sequence_values's; a value model sharded by gspo.parallel.fsdp.shard runs it as
+    # a forward of its root FSDP unit (see as_fsdp_value_forward).
+    entry = getattr(critic, _FSDP_VALUE_ENTRY, None)
+    if entry is not None:
+        return entry(*args, **kwargs)
+    return _sequence_values(critic, *args, **kwargs)
+
+
+_FSDP_VALUE_ENTRY = "gspo_sequence_values"
+
+
+def as_fsdp_value_forward(critic) -> None:
+    """:func:`as_fsdp_forward` for PPO's value model: its embeddings, final norm and scalar head are the root unit's,
+    which only a registered forward method gathers (the pass calls the backbone and the head itself)."""
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    def entry(self, *args, **kwargs):
+        return _sequence_values(self, *args, **kwargs).clone()  # not a view: FSDP hooks its backward on the output
+
+    setattr(critic, _FSDP_VALUE_ENTRY, types.MethodType(entry, critic))
+    register_fsdp_forward_method(critic, _FSDP_VALUE_ENTRY)
+
+
+def _sequence_values(critic, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                     *, pad_id: int, autocast_dtype: torch.dtype | None = None, packed: bool = False) -> torch.Tensor:
     """A value model's estimates ``(N, T)`` float32, V(s_t) for each completion token t: its scalar head on the hidden
     state at the position that predicts token t (the state before the token is chosen), differentiable w.r.t. the
     critic, 0 where ``completion_mask`` is False. ``critic``: a :class:`gspo.models.value.ValueModel`."""
