@@ -111,7 +111,7 @@ def build_actor(cfg: Config, runtime: Runtime, model: torch.nn.Module, strategy:
     holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
     actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
     if value_model is not None:
-        actor.critic = build_critic(cfg, runtime, value_model, strategy, actor.packed)
+        actor.critic = build_critic(cfg, runtime, value_model, strategy, actor.packed, actor.graphs is not None)
     return actor
 
 

@@ -33,12 +33,13 @@ from gspo.train.passes import sequence_values
 from gspo.types import Batch
 
 
-def build_critic(cfg, runtime, model: ValueModel, strategy: str, packed: bool) -> "Critic":
+def build_critic(cfg, runtime, model: ValueModel, strategy: str, packed: bool, graphs: bool = False) -> "Critic":
     """``model`` held as the policy is (``strategy``: ``single``; ``ddp``: replicated, gradients summed; ``fsdp``:
     sharded with FSDP2, one unit per decoder layer), with its own AdamW at ``ppo.critic_lr``; ``packed``: whether the
-    policy's passes are packed (the critic's are too, where its architecture allows)."""
+    policy's passes are packed (the critic's are too, where its architecture allows); ``graphs``: whether the policy's
+    packed passes run as CUDA graphs (the critic's backbone's then do too: :class:`gspo.train.passes.PackedGraphs`)."""
     from gspo.parallel.holding import Holding, Replicated, Sharded
-    from gspo.train.passes import as_fsdp_value_forward, packing_unsupported
+    from gspo.train.passes import PackedGraphs, as_fsdp_value_forward, packing_unsupported
 
     if cfg.model.gradient_checkpointing:  # as the policy's
         enable_activation_checkpointing(model.backbone)
@@ -49,14 +50,15 @@ def build_critic(cfg, runtime, model: ValueModel, strategy: str, packed: bool) -
         holding = Replicated(model, runtime, train)
     else:
         holding = Holding(model, runtime, train)
-    return Critic(cfg, runtime, holding, packed and packing_unsupported(model.config) is None)
+    packed = packed and packing_unsupported(model.config) is None
+    return Critic(cfg, runtime, holding, packed, PackedGraphs(model, runtime.autocast) if packed and graphs else None)
 
 
 class Critic:
     """The value model as ``holding`` holds it (see the module docstring)."""
 
-    def __init__(self, cfg, runtime, holding, packed: bool):
-        self.cfg, self.runtime, self.holding, self.packed = cfg, runtime, holding, packed
+    def __init__(self, cfg, runtime, holding, packed: bool, graphs=None):
+        self.cfg, self.runtime, self.holding, self.packed, self.graphs = cfg, runtime, holding, packed, graphs
         self.model = holding.model
         self.sharded = holding.name == "fsdp"
         self.holding.set_lr(cfg.ppo.critic_lr)
@@ -64,11 +66,13 @@ class Critic:
         self.returns: torch.Tensor | None = None  # (N, T) on the device: the value targets
         self.mask: torch.Tensor | None = None  # (N, T) on the device: the steps GAE ran over (the collect's loss mask)
 
-    def values(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
-        """V(s_t) ``(n, T)`` of ``rows`` of the batch, differentiable when grad is enabled."""
+    def values(self, batch: Batch, rows: torch.Tensor, pack_tokens: int = 0) -> torch.Tensor:
+        """V(s_t) ``(n, T)`` of ``rows`` of the batch, differentiable when grad is enabled (``pack_tokens``: the packed
+        length a CUDA graph pads to at least, :meth:`gspo.parallel.plan.Plan.pack_hint`)."""
         r = batch.rollout.select(rows.tolist())
         return sequence_values(self.model, r.prompt_ids, r.completion_ids, r.completion_mask, pad_id=r.pad_id,
-                               autocast_dtype=self.runtime.autocast, packed=self.packed)
+                               autocast_dtype=self.runtime.autocast, packed=self.packed, graphs=self.graphs,
+                               pack_tokens=pack_tokens)
 
     @torch.no_grad()
     def prepare(self, batch: Batch, plan: Plan, loss_mask: torch.Tensor,
@@ -83,8 +87,8 @@ class Critic:
         self.model.train(False)
         try:
             for k in range(len(plan.minibatches)):
-                for sub in plan.micro[k]:
-                    old[to_device(sub, dev)] = self.values(batch, sub)
+                for j, sub in enumerate(plan.micro[k]):
+                    old[to_device(sub, dev)] = self.values(batch, sub, plan.pack_hint(k, j))
         finally:
             self.model.train(was)
         share(old, plan, range(len(plan.minibatches)))
@@ -111,14 +115,14 @@ class Critic:
         num_tokens = mb_mask.sum()
         clip = self.cfg.ppo.value_clip
         self.model.train(True)
-        self.holding.zero_grad(keep_allocated=False)
+        self.holding.zero_grad(keep_allocated=self.graphs is not None)  # graphed backwards keep .grad allocated
         mb_values = torch.zeros(mb_mask.shape, dtype=torch.float32, device=dev)
         own = len(rows) // plan.world
         start = plan.rank * own
         loss_total = torch.zeros((), dtype=torch.float64, device=dev)
-        for sub in plan.micro[k]:
+        for j, sub in enumerate(plan.micro[k]):
             sub_dev = to_device(sub, dev)
-            v = self.values(batch, sub)
+            v = self.values(batch, sub, plan.pack_hint(k, j))
             loss, _ = value_loss(v, self.old_values[sub_dev], self.returns[sub_dev], mask[sub_dev], clip,
                                  num_tokens=num_tokens, with_metrics=False)
             (loss * self.holding.loss_scale if self.holding.loss_scale != 1 else loss).backward()

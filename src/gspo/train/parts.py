@@ -84,7 +84,7 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
         lap("engine")
         if cfg.loss.advantage_baseline == "critic":
-            actor.critic = _critic(cfg, runtime, tokenizer, strategy, actor.packed)
+            actor.critic = _critic(cfg, runtime, tokenizer, strategy, actor.packed, actor.graphs is not None)
             lap("critic")
         collector = _collector(cfg, runtime, tokenizer, engine, rewards, runtime.rank) if sampling else None
         lap("data")
@@ -95,7 +95,7 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
     return Parts(runtime, actor, tokenizer, engine, collector, rewards)
 
 
-def _critic(cfg: Config, runtime: Runtime, tokenizer, strategy: str, packed: bool):
+def _critic(cfg: Config, runtime: Runtime, tokenizer, strategy: str, packed: bool, graphs: bool):
     """PPO's value model: ``ppo.critic_model``, else a copy of the policy's starting weights (see
     :func:`gspo.train.critic.build_critic`)."""
     from gspo.models.value import load_value_model
@@ -103,7 +103,7 @@ def _critic(cfg: Config, runtime: Runtime, tokenizer, strategy: str, packed: boo
 
     model = load_value_model(cfg.ppo.critic_model or cfg.model.name, runtime.device, tokenizer,
                              tokenizer_name=None if cfg.ppo.critic_model else cfg.model.tokenizer)
-    return build_critic(cfg, runtime, model, strategy, packed)
+    return build_critic(cfg, runtime, model, strategy, packed, graphs)
 
 
 def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[RolloutEngine, Collector]:

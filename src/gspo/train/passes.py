@@ -179,7 +179,8 @@ def as_fsdp_value_forward(critic) -> None:
 
 
 def _sequence_values(critic, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                     *, pad_id: int, autocast_dtype: torch.dtype | None = None, packed: bool = False) -> torch.Tensor:
+                     *, pad_id: int, autocast_dtype: torch.dtype | None = None, packed: bool = False,
+                     graphs: "PackedGraphs | None" = None, pack_tokens: int = 0) -> torch.Tensor:
     """A value model's estimates ``(N, T)`` float32, V(s_t) for each completion token t: its scalar head on the hidden
     state at the position that predicts token t (the state before the token is chosen), differentiable w.r.t. the
     critic, 0 where ``completion_mask`` is False. ``critic``: a :class:`gspo.models.value.ValueModel`."""
@@ -189,7 +190,8 @@ def _sequence_values(critic, prompt_ids: list[list[int]], completion_ids: torch.
     flat_cpu = mask_cpu.reshape(-1).nonzero().squeeze(-1)  # (M,)
     flat = to_device(flat_cpu, device)
     hidden = _completion_hidden(critic, prompt_ids, ids_cpu, mask_cpu, flat, pad_id=pad_id,
-                                autocast_dtype=autocast_dtype, packed=packed)  # (M, H)
+                                autocast_dtype=autocast_dtype, packed=packed, graphs=graphs,
+                                pack_tokens=pack_tokens)  # (M, H)
     values = critic.head(hidden.float()).squeeze(-1)  # (M,) in fp32, whatever the backbone computed in
     out = torch.zeros(n_rows * width, dtype=torch.float32, device=device)
     return out.index_copy(0, flat, values).view(n_rows, width)
