@@ -150,6 +150,32 @@ def test_a_request_split_over_calls_and_the_padded_trainer_pass_are_exact(tokeni
     assert torch.equal(padded[:26], plain)
 
 
+def test_the_trainer_copy_is_refreshed_when_the_weights_version_changes(tokenizer):
+    """The exact pass copies the policy's weights once per weights_version (the holding's count of optimizer steps and
+    loads): the same version reuses the copy (a change made behind the holding's back is not seen), a new one reloads;
+    without a version every call reloads. And an optimizer step bumps the holding's version."""
+    from gspo.parallel.holding import Holding
+    from gspo.train.exact import ExactPass
+
+    model = _family("llama")
+    exact = ExactPass(model, torch.bfloat16, DEV)
+    args = ([[5, 6, 7]], torch.tensor([[8, 9, 10]]), torch.ones(1, 3, dtype=torch.bool))
+    before = exact.logprobs(*args, version=0)[0]
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # tied to the embeddings: every logit changes
+    assert torch.equal(exact.logprobs(*args, version=0)[0], before)
+    after = exact.logprobs(*args, version=1)[0]
+    assert not torch.equal(after, before) and torch.equal(exact.logprobs(*args)[0], after)
+    from gspo.runtime import Runtime
+
+    cfg = build_config({}, ["model.device='cpu'", "model.precision='fp32'"], device="cpu")
+    holding = Holding(model, Runtime.from_config(cfg.model), cfg.train)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    holding.apply(torch.tensor(False))
+    assert holding.weights_version == 1
+
+
 @pytest.mark.parametrize("fault", ["attention key block", "matmul split-K"])
 def test_a_changed_reduction_order_shows_a_nonzero_diff(fault, tokenizer, monkeypatch):
     """Fault injection: the engine samples with one kernel's reduction order changed (keys summed in blocks of 32

@@ -46,6 +46,10 @@ class Holding:
             self.peft = self._adapt(lora_cfg, model_name)
         self.parameters = [p for p in model.parameters() if p.requires_grad]  # the adapters alone with LoRA
         self.optimizer = self._optimizer(train_cfg)
+        # Counts the changes of the policy's weights (optimizer steps and loads, the only two): a copy of them tagged
+        # with it is current while it is unchanged (rollout.exact's pass). Version counters cannot tell: fused AdamW
+        # updates parameters in place without bumping them.
+        self.weights_version = 0
 
     def _adapt(self, lora_cfg, model_name: str):
         """Inject the LoRA adapters (the engine already copied the plain model)."""
@@ -104,6 +108,7 @@ class Holding:
     def apply(self, bad: torch.Tensor) -> None:
         """The optimizer step, unless ``bad`` (a 0-dim bool tensor: loss or gradient not finite): on the device with
         the fused optimizer, after a host read otherwise."""
+        self.weights_version += 1
         if self.fused_optimizer:
             self.optimizer.found_inf = bad.float().to(self.runtime.device)  # read by fused AdamW: skips on the device
             self.optimizer.step()
@@ -126,6 +131,7 @@ class Holding:
     def load_weights(self, ckpt: Path) -> None:
         """The policy's weights from checkpoint ``ckpt`` (and the optimizer too, from a sharded checkpoint's DCP
         files), whichever number of processes wrote it."""
+        self.weights_version += 1
         if self.peft is not None:  # the base weights are model.name's; the checkpoint holds the adapter
             from gspo.models import lora
 

@@ -5,8 +5,8 @@ A decode layer becomes 4 GEMMs over packed low-precision copies of the layer's w
 5 Triton kernels (:mod:`gspo.rollout.kernels`): residual add + RMSNorm, rotary + K/V cache write, grouped-query
 attention over live slots, SiLU-and-multiply, and the next residual add + RMSNorm. It reads the same weights as the
 module path (the packed weights are the graph engine's own copy, refreshed by its ``sync_weights``; the norm weights
-are read from that copy in place) and rounds like HF's modules under autocast, so it samples the same distribution; a GPU test checks its
-tokens and log-probs against the module path, and the CPU tests run the kernels in Triton's interpreter.
+are read from that copy in place) and rounds like HF's modules under autocast, so it samples the same distribution; a
+GPU test checks its tokens and log-probs against the module path, and the CPU tests run the kernels in Triton's interpreter.
 
 An MoE layer runs the same attention kernels; its sparse block (router, top-k, the experts as grouped GEMMs over the
 copy's low-precision expert weights, Qwen2-MoE's shared expert) is the family's own module, called on the fused

@@ -210,8 +210,9 @@ class Actor:
         routing = self.routing if model is self.model else None
         if self.exact is not None and model is self.model:  # rollout.exact: the engine's own numbers
             exact, entropy = self.exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask,
-                                                 self.cfg.rollout.temperature, with_entropy and not torch.is_grad_enabled(),
-                                                 routing=routing, row_ids=rows)
+                                                 self.cfg.rollout.temperature,
+                                                 with_entropy and not torch.is_grad_enabled(), routing=routing,
+                                                 row_ids=rows, version=self.holding.weights_version)
             if not torch.is_grad_enabled():
                 return exact, entropy
             # the update: those values, with the gradient of the ordinary pass at the same weights

@@ -6,7 +6,7 @@ the trainer's log-prob of a token is the engine's, bit for bit, whatever the bat
 So ``train.old_logprobs = "rollout"`` is exact (no recompute pass), and the first update's ratio is exactly 1.
 
 The pass keeps its own low-precision copy of the policy's weights (:class:`gspo.rollout.graph.EngineWeights`, the
-engine's class: the same rounding of fp32 masters to bf16), refreshed from the policy before each call.
+engine's class: the same rounding of fp32 masters to bf16), refreshed from the policy when they changed.
 
 Gradients: the update needs d log pi / d theta. The exact kernels have no backward; the update's log-probs are the
 exact values with the gradient of the ordinary (packed, CUDA-graphed) pass at the same weights (:func:`with_gradient_of`):
@@ -74,6 +74,7 @@ class ExactPass:
         self.graphs: dict[tuple[int, int], tuple] = {}  # (tokens, tiles) -> (graph, static inputs, output)
         self.pool = None
         self.warmup_s = 0.0
+        self.version: int | None = None  # the policy's weights_version the copy holds (None: unknown)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states (S, H) of the packed row ``ids`` (device tensors; ``table``: (4, tiles))."""
@@ -137,15 +138,19 @@ class ExactPass:
 
     @torch.no_grad()
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                 temperature: float = 1.0, with_entropy: bool = False, routing=None,
-                 row_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 temperature: float = 1.0, with_entropy: bool = False, routing=None, row_ids: torch.Tensor | None = None,
+                 version: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``(N, T)`` float32 under softmax(logits / temperature) of the current weights (0 where the mask
         is False), and the entropies ``(N, T)`` with ``with_entropy``. Completion tokens must be a prefix of each row.
         ``routing`` (an MoE policy's :class:`gspo.models.moe.Routing`): every token's experts here become its records,
-        at batch rows ``row_ids`` (default 0..N-1), for the gradient pass to force."""
+        at batch rows ``row_ids`` (default 0..N-1), for the gradient pass to force. ``version``: the policy's
+        :attr:`gspo.parallel.holding.Holding.weights_version`; the copy is refreshed only when it changed (None:
+        always), so the micro-batches of one minibatch and of a frozen pass copy the weights once."""
         from gspo.rollout import exact_kernels as ek
 
-        self.weights.load(named_weights(self.source))
+        if version is None or version != self.version:
+            self.weights.load(named_weights(self.source))
+            self.version = version
         dev = self.device
         mask = completion_mask.cpu().bool()
         ids_cpu = completion_ids.cpu()
