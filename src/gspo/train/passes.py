@@ -37,28 +37,39 @@ def sequence_logprobs(model, *args, **kwargs) -> tuple[torch.Tensor, torch.Tenso
     # The arguments and docstring are _sequence_logprobs's (copied below); a model sharded by gspo.parallel.fsdp.shard runs it
     # as a forward of its root FSDP unit (see as_fsdp_forward).
     entry = getattr(model, _FSDP_ENTRY, None)
-    if entry is not None:
-        return entry(*args, **kwargs)
-    return _sequence_logprobs(model, *args, **kwargs)
+    return entry(*args, **kwargs) if entry is not None else _sequence_logprobs(model, *args, **kwargs)
 
 
 _FSDP_ENTRY = "gspo_sequence_logprobs"
+_FSDP_VALUE_ENTRY = "gspo_sequence_values"
 
 
 def as_fsdp_forward(model) -> None:
     """Register the log-prob pass as a forward method of ``model``'s root FSDP2 unit. The pass calls the decoder and
     the LM head itself (to compute the head in chunks) instead of ``model.forward``, so without this the root unit's
     parameters -- embeddings, final norm, LM head -- would never be gathered, nor their gradients reduced."""
+    def entry(self, *args, **kwargs):
+        logp, entropy = _sequence_logprobs(self, *args, **kwargs)
+        return logp.clone(), entropy
+
+    _register_fsdp_entry(model, _FSDP_ENTRY, entry)
+
+
+def as_fsdp_value_forward(critic) -> None:
+    """:func:`as_fsdp_forward` for PPO's value model: its embeddings, final norm and scalar head are the root unit's,
+    which only a registered forward method gathers (the pass calls the backbone and the head itself)."""
+    _register_fsdp_entry(critic, _FSDP_VALUE_ENTRY, lambda self, *a, **k: _sequence_values(self, *a, **k).clone())
+
+
+def _register_fsdp_entry(model, name: str, entry) -> None:
+    """``entry(model, ...)`` as forward method ``name`` of ``model``'s root FSDP2 unit (entries clone their output:
+    FSDP hooks its backward on it, which must not be a view)."""
     import types
 
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    def entry(self, *args, **kwargs):
-        logp, entropy = _sequence_logprobs(self, *args, **kwargs)
-        return logp.clone(), entropy  # not a view: FSDP hooks its backward on the output
-
-    setattr(model, _FSDP_ENTRY, types.MethodType(entry, model))
-    register_fsdp_forward_method(model, _FSDP_ENTRY)
+    setattr(model, name, types.MethodType(entry, model))
+    register_fsdp_forward_method(model, name)
 
 
 def _sequence_logprobs(
@@ -156,26 +167,7 @@ def sequence_values(critic, *args, **kwargs) -> torch.Tensor:
     # The arguments and docstring are _sequence_values's; a value model sharded by gspo.parallel.fsdp.shard runs it as
     # a forward of its root FSDP unit (see as_fsdp_value_forward).
     entry = getattr(critic, _FSDP_VALUE_ENTRY, None)
-    if entry is not None:
-        return entry(*args, **kwargs)
-    return _sequence_values(critic, *args, **kwargs)
-
-
-_FSDP_VALUE_ENTRY = "gspo_sequence_values"
-
-
-def as_fsdp_value_forward(critic) -> None:
-    """:func:`as_fsdp_forward` for PPO's value model: its embeddings, final norm and scalar head are the root unit's,
-    which only a registered forward method gathers (the pass calls the backbone and the head itself)."""
-    import types
-
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    def entry(self, *args, **kwargs):
-        return _sequence_values(self, *args, **kwargs).clone()  # not a view: FSDP hooks its backward on the output
-
-    setattr(critic, _FSDP_VALUE_ENTRY, types.MethodType(entry, critic))
-    register_fsdp_forward_method(critic, _FSDP_VALUE_ENTRY)
+    return entry(*args, **kwargs) if entry is not None else _sequence_values(critic, *args, **kwargs)
 
 
 def _sequence_values(critic, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
