@@ -4,6 +4,7 @@ leaves a resumable run, and two torchrun agents meet through a c10d rendezvous a
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -244,6 +245,17 @@ def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path): 
     assert resumed[:4] == rows  # the lines before the resume are kept as they were
     assert all("critic/value_loss" in r for r in resumed)
     assert resumed[4]["data/position"] == resumed[5]["data/position"] > rows[-1]["data/position"]
+
+
+def test_ppo_value_model_shards_under_bf16_compute(tiny_dir, tmp_path):  # noqa: F811
+    """PPO under FSDP2 with bf16 compute over fp32 masters (a GPU's default): the layers gather bf16 weights, and the
+    value model's scalar head, which computes in fp32 outside autocast, gathers fp32 ones (a unit of its own)."""
+    two = _train(tmp_path, [sys.executable], _overrides(tiny_dir, "algorithm='ppo'", "train.steps=2",
+                                                        "dist.strategy='fsdp'", "model.precision='bf16-autocast'"),
+                 "--nproc", "2", "--run-dir", str(tmp_path / "run"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = check_run_dir(tmp_path / "run", 2)
+    assert all(math.isfinite(r["critic/value_loss"]) for r in rows)
 
 
 def _children(pid: int) -> list[int]:

@@ -308,8 +308,10 @@ def test_expert_kernels_are_batch_invariant_and_the_family_block():
 
 def test_the_gradient_pass_forces_the_exact_routes(tokenizer):
     """Under exact the update's values come from the exact pass and its gradient from the ordinary pass, which could
-    route a token elsewhere: the exact pass writes its experts as the batch's records (at the batch rows it was given)
-    and the ordinary pass, under ``updating``, runs exactly those experts, counting the slots it would have changed."""
+    route a token elsewhere: the exact pass writes its experts as the batch's records (at the batch rows it was given),
+    and the ordinary pass, under ``updating``, runs the recorded experts, counting the slots it would have changed.
+    (The records are then shifted to other experts, so that forcing shows: this tiny model's ordinary pass would pick
+    the exact pass's experts by itself.)"""
     from gspo.models.moe import Routing
     from gspo.train.exact import ExactPass
     from gspo.train.passes import sequence_logprobs
@@ -323,7 +325,13 @@ def test_the_gradient_pass_forces_the_exact_routes(tokenizer):
     rows = torch.tensor([4, 0, 2])
     exact = ExactPass(model, torch.bfloat16, DEV)
     exact.logprobs(prompts, ids, mask, routing=routing, row_ids=rows)
-    exact_routes = [r.long() for r in exact.decoder.routes]  # (S, k) per layer, the packed tokens in row order
+    lens = [len(p) + int(m.sum()) for p, m in zip(prompts, mask)]
+    at_rows = torch.repeat_interleave(rows, torch.tensor(lens))
+    at_pos = torch.cat([torch.arange(n) for n in lens])
+    for layer, mine in enumerate(exact.decoder.routes):  # (S, k) per layer, the packed tokens in row order
+        assert torch.equal(routing.records[layer, at_rows, at_pos].long(), mine.long().cpu())
+    assert routing.recorded[[4, 0, 2]].sum() == sum(lens) and not routing.recorded[[1, 3]].any()
+    routing.records[:, at_rows, at_pos] = ((routing.records[:, at_rows, at_pos].long() + 1) % 4).to(routing.dtype)
     ran = []
     hooks = [r.register_forward_hook(lambda m, a, out: ran.append(out[2])) for r in routing.routers]  # after replay's
     with routing.updating():
@@ -331,11 +339,9 @@ def test_the_gradient_pass_forces_the_exact_routes(tokenizer):
                           autocast_dtype=torch.bfloat16)
     for h in hooks:
         h.remove()
-    S = sum(len(p) + int(m.sum()) for p, m in zip(prompts, mask))
-    for mine, theirs in zip(exact_routes, ran):  # the packed pass may pad: its first S tokens are the rows' own
-        assert torch.equal(theirs[:S].long(), mine[:S])
-    assert routing.recorded[[4, 0, 2]].sum() == S and not routing.recorded[[1, 3]].any()
-    assert "moe/flip_rate" in routing.flip_metrics()
+    for layer, theirs in enumerate(ran):  # the packed pass may pad: its first S tokens are the rows' own
+        assert torch.equal(theirs[:sum(lens)].long().cpu(), routing.records[layer, at_rows, at_pos].long())
+    assert routing.flip_metrics()["moe/flip_rate"] > 0
 
 
 def test_moe_faults_show_and_other_routers_are_refused(tokenizer, monkeypatch):

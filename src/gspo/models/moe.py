@@ -141,7 +141,12 @@ class Routing:
         self.aux_loss_coef = aux_loss_coef
         self.top_k = self.routers[0].top_k
         self.num_experts = self.routers[0].num_experts
-        if replay != "off":
+        if replay == "exact":  # rollout.exact's gradient pass forces the exact pass's routes: its router formula
+            odd = [type(r).__name__ for r in self.routers if not plain_top_k(r)]
+            if odd:
+                raise UserError(f"rollout.exact cannot run router {odd[0]}: it is not a plain softmax top-k router; "
+                                "set rollout.exact = false.")
+        elif replay != "off":
             for router in self.routers:
                 check_router(router)
         self.dtype = torch.uint8 if self.num_experts <= 256 else torch.int16

@@ -21,11 +21,13 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard(model: torch.nn.Module, autocast: torch.dtype | None,
-          prepare_forward: Callable[[torch.nn.Module], None] | None = None) -> None:
+          prepare_forward: Callable[[torch.nn.Module], None] | None = None,
+          fp32_units: tuple[torch.nn.Module, ...] = ()) -> None:
     """FSDP2 in place: one unit per decoder layer, and the root unit holding the embeddings, final norm and LM head
     (tied weights stay one parameter). Master weights stay fp32; with bf16 compute the layers gather bf16 weights and
     reduce fp32 gradients. ``prepare_forward(model)``: the caller's log-prob pass readies the sharded model for its
-    forward (this package never imports the pass)."""
+    forward (this package never imports the pass). ``fp32_units``: modules that run in fp32 outside autocast (PPO's
+    scalar head), each a unit of its own gathering fp32 weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from gspo.parallel import comm
@@ -39,6 +41,9 @@ def shard(model: torch.nn.Module, autocast: torch.dtype | None,
         kwargs["mesh"] = DeviceMesh.from_group(comm.group(), device)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
+    for unit in fp32_units:
+        fully_shard(unit, **{**kwargs, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                          reduce_dtype=torch.float32)})
     fully_shard(model, **kwargs)
     if prepare_forward is not None:
         prepare_forward(model)

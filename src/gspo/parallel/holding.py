@@ -197,8 +197,9 @@ class Sharded(Holding):
     update_graphs_off = "under FSDP (its collectives run between the layers)"
 
     def __init__(self, model, runtime, train_cfg, *, ref_model=None,
-                 prepare_forward: Callable[[torch.nn.Module], None] | None = None, what: str = "the policy"):
-        fsdp.shard(model, runtime.autocast, prepare_forward)
+                 prepare_forward: Callable[[torch.nn.Module], None] | None = None, what: str = "the policy",
+                 fp32_units: tuple[torch.nn.Module, ...] = ()):
+        fsdp.shard(model, runtime.autocast, prepare_forward, fp32_units)
         if ref_model is not None:
             fsdp.shard(ref_model, runtime.autocast, prepare_forward)
         log.info("FSDP2: %s is sharded over %d processes (one unit per decoder layer; embeddings, final norm and %s "

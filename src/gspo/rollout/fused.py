@@ -76,18 +76,22 @@ def _exact_sparse_why_not(mlp) -> str | None:
     """Why :func:`exact_sparse` cannot run this sparse block (None when it can): a softmax top-k router at ``gate``,
     experts stored as (E, 2I, H) gate|up and (E, H, I) down weights without biases, and at most a gated dense shared
     expert (Qwen2-MoE)."""
-    experts = mlp.experts
-    parts = [getattr(experts, n, None) for n in ("gate_up_proj", "down_proj")]
-    if not all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in parts) or any(
-            getattr(experts, n, None) is not None for n in ("gate_up_proj_bias", "down_proj_bias")):
-        return f"{type(experts).__name__} does not store its experts as bias-free (E, 2I, H) / (E, H, I) weights"
     from gspo.models.moe import plain_top_k
 
-    if not plain_top_k(mlp.gate):
-        return f"router {type(mlp.gate).__name__} is not a plain softmax top-k router"
+    experts, router = mlp.experts, mlp.gate
+    gate_up, down = (getattr(experts, n, None) for n in ("gate_up_proj", "down_proj"))
+    E, H = router.weight.shape
+    shapes_ok = (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3
+                 and gate_up.shape[0] == down.shape[0] == E and gate_up.shape[2] == down.shape[1] == H
+                 and gate_up.shape[1] == 2 * down.shape[2])
+    if not shapes_ok or any(getattr(experts, n, None) is not None for n in ("gate_up_proj_bias", "down_proj_bias")):
+        return f"{type(experts).__name__} does not store its experts as bias-free (E, 2I, H) / (E, H, I) weights"
+    if getattr(router, "bias", None) is not None or not plain_top_k(router):
+        return f"router {type(router).__name__} is not a plain softmax top-k router"
     shared, gate = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
-    if shared is not None and not (_dense_mlp(shared) and isinstance(gate, torch.nn.Linear) and gate.bias is None):
-        return "its shared expert is not a dense MLP under a sigmoid gate"
+    if shared is not None and not (_dense_mlp(shared) and isinstance(gate, torch.nn.Linear) and gate.bias is None
+                                   and all(getattr(shared, n).bias is None for n in ("gate_proj", "up_proj", "down_proj"))):
+        return "its shared expert is not a bias-free dense MLP under a sigmoid gate"
     return None
 
 

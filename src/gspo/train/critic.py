@@ -45,7 +45,9 @@ def build_critic(cfg, runtime, model: ValueModel, strategy: str, packed: bool, g
         enable_activation_checkpointing(model.backbone)
     train = dataclasses.replace(cfg.train, lr=cfg.ppo.critic_lr)
     if strategy == "fsdp":
-        holding = Sharded(model, runtime, train, prepare_forward=as_fsdp_value_forward, what="the value model")
+        # the scalar head computes in fp32 outside autocast (as unsharded): a unit of its own, gathered in fp32
+        holding = Sharded(model, runtime, train, prepare_forward=as_fsdp_value_forward, what="the value model",
+                          fp32_units=(model.head,))
     elif strategy == "ddp":
         holding = Replicated(model, runtime, train)
     else:
@@ -168,7 +170,8 @@ class Critic:
         from gspo.checkpoint import by_index, by_name
 
         optimizer = state["critic_optimizer"]
-        named = all(isinstance(k, str) for k in optimizer["state"])  # written by name (older checkpoints: by index)
+        # written by name (older checkpoints: by index); the groups say which, even where no state was written yet
+        named = any(isinstance(k, str) for g in optimizer["param_groups"] for k in g["params"])
         if not self.sharded:
             self.model.load_state_dict(state["critic"])
             self.holding.optimizer.load_state_dict(by_index(self.model, optimizer) if named else optimizer)
