@@ -16,8 +16,8 @@ fi
 # default with a CUDA torch (the GPU tests time warm-ups and share one device).
 workers=${TEST_WORKERS:-$(python -c 'import torch; print(0 if torch.version.cuda else 2)')}
 # The `extended` tests (long fault scenarios and exact-engine families whose paths other tests also cover) run with
-# GSPO_TEST_FULL=1; CI leaves
-# them out to stay within its 20 minutes (the suite took 17-20 min on a 2-core machine with them). A -m of your own wins.
+# GSPO_TEST_FULL=1; CI leaves them out to stay within its 20 minutes (the suite took 17-20 min on a 2-core machine with
+# them). A -m of your own wins.
 full=()
 [ -n "${GSPO_TEST_FULL:-}" ] || full=(-m "not extended")
 python -m pytest -q -n "$workers" --dist worksteal "${full[@]}" "$@"
