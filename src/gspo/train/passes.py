@@ -56,8 +56,8 @@ def as_fsdp_forward(model) -> None:
 
 
 def as_fsdp_value_forward(critic) -> None:
-    """:func:`as_fsdp_forward` for PPO's value model: its embeddings, final norm and scalar head are the root unit's,
-    which only a registered forward method gathers (the pass calls the backbone and the head itself)."""
+    """:func:`as_fsdp_forward` for PPO's value model: its embeddings and final norm are the root unit's, which only a
+    registered forward method gathers (the pass calls the backbone and the scalar head itself)."""
     _register_fsdp_entry(critic, _FSDP_VALUE_ENTRY, lambda self, *a, **k: _sequence_values(self, *a, **k).clone())
 
 
