@@ -1,7 +1,7 @@
 """PPO's value model in the update (``algorithm = "ppo"``; ``loss.advantage_baseline = "critic"``): held the way a
 policy is (one process; under torchrun replicated with its gradients summed, or sharded with FSDP2), its estimates
-before a rollout batch's updates, GAE's advantages and returns from them, and one update of its own per optimizer step of the policy,
-on the same minibatch.
+before a rollout batch's updates, GAE's advantages and returns from them, and one update of its own per optimizer step
+of the policy, on the same minibatch.
 
 Per rollout batch (:meth:`Critic.prepare`, before any weight changes):
 
