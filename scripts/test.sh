@@ -15,9 +15,8 @@ fi
 # two at a time fill a 2-core machine (CI: 11 min instead of 18). TEST_WORKERS=0 runs them in this process, the
 # default with a CUDA torch (the GPU tests time warm-ups and share one device).
 workers=${TEST_WORKERS:-$(python -c 'import torch; print(0 if torch.version.cuda else 2)')}
-# The `extended` tests (long fault scenarios and exact-engine families whose paths other tests also cover) run with
-# GSPO_TEST_FULL=1; CI leaves them out to stay within its 20 minutes (the suite took 17-20 min on a 2-core machine with
-# them). A -m of your own wins.
+# The `extended` tests (long fault scenarios whose paths other tests also cover) run with GSPO_TEST_FULL=1; CI leaves
+# them out to stay within its 20 minutes (the suite took 17-20 min on a 2-core machine with them). A -m of your own wins.
 full=()
 [ -n "${GSPO_TEST_FULL:-}" ] || full=(-m "not extended")
 python -m pytest -q -n "$workers" --dist worksteal "${full[@]}" "$@"

@@ -68,25 +68,21 @@ def _trainer_logprobs(model, dtype, r, rows=None, temperature=0.9):
 
 
 # (Mistral, the Llama layout with another head grouping: test_a_request_split_over_calls_and_the_padded_trainer_pass)
-# qwen2 / qwen3 are `extended` (CI's 20 minutes): their attention code (qkv biases, q/k norms) is CI's in the
-# Qwen2-MoE / Qwen3-MoE cases below, their dense MLP llama's
-EXTENDED = pytest.mark.extended
-
-
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=EXTENDED),
-                                    pytest.param("qwen3", marks=EXTENDED)])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_engine_logprobs_are_the_trainers_bit_for_bit(family, tokenizer):
     """bf16 as on a GPU: each family's sampled tokens get the same log-prob from the trainer's packed pass, over the
-    whole batch and over a reordered part of it (another batch composition and other packed offsets)."""
+    whole batch and over a reordered part of it (another batch composition and other packed offsets). Llama runs the
+    long prompts (two key blocks) and 12 rows; the others 9 short rows (Triton's interpreter is slow)."""
     model = _stop_sooner(_family(family), 3.0)
-    # 12 rows in a bucket of 16, checked every step: once 8 are left they move to an 8-row step (compaction)
+    # 12 (or 9) rows in a bucket of 16, checked every step: once 8 are left they move to an 8-row step (compaction)
     engine = _engine(model, tokenizer, torch.bfloat16, compact=True, sync_every=1)
     compacted = []
     move = engine._compact
     engine._compact = lambda b, v, rows, live: compacted.append(rows) or move(b, v, rows, live)
-    r = _rollout(engine, prompts=PROMPTS if family == "llama" else SHORT, n=4)
+    llama = family == "llama"
+    r = _rollout(engine, prompts=PROMPTS if llama else SHORT, n=4 if llama else 3)
     m = r.completion_mask
-    assert m.sum() > 30 and len(set(r.lengths.tolist())) > 1 and compacted  # ragged rows, and compaction happened
+    assert m.sum() > (30 if llama else 15) and len(set(r.lengths.tolist())) > 1 and compacted  # ragged, compacted
     whole = _trainer_logprobs(model, torch.bfloat16, r)
     assert torch.equal(whole[m], r.logprobs[m])
     rows = [5, 2, 3]
@@ -267,20 +263,22 @@ def _moe(family: str, top_k: int = 2):
     return model
 
 
-@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=EXTENDED),  # CI's in the training run below
-                                    "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_engine_logprobs_are_the_trainers_bit_for_bit(family, tokenizer):
     """MoE: the engine routes each token, runs its experts and combines them as the trainer's pass does, whatever the
     other tokens (which change how the (token, expert) pairs fall into the grouped matmul's tiles): same log-probs,
-    bit for bit, through compaction."""
+    bit for bit, through compaction (9 rows in a bucket of 16, then 8 of them in one of 8)."""
     model = _stop_sooner(_moe(family), 3.0)
     engine = _engine(model, tokenizer, torch.bfloat16, compact=True, sync_every=1)
-    r = _rollout(engine, prompts=SHORT, n=4, max_new_tokens=8)
+    compacted = []
+    move = engine._compact
+    engine._compact = lambda b, v, rows, live: compacted.append(rows) or move(b, v, rows, live)
+    r = _rollout(engine, prompts=SHORT, n=3, max_new_tokens=8)
     m = r.completion_mask
-    assert m.sum() > 30 and len(set(r.lengths.tolist())) > 1
+    assert m.sum() > 15 and len(set(r.lengths.tolist())) > 1 and compacted
     whole = _trainer_logprobs(model, torch.bfloat16, r)
     assert torch.equal(whole[m], r.logprobs[m])
-    assert torch.equal(_trainer_logprobs(model, torch.bfloat16, r, [7, 0, 4]), whole[[7, 0, 4]])
+    assert torch.equal(_trainer_logprobs(model, torch.bfloat16, r, [5, 0, 4]), whole[[5, 0, 4]])
 
 
 def test_expert_kernels_are_batch_invariant_and_the_family_block():
