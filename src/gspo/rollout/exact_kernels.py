@@ -427,7 +427,7 @@ def experts(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalis
     weights, chosen = route(linear(x, router_weight, out_dtype=torch.float32), top_k, renormalise)  # (n, k) each
     order, at, tiles = expert_tiles(chosen, router_weight.shape[0])
     h = grouped_linear(x, order // top_k, gate_up, tiles)  # (P, 2I) in expert order
-    act = silu_mul(h, torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device))
+    act = silu_mul(h)
     y = grouped_linear(act, None, down, tiles)  # (P, H) in expert order
     out = torch.empty_like(x)
     block = min(1024, triton.next_power_of_2(x.shape[1]))

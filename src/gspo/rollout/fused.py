@@ -128,7 +128,7 @@ def exact_sparse(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shared = getattr(block, "shared_expert", None)
     if shared is not None:
         gate_up = torch.cat([ek.linear(x, shared.gate_proj.weight), ek.linear(x, shared.up_proj.weight)], 1)
-        act = kernels.silu_mul(gate_up, torch.empty(x.shape[0], gate_up.shape[1] // 2, dtype=x.dtype, device=x.device))
+        act = kernels.silu_mul(gate_up)
         gate = torch.sigmoid(ek.linear(x, block.shared_expert_gate.weight))  # (n, 1)
         out = out + gate * ek.linear(act, shared.down_proj.weight)
     return out, chosen
@@ -291,9 +291,7 @@ class FusedDecoder:
                 else:
                     delta = layer.moe(x[:, None]).reshape(n, -1)  # (n, H)
                 continue
-            gate_up = linear(x, layer.w_gate_up, layer.b_gate_up)  # (n, 2I)
-            act = torch.empty(n, gate_up.shape[1] // 2, dtype=gate_up.dtype, device=res.device)
-            kernels.silu_mul(gate_up, act)
+            act = kernels.silu_mul(linear(x, layer.w_gate_up, layer.b_gate_up))  # (n, I) from (n, 2I)
             delta = linear(act, layer.w_down, layer.b_down)  # (n, H)
         if at is not None:  # the final norm is per row: only the rows asked for
             res, delta = res.index_select(0, at), delta.index_select(0, at)

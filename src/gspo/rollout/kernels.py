@@ -146,8 +146,10 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: t
                                        QK_NORM=q_norm is not None)
 
 
-def silu_mul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = silu(x[:, :I]) * x[:, I:]`` for x (B, 2I)."""
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = silu(x[:, :I]) * x[:, I:]`` for x (B, 2I); ``out`` (B, I) is allocated in x's dtype when not given."""
+    if out is None:
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
     B, I = out.shape
     block = min(1024, triton.next_power_of_2(I))
     _silu_mul[(B, triton.cdiv(I, block))](x, out, I, BLOCK=block)
