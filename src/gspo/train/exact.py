@@ -94,18 +94,20 @@ class ExactPass:
 
         dev, S = self.device, ids.shape[0]
         G = self.decoder.heads // self.decoder.kv_heads
-        if not self.use_graphs:
+
+        def eager():  # unpadded
             out = self._forward(to_device(ids, dev), to_device(pos, dev), to_device(tile_table(seq_lens, starts, G), dev))
             return out, self.decoder.routes
+
+        if not self.use_graphs:
+            return eager()
         size = PackedGraphs.bucket(S + 1)  # at least one dummy token, so the dummy sequence is never empty
         pad = size - S
         table = tile_table([*seq_lens, pad], [*starts, S], G)
         tiles = PackedGraphs.bucket(table.shape[1])
         key = (size, tiles)
-        if key not in self.graphs and len(self.graphs) >= self.MAX_GRAPHS:  # eager, unpadded
-            out = self._forward(to_device(ids, dev), to_device(pos, dev),
-                                to_device(tile_table(seq_lens, starts, G), dev))
-            return out, self.decoder.routes
+        if key not in self.graphs and len(self.graphs) >= self.MAX_GRAPHS:
+            return eager()
         inputs = (torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)]),
                   torch.cat([table, table.new_zeros(4, tiles - table.shape[1])], 1))
         if key not in self.graphs:
