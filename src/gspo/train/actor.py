@@ -425,12 +425,12 @@ class Actor:
         row's recomputed old log-probs (after minibatch 0 under ``recompute``), or under ``rollout.exact`` with the
         engine's log-probs as the old ones, minibatch 0's update forward (0.0 is the proof of exactness)."""
         cfg, dev = self.cfg, self.runtime.device
-        engine = to_device(batch.rollout.logprobs, dev)
         if on_policy_fill:  # every row's old log-probs exist from here on
-            batch.metrics.update(logprob_gap(engine, old, self._on_device["sampled"]))
+            batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev), old, self._on_device["sampled"]))
         elif (self.exact is not None and k == 0 and cfg.train.old_logprobs == "rollout"
               and cfg.rollout.max_staleness == 0):
-            batch.metrics.update(logprob_gap(engine[rows_dev], mb_logp, self._on_device["sampled"][rows_dev]))
+            batch.metrics.update(logprob_gap(to_device(batch.rollout.logprobs, dev)[rows_dev], mb_logp,
+                                             self._on_device["sampled"][rows_dev]))
 
     def _apply(self, loss: torch.Tensor, step: int, pending: list) -> torch.Tensor:
         """Clip and apply the accumulated gradient at ``lr_at(step)``, unless the loss or the gradient is not finite
