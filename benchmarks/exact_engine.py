@@ -219,20 +219,31 @@ def trainer_cost(a, model, tok, autocast, prompts_all, out: dict) -> None:
             if grad:
                 lp.sum().backward()
 
-    def with_exact(grad: bool):
-        lp_exact, _ = exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask, 1.0)
+    def with_exact(grad: bool):  # the exact values with the ordinary pass's gradient (MoE's update; dense's before)
+        with torch.no_grad():
+            lp_exact, _ = exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask, 1.0, version=0)
         if grad:
             ordinary(True)
         return lp_exact
 
+    def differentiated():  # a dense model's update: the exact pass with its own backward (gspo.train.exact_grad)
+        with torch.enable_grad():
+            lp, _ = exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask, 1.0, version=0)
+            lp.sum().backward()
+
     for p in model.parameters():
         p.grad = None
     res = {"rows": len(r.prompt_ids), "tokens": int(r.completion_mask.sum()) + sum(map(len, r.prompt_ids))}
-    for name, fn in (("update_ordinary_s", lambda: ordinary(True)), ("update_exact_s", lambda: with_exact(True)),
-                     ("old_pass_ordinary_s", lambda: ordinary(False)), ("old_pass_exact_s", lambda: with_exact(False))):
+    parts = [("update_ordinary_s", lambda: ordinary(True)), ("update_exact_s", lambda: with_exact(True)),
+             ("old_pass_ordinary_s", lambda: ordinary(False)), ("old_pass_exact_s", lambda: with_exact(False))]
+    if exact.differentiable:
+        parts.append(("update_exact_own_grad_s", differentiated))
+    for name, fn in parts:
         fn()  # warm-up (graph capture, Triton compile)
         res[name] = timed(fn, a.repeats)
     res["update_extra_pct"] = 100 * (res["update_exact_s"] / res["update_ordinary_s"] - 1)
+    if exact.differentiable:
+        res["update_own_grad_extra_pct"] = 100 * (res["update_exact_own_grad_s"] / res["update_ordinary_s"] - 1)
     out["trainer"] = res
     print(json.dumps(res), flush=True)
 
@@ -304,6 +315,9 @@ def table(out: dict) -> str:
         lines.append(f"trainer ({t['rows']} rows, {t['tokens']} tokens): update {t['update_ordinary_s'] * 1e3:.1f} ms "
                      f"-> {t['update_exact_s'] * 1e3:.1f} ms ({t['update_extra_pct']:+.0f}%); old-policy pass "
                      f"{t['old_pass_ordinary_s'] * 1e3:.1f} ms ordinary, {t['old_pass_exact_s'] * 1e3:.1f} ms exact")
+        if "update_exact_own_grad_s" in t:
+            lines.append(f"  update with the exact pass's own backward: {t['update_exact_own_grad_s'] * 1e3:.1f} ms "
+                         f"({t['update_own_grad_extra_pct']:+.0f}% over the ordinary update)")
     return "\n".join(lines)
 
 

@@ -209,13 +209,14 @@ class Actor:
         r = rollout if rows is None else rollout.select(rows.tolist())
         routing = self.routing if model is self.model else None
         if self.exact is not None and model is self.model:  # rollout.exact: the engine's own numbers
+            # dense: under grad the exact pass differentiates itself (gspo.train.exact_grad), entropies included
+            own_grad = self.exact.differentiable or not torch.is_grad_enabled()
             exact, entropy = self.exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask,
-                                                 self.cfg.rollout.temperature,
-                                                 with_entropy and not torch.is_grad_enabled(), routing=routing,
-                                                 row_ids=rows, version=self.holding.weights_version)
-            if not torch.is_grad_enabled():
+                                                 self.cfg.rollout.temperature, with_entropy and own_grad,
+                                                 routing=routing, row_ids=rows, version=self.holding.weights_version)
+            if own_grad:
                 return exact, entropy
-            # the update: those values, with the gradient of the ordinary pass at the same weights
+            # MoE's update: those values, with the gradient of the ordinary pass at the same weights
             logp, entropy = self._logprobs(model, r, with_entropy, graphs, pack_tokens, routing, rows)
             return with_gradient_of(exact, logp), entropy
         return self._logprobs(model, r, with_entropy, graphs, pack_tokens, routing, rows)

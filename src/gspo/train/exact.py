@@ -8,9 +8,11 @@ So ``train.old_logprobs = "rollout"`` is exact (no recompute pass), and the firs
 The pass keeps its own low-precision copy of the policy's weights (:class:`gspo.rollout.graph.EngineWeights`, the
 engine's class: the same rounding of fp32 masters to bf16), refreshed from the policy when they changed.
 
-Gradients: the update needs d log pi / d theta. The exact kernels have no backward; the update's log-probs are the
-exact values with the gradient of the ordinary (packed, CUDA-graphed) pass at the same weights (:func:`with_gradient_of`):
-the two functions differ by rounding only, so this is the gradient any bf16 trainer computes.
+Gradients: the update needs d log pi / d theta. For a dense model this pass is differentiable: each exact kernel has a
+backward of torch ops (:mod:`gspo.train.exact_grad`), captured with its forward as one CUDA graph per bucket, and the
+update runs this one forward. An MoE model's update takes the exact values with the gradient of the ordinary (packed)
+pass at the same weights (:func:`with_gradient_of`): the two functions differ by rounding only, so this is the gradient
+any bf16 trainer computes, at the cost of a second forward.
 
 Shapes: ``N`` rows, ``T`` completion positions, ``S`` packed tokens, ``M`` completion tokens.
 """
@@ -75,6 +77,13 @@ class ExactPass:
         self.pool = None
         self.warmup_s = 0.0
         self.version: int | None = None  # the policy's weights_version the copy holds (None: unknown)
+        # dense models: the update differentiates the exact forward itself (gspo.train.exact_grad); MoE: the values
+        # of this pass with the ordinary pass's gradient (with_gradient_of, in the actor)
+        self.differentiable = all(layer.moe is None for layer in self.decoder.layers)
+        # (tokens, tiles, sequences + 2) -> the graphed update forward; None: off after a failed capture
+        self.grad_graphs: dict[tuple[int, int, int], torch.nn.Module] | None = {}
+        self._module = None
+        self.grad_pool = None
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states (S, H) of the packed row ``ids`` (device tensors; ``table``: (4, tiles))."""
@@ -138,20 +147,80 @@ class ExactPass:
         self.graphs[key] = (graph, static, out, self.decoder.routes)  # the routes: outputs of the graph too
         self.warmup_s += time.perf_counter() - t0
 
-    @torch.no_grad()
+    def _hidden_grad(self, ids: torch.Tensor, pos: torch.Tensor, seq_lens: list[int],
+                     starts: list[int]) -> torch.Tensor:
+        """:meth:`_hidden`'s values (bit for bit), differentiable with respect to the policy's parameters: one CUDA
+        graph of forward and backward per bucket (``make_graphed_callables``, as :class:`gspo.train.passes.
+        PackedGraphs`), eager past ``MAX_GRAPHS`` shapes, without graphs, or (with a warning) after a failed capture."""
+        from gspo.rollout.exact_kernels import tile_table
+        from gspo.runtime import CAPTURE_LOCK
+        from gspo.train.exact_grad import DifferentiableExact
+        from gspo.train.passes import PackedGraphs
+
+        dev, S = self.device, ids.shape[0]
+        G = self.decoder.heads // self.decoder.kv_heads
+        cu = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        size = PackedGraphs.bucket(S + 1)
+        key = None
+        if self.use_graphs and self.grad_graphs is not None:
+            pad = size - S
+            table = tile_table([*seq_lens, pad], [*starts, S], G)
+            tiles = PackedGraphs.bucket(table.shape[1])
+            key = (size, tiles, cu.numel() + 1)
+            if key not in self.grad_graphs and len(self.grad_graphs) >= self.MAX_GRAPHS:
+                key = None
+        if key is None:
+            if self._module is None:
+                self._module = DifferentiableExact(self.source, self.decoder)
+            self._module.max_len = max(seq_lens)
+            return self._module(*(to_device(t, dev) for t in (ids, pos, tile_table(seq_lens, starts, G), cu)))
+        inputs = tuple(to_device(t, dev) for t in (
+            torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)]),
+            torch.cat([table, table.new_zeros(4, tiles - table.shape[1])], 1),
+            torch.cat([cu, cu.new_full((1,), size)])))
+        params = [p for p in self.source.get_decoder().parameters() if p.requires_grad]
+        for p in params:  # see PackedGraphs.hidden: accumulate into .grad, never keep a view of the graph's buffer
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if key not in self.grad_graphs:
+            import time
+
+            t0 = time.perf_counter()
+            module = DifferentiableExact(self.source, self.decoder, size)  # make_graphed_callables replaces its forward
+            module.training = True  # the graphed forward runs while this flag matches
+            if self.grad_pool is None:
+                self.grad_pool = torch.cuda.graph_pool_handle()
+            try:
+                with torch.enable_grad(), CAPTURE_LOCK:  # not while an asynchronous rollout collects (gspo.runtime)
+                    self.grad_graphs[key] = torch.cuda.make_graphed_callables(module, inputs, pool=self.grad_pool)
+            except Exception as e:  # as PackedGraphs: a capture can fail in many ways (memory, a host sync)
+                import logging
+
+                logging.getLogger("gspo").warning("CUDA graphs of the exact update are off for this run (%s: %s); it "
+                                                  "runs eager.", type(e).__name__, e)
+                self.grad_graphs = None
+                return self._hidden_grad(ids, pos, seq_lens, starts)
+            finally:
+                self.warmup_s += time.perf_counter() - t0
+        return self.grad_graphs[key](*inputs)[:S]
+
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                  temperature: float = 1.0, with_entropy: bool = False, routing=None, row_ids: torch.Tensor | None = None,
                  version: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``(N, T)`` float32 under softmax(logits / temperature) of the current weights (0 where the mask
         is False), and the entropies ``(N, T)`` with ``with_entropy``. Completion tokens must be a prefix of each row.
-        ``routing`` (an MoE policy's :class:`gspo.models.moe.Routing`): every token's experts here become its records,
+        Under grad (the update) with a dense model the log-probs are differentiable with respect to the policy's
+        parameters (:mod:`gspo.train.exact_grad`), the same numbers; the entropies never are. ``routing`` (an MoE
+        policy's :class:`gspo.models.moe.Routing`): every token's experts here become its records,
         at batch rows ``row_ids`` (default 0..N-1), for the gradient pass to force. ``version``: the policy's
         :attr:`gspo.parallel.holding.Holding.weights_version`; the copy is refreshed only when it changed (None:
         always), so the micro-batches of one minibatch and of a frozen pass copy the weights once."""
-        from gspo.rollout import exact_kernels as ek
+        from gspo.train.exact_grad import head_logprobs
 
+        grad = torch.is_grad_enabled() and self.differentiable
         if version is None or version != self.version:
-            self.weights.load(named_weights(self.source))
+            with torch.no_grad():
+                self.weights.load(named_weights(self.source))
             self.version = version
         dev = self.device
         mask = completion_mask.cpu().bool()
@@ -164,24 +233,21 @@ class ExactPass:
         starts = torch.tensor([0, *seq_lens]).cumsum(0)[:-1]  # (N,) each sequence's first packed token
         first = starts + torch.tensor([len(p) for p in prompt_ids]) - 1  # the position that predicts token 0
         at = (first[:, None] + torch.arange(mask.shape[1])[None, :])[mask]  # (M,) row-major
-        hidden, routes = self._hidden(ids, pos, seq_lens, starts.tolist())
-        if routing is not None and routes:
-            rows = torch.arange(len(seq_lens)) if row_ids is None else row_ids.cpu()
-            routing.write_records(to_device(torch.repeat_interleave(rows, torch.tensor(seq_lens)), dev),
-                                  to_device(pos, dev), routes)
-        hidden = hidden.index_select(0, to_device(at, dev))  # (M, H)
         targets = to_device(ids_cpu[mask], dev)  # (M,)
-        logp, entropy = [], []
-        for i in range(0, len(at), self.chunk_size):
-            logits = self.decoder.exact_logits(hidden[i:i + self.chunk_size])  # (C, V) float32
-            logp.append(ek.token_logprobs(logits, targets[i:i + self.chunk_size], temperature))
-            if with_entropy:
-                lp = torch.log_softmax(logits / temperature, -1)
-                entropy.append(-(lp.exp() * lp).sum(-1))
         flat = to_device(mask.reshape(-1).nonzero().squeeze(-1), dev)
-        out = torch.zeros(mask.numel(), dtype=torch.float32, device=dev)
-        logp_full = out.index_copy(0, flat, torch.cat(logp)).view(mask.shape) if logp else out.view(mask.shape)
-        ent_full = None
-        if with_entropy:
-            ent_full = (out.index_copy(0, flat, torch.cat(entropy)) if entropy else out.clone()).view(mask.shape)
-        return logp_full, ent_full
+        with torch.set_grad_enabled(grad):
+            if grad:
+                hidden = self._hidden_grad(ids, pos, seq_lens, starts.tolist())
+            else:
+                hidden, routes = self._hidden(ids, pos, seq_lens, starts.tolist())
+                if routing is not None and routes:
+                    rows = torch.arange(len(seq_lens)) if row_ids is None else row_ids.cpu()
+                    routing.write_records(to_device(torch.repeat_interleave(rows, torch.tensor(seq_lens)), dev),
+                                          to_device(pos, dev), routes)
+            head = self.source.get_output_embeddings()
+            masters = (head.weight,) + (() if head.bias is None else (head.bias,))
+            logp, entropy = head_logprobs(hidden.index_select(0, to_device(at, dev)), targets, self.decoder,
+                                          temperature, self.chunk_size, with_entropy, masters)
+            out = torch.zeros(mask.numel(), dtype=torch.float32, device=dev)
+            ent_full = out.detach().index_copy(0, flat, entropy).view(mask.shape) if with_entropy else None
+            return out.index_copy(0, flat, logp).view(mask.shape), ent_full
