@@ -162,7 +162,9 @@ class ExactPass:
         cu = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         size = PackedGraphs.bucket(S + 1)
         key = None
-        if self.use_graphs and self.grad_graphs is not None:
+        # fp32 on CUDA stays eager: flash attention (the backward's) has no fp32 kernel, and SDPA per sequence syncs
+        graphs = self.use_graphs and self.grad_graphs is not None and self.dtype in (torch.float16, torch.bfloat16)
+        if graphs:
             pad = size - S
             table = tile_table([*seq_lens, pad], [*starts, S], G)
             tiles = PackedGraphs.bucket(table.shape[1])

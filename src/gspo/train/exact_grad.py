@@ -1,12 +1,12 @@
-"""``rollout.exact``'s update pass with its own gradient: the exact kernels' forward, a backward of torch ops.
+"""``rollout.exact``'s update pass with its own gradient: the exact kernels' forward, a backward of its own.
 
 The update needs the exact values (the first minibatch's ratio is exactly 1) and d log pi / d theta. Without a
 backward for the exact kernels it ran two forwards: the exact one for the values, the ordinary one for the gradient
-(+24% on an update of the reference run). Here each kernel of :meth:`gspo.rollout.fused.FusedDecoder.forward_tokens`
+(+16-24% on an update of the reference run). Here each kernel of :meth:`gspo.rollout.fused.FusedDecoder.forward_tokens`
 is an autograd Function whose forward is that kernel on the same inputs -- so the values are the engine's, bit for
-bit -- and whose backward is the derivative of the function it computes, in torch ops. The issue allows "the backward
-may use any kernel"; we hand-write these because no library has a backward for our batch-invariant kernels, and a
-generic recompute (activation checkpointing of a torch twin) would pay the ordinary forward again.
+bit -- and whose backward is the derivative of the function it computes. The issue allows "the backward may use any
+kernel"; we write these because no library has a backward for our batch-invariant kernels, and a generic recompute
+(activation checkpointing of a torch twin) would pay the ordinary forward again.
 
 Precision follows autocast's (the ordinary pass's): activations and weights in bf16 through the matmuls, the residual
 stream, norms and their gradients in fp32 (the residual stream is fp32 in both passes: the embedding and norms keep the
@@ -14,13 +14,13 @@ master's dtype), and each weight's gradient goes to its fp32 master, cast as aut
 
 - ``linear`` (y = x W^T + b): dx = g W, dW = g^T x (one bf16 matmul each, fp32 accumulation), db = sum g;
   packed q|k|v and gate|up weights split their gradient to each projection's master.
-- ``add + RMSNorm`` (r' = r + delta, x = w * r' / rms(r')): dr = g_r' + (w g_x - y mean(w g_x y)) / rms, dw = sum g_x y.
-- ``rotary`` (and Qwen3's per-head q/k norms), ``SiLU * up``: recomputed in fp32 torch ops, differentiated by autograd
-  (elementwise, cheap).
-- ``attention``: recomputed by flash attention's variable-length kernel on CUDA (per-sequence SDPA on a CPU) and
-  differentiated by it: flash's backward recomputes its scores anyway.
+- ``add + RMSNorm`` (r' = r + delta, x = w * r' / rms(r')), ``rotary`` (with Qwen3's per-head q/k norms) and
+  ``SiLU * up``: one fused Triton kernel each (:mod:`gspo.train.grad_kernels`; as torch ops they were ~10 elementwise
+  kernels each and made the backward 20 ms slower than autocast's).
+- ``attention``: recomputed by flash attention's variable-length kernel on CUDA in half precision (per-sequence SDPA
+  otherwise) and differentiated by it: flash's backward recomputes its scores anyway.
 - ``LM head + log-softmax``: per chunk, the logits recomputed (as the ordinary pass's checkpointed head does) and
-  dlogp/dlogits = onehot - softmax.
+  differentiated by autograd.
 
 MoE blocks keep the two-forward update (:func:`gspo.train.exact.with_gradient_of`): their extra cost was measured at
 +1% (``docs/experiments/engine/exact``), the routed experts' backward is not written.
@@ -91,24 +91,15 @@ class _AddNorm(Function):
 
     @staticmethod
     def backward(ctx, g_new: Tensor | None, g_x: Tensor | None):
+        from gspo.train import grad_kernels
+
         new, weight = ctx.saved_tensors
-        r = new.float()
-        rstd = torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        y = r * rstd
-        g_total = torch.zeros_like(r) if g_new is None else g_new.float()
-        dw = None
-        if g_x is not None:
-            gy = g_x.float() * weight.float()
-            g_total = g_total + rstd * (gy - y * (gy * y).mean(-1, keepdim=True))
-            dw = (g_x.float() * y).sum(0) if ctx.needs_input_grad[2] else None
+        if g_x is None:
+            g_total, dw = g_new.float(), None
+        else:
+            g_total, dw = grad_kernels.rmsnorm_backward(new, g_x, weight, ctx.eps, g_new)
         d_delta = None if ctx.delta_dtype is None else g_total.to(ctx.delta_dtype)
         return g_total, d_delta, dw, None, None
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (n, h, D) * cos + rotate_half(x) * sin, cos / sin (n, 1, D/2)."""
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
 class _Rope(Function):
@@ -132,24 +123,21 @@ class _Rope(Function):
 
     @staticmethod
     def backward(ctx, gq: Tensor, gk: Tensor, gv: Tensor):
+        from gspo.train import grad_kernels
+
         qkv, pos, inv_freq, q_norm, k_norm = ctx.saved_tensors
         heads, kv_heads, D = ctx.shape
         n = qkv.shape[0]
-        angle = (pos.float()[:, None] * inv_freq.float()[None, :])[:, None, :]  # (n, 1, D/2)
-        cos, sin = torch.cos(angle) * ctx.scale, torch.sin(angle) * ctx.scale
-        with torch.enable_grad():
-            x = qkv.detach().float().requires_grad_()
-            qn = None if q_norm is None else q_norm.detach().float().requires_grad_()
-            kn = None if k_norm is None else k_norm.detach().float().requires_grad_()
-            q, k, v = x.view(n, heads + 2 * kv_heads, D).split([heads, kv_heads, kv_heads], 1)
-            if qn is not None:
-                q = qn * (q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + ctx.eps))
-                k = kn * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + ctx.eps))
-            outs = (_rotate(q, cos, sin), _rotate(k, cos, sin), v)
-            leaves = [x] + ([qn, kn] if qn is not None else [])
-            grads = torch.autograd.grad(outs, leaves, (gq.float(), gk.float(), gv.float()))
-        dqn, dkn = (grads[1].to(q_norm.dtype), grads[2].to(k_norm.dtype)) if qn is not None else (None, None)
-        return grads[0].to(qkv.dtype), None, None, None, None, None, dqn, dkn
+        if q_norm is None:
+            return grad_kernels.rope_backward(gq, gk, gv, pos, inv_freq, ctx.scale, qkv.dtype), *[None] * 7
+        # Qwen3: the rotation's gradient is the per-head norms' output gradient; then each head's norm backward
+        pre = grad_kernels.rope_backward(gq, gk, gv, pos, inv_freq, ctx.scale, torch.float32)
+        split = [heads * D, kv_heads * D, kv_heads * D]
+        (q_raw, k_raw, _), (g_q, g_k, g_v) = qkv.split(split, 1), pre.split(split, 1)
+        dq, dqn = grad_kernels.rmsnorm_backward(q_raw.reshape(-1, D), g_q.reshape(-1, D), q_norm, ctx.eps)
+        dk, dkn = grad_kernels.rmsnorm_backward(k_raw.reshape(-1, D), g_k.reshape(-1, D), k_norm, ctx.eps)
+        d_qkv = torch.cat([dq.view(n, -1), dk.view(n, -1), g_v], 1).to(qkv.dtype)
+        return d_qkv, None, None, None, None, None, dqn, dkn
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
@@ -206,13 +194,10 @@ class _SiluMul(Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
+        from gspo.train import grad_kernels
+
         (x,) = ctx.saved_tensors
-        gate, up = x.float().chunk(2, -1)
-        s = torch.sigmoid(gate)
-        gf = g.float()
-        d_gate = gf * up * s * (1 + gate * (1 - s))
-        d_up = gf * gate * s
-        return torch.cat([d_gate, d_up], -1).to(x.dtype)
+        return grad_kernels.silu_mul_backward(x, g)
 
 
 class _Head(Function):
