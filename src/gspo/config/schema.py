@@ -112,9 +112,11 @@ class RolloutConfig:
     pass run one forward of batch-invariant Triton kernels (``gspo.rollout.exact_kernels``), so the engine's log-prob
     of every sampled token equals the trainer's recomputation for the same weights, whatever the batch, the lengths or
     the row compaction, with CUDA graphs on; ``logprob/engine_diff_max`` shows 0.0. With ``train.old_logprobs =
-    "rollout"`` the recompute pass disappears and the first update's ratio is exactly 1. The update's gradient is the
-    ordinary pass's at the same weights (an extra forward per micro-batch). Dense Llama / Mistral / Qwen2 / Qwen3 on a
-    GPU, single- or multi-turn, without LoRA or FSDP; anything else is refused in one line. See docs/experiments/engine."""
+    "rollout"`` the recompute pass disappears and the first update's ratio is exactly 1. A dense model's update
+    differentiates the exact pass itself (its backward: torch matmuls and fused Triton kernels); an MoE model's update
+    takes the ordinary pass's gradient at the same weights (an extra forward per micro-batch). Llama / Mistral / Qwen2 /
+    Qwen3 and Mixtral / Qwen2-MoE / Qwen3-MoE on a GPU, single- or multi-turn, without LoRA, FSDP or routing replay;
+    anything else is refused in one line. See docs/experiments/engine."""
     engine_weight_bits: int = 0
     """For experiments on the engine-trainer gap: the rollout engine samples from its copy of the weights with every
     weight matrix rounded to signed integers of this many bits (symmetric, one scale per output row, as weight-only
