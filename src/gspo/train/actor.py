@@ -213,7 +213,8 @@ class Actor:
             own_grad = self.exact.differentiable or not torch.is_grad_enabled()
             exact, entropy = self.exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask,
                                                  self.cfg.rollout.temperature, with_entropy and own_grad,
-                                                 routing=routing, row_ids=rows, version=self.holding.weights_version)
+                                                 routing=routing, row_ids=rows, version=self.holding.weights_version,
+                                                 pack_tokens=pack_tokens)
             if own_grad:
                 return exact, entropy
             # MoE's update: those values, with the gradient of the ordinary pass at the same weights

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from gspo.models import head_dim, kv_heads, named_weights
-from gspo.runtime import to_device
+from gspo.runtime import free_gpu_bytes, to_device
 
 
 class _ExactValue(torch.autograd.Function):
@@ -84,6 +84,7 @@ class ExactPass:
         self.grad_graphs: dict[tuple[int, int, int], torch.nn.Module] | None = {}
         self._module = None
         self.grad_pool = None
+        self.grad_bytes_per_token = 0.0  # GPU memory a captured update graph keeps per bucket token (measured)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states (S, H) of the packed row ``ids`` (device tensors; ``table``: (4, tiles))."""
@@ -147,20 +148,23 @@ class ExactPass:
         self.graphs[key] = (graph, static, out, self.decoder.routes)  # the routes: outputs of the graph too
         self.warmup_s += time.perf_counter() - t0
 
-    def _hidden_grad(self, ids: torch.Tensor, pos: torch.Tensor, seq_lens: list[int],
-                     starts: list[int]) -> torch.Tensor:
+    def _hidden_grad(self, ids: torch.Tensor, pos: torch.Tensor, seq_lens: list[int], starts: list[int],
+                     at_least: int = 0) -> torch.Tensor:
         """:meth:`_hidden`'s values (bit for bit), differentiable with respect to the policy's parameters: one CUDA
         graph of forward and backward per bucket (``make_graphed_callables``, as :class:`gspo.train.passes.
-        PackedGraphs`), eager past ``MAX_GRAPHS`` shapes, without graphs, or (with a warning) after a failed capture."""
+        PackedGraphs`), eager past ``MAX_GRAPHS`` shapes or what fits in memory, without graphs, or (with a warning)
+        after a failed capture. ``at_least``: the packed length to pad to at least (:meth:`PackedGraphs.hidden`'s)."""
         from gspo.rollout.exact_kernels import tile_table
         from gspo.runtime import CAPTURE_LOCK
         from gspo.train.exact_grad import DifferentiableExact
         from gspo.train.passes import PackedGraphs
 
+        from gspo.train.passes import graph_fits
+
         dev, S = self.device, ids.shape[0]
         G = self.decoder.heads // self.decoder.kv_heads
         cu = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        size = PackedGraphs.bucket(S + 1)
+        size = PackedGraphs.bucket(max(S, at_least) + 1)
         key = None
         # fp32 on CUDA stays eager: flash attention (the backward's) has no fp32 kernel, and SDPA per sequence syncs
         graphs = self.use_graphs and self.grad_graphs is not None and self.dtype in (torch.float16, torch.bfloat16)
@@ -169,7 +173,9 @@ class ExactPass:
             table = tile_table([*seq_lens, pad], [*starts, S], G)
             tiles = PackedGraphs.bucket(table.shape[1])
             key = (size, tiles, cu.numel() + 1)
-            if key not in self.grad_graphs and len(self.grad_graphs) >= self.MAX_GRAPHS:
+            # as PackedGraphs: each graph keeps its activations for the run; capture only while that fits
+            if key not in self.grad_graphs and not graph_fits(size, len(self.grad_graphs), self.MAX_GRAPHS, 65536,
+                                                              self.grad_bytes_per_token, free_gpu_bytes(dev)):
                 key = None
         if key is None:
             if self._module is None:
@@ -188,6 +194,7 @@ class ExactPass:
             import time
 
             t0 = time.perf_counter()
+            reserved = torch.cuda.memory_reserved(dev)
             module = DifferentiableExact(self.source, self.decoder, size)  # make_graphed_callables replaces its forward
             module.training = True  # the graphed forward runs while this flag matches
             if self.grad_pool is None:
@@ -195,20 +202,22 @@ class ExactPass:
             try:
                 with torch.enable_grad(), CAPTURE_LOCK:  # not while an asynchronous rollout collects (gspo.runtime)
                     self.grad_graphs[key] = torch.cuda.make_graphed_callables(module, inputs, pool=self.grad_pool)
+                self.grad_bytes_per_token = max(self.grad_bytes_per_token,
+                                                (torch.cuda.memory_reserved(dev) - reserved) / size)
             except Exception as e:  # as PackedGraphs: a capture can fail in many ways (memory, a host sync)
                 import logging
 
                 logging.getLogger("gspo").warning("CUDA graphs of the exact update are off for this run (%s: %s); it "
                                                   "runs eager.", type(e).__name__, e)
                 self.grad_graphs = None
-                return self._hidden_grad(ids, pos, seq_lens, starts)
+                return self._hidden_grad(ids, pos, seq_lens, starts)  # eager: graphs are off now
             finally:
                 self.warmup_s += time.perf_counter() - t0
         return self.grad_graphs[key](*inputs)[:S]
 
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                  temperature: float = 1.0, with_entropy: bool = False, routing=None, row_ids: torch.Tensor | None = None,
-                 version: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 version: int | None = None, pack_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``(N, T)`` float32 under softmax(logits / temperature) of the current weights (0 where the mask
         is False), and the entropies ``(N, T)`` with ``with_entropy``. Completion tokens must be a prefix of each row.
         Under grad (the update) with a dense model the log-probs are differentiable with respect to the policy's
@@ -216,7 +225,9 @@ class ExactPass:
         policy's :class:`gspo.models.moe.Routing`): every token's experts here become its records,
         at batch rows ``row_ids`` (default 0..N-1), for the gradient pass to force. ``version``: the policy's
         :attr:`gspo.parallel.holding.Holding.weights_version`; the copy is refreshed only when it changed (None:
-        always), so the micro-batches of one minibatch and of a frozen pass copy the weights once."""
+        always), so the micro-batches of one minibatch and of a frozen pass copy the weights once. ``pack_tokens``:
+        the update's graph pads to at least this many tokens (as the ordinary pass's, :meth:`gspo.parallel.plan.Plan.
+        pack_hint`)."""
         from gspo.train.exact_grad import head_logprobs
 
         grad = torch.is_grad_enabled() and self.differentiable
@@ -239,7 +250,7 @@ class ExactPass:
         flat = to_device(mask.reshape(-1).nonzero().squeeze(-1), dev)
         with torch.set_grad_enabled(grad):
             if grad:
-                hidden = self._hidden_grad(ids, pos, seq_lens, starts.tolist())
+                hidden = self._hidden_grad(ids, pos, seq_lens, starts.tolist(), pack_tokens)
             else:
                 hidden, routes = self._hidden(ids, pos, seq_lens, starts.tolist())
                 if routing is not None and routes:
