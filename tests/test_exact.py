@@ -179,7 +179,8 @@ def test_the_trainer_copy_is_refreshed_when_the_weights_version_changes(tokenize
 
 
 def _update_batch():
-    prompts = [[5, 6, 7], [9] * 40, [3, 4], [7 + i for i in range(20)]]
+    # token 2 is tiny_llama's pad id: nn.Embedding gives its row no gradient, and neither may the exact update
+    prompts = [[5, 2, 7], [9] * 40, [3, 4], [7 + i for i in range(20)]]
     ids = torch.randint(3, 500, (4, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.arange(12)[None] < torch.tensor([[12], [2], [7], [9]])
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask  # d loss / d logp
@@ -283,16 +284,22 @@ def test_the_update_differentiates_the_exact_pass(family):
 
 
 def test_the_exact_update_gradient_in_bf16_is_as_close_as_the_ordinary_passs():
-    """Under bf16 the exact pass's gradient carries bf16 rounding, as the ordinary (autocast) pass's does: measured
-    against float64, every parameter's relative error is within 1.5x the ordinary pass's plus 0.5% (both are 1-2% on
-    this model; a wrong backward term would be O(1))."""
+    """Under bf16 the update's values are the no-grad exact pass's bit for bit (its matmuls read the bf16 copy, its
+    embedding and norms the fp32 masters), and its gradient carries bf16 rounding, as the ordinary (autocast) pass's
+    does: measured against float64, every parameter's relative error is within 1.5x the ordinary pass's plus 0.5%
+    (both are 1-2% on this model; a wrong backward term would be O(1)). Without its own backward (an MoE model, or
+    activation checkpointing) the pass gives values only."""
     from gspo.train.exact import ExactPass
     from gspo.train.passes import sequence_logprobs
 
     model = _family("llama").to(DEV)
     batch = _update_batch()
     prompts, ids, mask, weights = batch
-    exact = ExactPass(model, torch.bfloat16, DEV)
+    exact = ExactPass(model, torch.bfloat16, DEV, use_graphs=False)
+    with torch.no_grad():
+        values = exact.logprobs(prompts, ids, mask, 0.9)[0]
+    lp = exact.logprobs(prompts, ids, mask, 0.9)[0]
+    assert lp.requires_grad and torch.equal(lp.detach(), values)  # bf16 copies of the matmuls, fp32 masters elsewhere
     mine = _gradients(model, lambda: exact.logprobs(prompts, ids, mask, 0.9)[0], weights)
     theirs = _gradients(model, lambda: sequence_logprobs(model, prompts, ids, mask, pad_id=0, packed=True,
                                                          autocast_dtype=torch.bfloat16, temperature=0.9)[0], weights)
@@ -300,13 +307,17 @@ def test_the_exact_update_gradient_in_bf16_is_as_close_as_the_ordinary_passs():
     for name, g in ref.items():
         err_mine, err_theirs = ((x[name] - g).norm() / g.norm() for x in (mine, theirs))
         assert err_mine <= 1.5 * err_theirs + 0.005, (name, err_mine, err_theirs)
+    values_only = ExactPass(model, torch.bfloat16, DEV, own_backward=False)
+    lp = values_only.logprobs(prompts, ids, mask, 0.9)[0]
+    assert not values_only.differentiable and not lp.requires_grad and torch.equal(lp, values)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_the_graphed_exact_update_equals_the_eager_one():
     """On a GPU the exact update is a CUDA graph of forward and backward per bucket: its values are the no-grad exact
     pass's bit for bit (a padded bucket changes no real token's numbers), its gradient the eager one's within bf16
-    rounding, twice in a row (the graph's buffers are replayed, not kept as gradients)."""
+    rounding, twice in a row (the graph's buffers are replayed, not kept as gradients), from gradients set to None
+    and from zeroed ones."""
     from gspo.train.exact import ExactPass
 
     model = _family("qwen3").to(DEV)
@@ -316,8 +327,8 @@ def test_the_graphed_exact_update_equals_the_eager_one():
     with torch.no_grad():
         values = graphed.logprobs(prompts, ids, mask, 0.9)[0]
     want = _gradients(model, lambda: eager.logprobs(prompts, ids, mask, 0.9)[0], weights)
-    for _ in range(2):  # zeroed, not None: a graphed backward accumulates into .grad (see PackedGraphs.hidden)
-        got = _gradients(model, lambda: graphed.logprobs(prompts, ids, mask, 0.9)[0], weights, to_none=False)
+    for to_none in (True, False):  # None first: the pass allocates .grad before its graphed backward accumulates
+        got = _gradients(model, lambda: graphed.logprobs(prompts, ids, mask, 0.9)[0], weights, to_none=to_none)
         assert torch.equal(graphed.logprobs(prompts, ids, mask, 0.9)[0].detach(), values) and graphed.grad_graphs
         for name, g in want.items():
             assert (got[name] - g).norm() <= 0.02 * g.norm(), name
@@ -540,7 +551,9 @@ def test_training_run_proves_zero_diff_and_ratio_one(kind, tmp_path, tokenizer):
                             "rollout.max_new_tokens=4", "train.steps=4", "train.minibatches=2", "train.lr=1e-3",
                             "rewards.workers=0", "log.progress=false", "rollout.exact=true",
                             "train.old_logprobs='rollout'",
-                            "rewards.functions=[{path='trainer_rewards:text_length'}]"], device="cpu")
+                            "rewards.functions=[{path='trainer_rewards:text_length'}]",
+                            # dense: bf16 as on a GPU (the update's copies of the matmuls differ from the masters)
+                            *(["model.precision='bf16-autocast'"] if kind == "dense" else [])], device="cpu")
     Trainer(cfg, tmp_path / "run").train()
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     first = [r for r in rows if r["minibatch"] == 0]

@@ -113,8 +113,9 @@ class RolloutConfig:
     of every sampled token equals the trainer's recomputation for the same weights, whatever the batch, the lengths or
     the row compaction, with CUDA graphs on; ``logprob/engine_diff_max`` shows 0.0. With ``train.old_logprobs =
     "rollout"`` the recompute pass disappears and the first update's ratio is exactly 1. A dense model's update
-    differentiates the exact pass itself (its backward: torch matmuls and fused Triton kernels); an MoE model's update
-    takes the ordinary pass's gradient at the same weights (an extra forward per micro-batch). Llama / Mistral / Qwen2 /
+    differentiates the exact pass itself (its backward: torch matmuls and fused Triton kernels); an MoE model's update,
+    or one under ``model.gradient_checkpointing``, takes the ordinary pass's gradient at the same weights (an extra
+    forward per micro-batch). Llama / Mistral / Qwen2 /
     Qwen3 and Mixtral / Qwen2-MoE / Qwen3-MoE on a GPU, single- or multi-turn, without LoRA, FSDP or routing replay;
     anything else is refused in one line. See docs/experiments/engine."""
     engine_weight_bits: int = 0

@@ -180,8 +180,10 @@ class Actor:
                 raise UserError("rollout.exact is not built for FSDP, which dist.strategy chose for this model (the "
                                 "exact pass needs whole weights); set dist.strategy = 'ddp', or set rollout.exact = "
                                 "false.")
+            # activation checkpointing: the update keeps the ordinary (checkpointed) pass's gradient
             self.exact = ExactPass(self.model, compute_dtype, device, chunk_size=t.logprob_chunk,
-                                   use_graphs=device.type == "cuda" and t.cuda_graphs == "auto")
+                                   use_graphs=device.type == "cuda" and t.cuda_graphs == "auto",
+                                   own_backward=not self.cfg.model.gradient_checkpointing)
 
     # ------------------------------------------------------------------------------------------ what others read
 
@@ -214,7 +216,7 @@ class Actor:
             exact, entropy = self.exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask,
                                                  self.cfg.rollout.temperature, with_entropy and own_grad,
                                                  routing=routing, row_ids=rows, version=self.holding.weights_version,
-                                                 pack_tokens=pack_tokens)
+                                                 pack_tokens=pack_tokens, graphs=graphs)
             if own_grad:
                 return exact, entropy
             # MoE's update: those values, with the gradient of the ordinary pass at the same weights
@@ -347,7 +349,9 @@ class Actor:
         mb_ent = torch.zeros_like(mb_logp)
         loss_total = torch.zeros((), dtype=torch.float64, device=dev)
         self.set_training(True)
-        self.holding.zero_grad(keep_allocated=self.graphs is not None)  # graphed backwards keep .grad allocated
+        graphed = self.graphs is not None or (self.exact is not None and self.exact.differentiable
+                                              and self.exact.use_graphs)
+        self.holding.zero_grad(keep_allocated=graphed)  # graphed backwards keep .grad allocated
         own = len(rows) // plan.world  # this process's slice of the minibatch, at rank x own
         start = plan.rank * own
         # FSDP averages gradients over the processes; each one's share of the (global-denominator) loss is scaled

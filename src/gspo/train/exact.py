@@ -9,10 +9,11 @@ The pass keeps its own low-precision copy of the policy's weights (:class:`gspo.
 engine's class: the same rounding of fp32 masters to bf16), refreshed from the policy when they changed.
 
 Gradients: the update needs d log pi / d theta. For a dense model this pass is differentiable: each exact kernel has a
-backward of torch ops (:mod:`gspo.train.exact_grad`), captured with its forward as one CUDA graph per bucket, and the
-update runs this one forward. An MoE model's update takes the exact values with the gradient of the ordinary (packed)
-pass at the same weights (:func:`with_gradient_of`): the two functions differ by rounding only, so this is the gradient
-any bf16 trainer computes, at the cost of a second forward.
+backward (:mod:`gspo.train.exact_grad`: torch matmuls, fused Triton kernels, flash attention's), captured with its
+forward as one CUDA graph per bucket, and the update runs this one forward. An MoE model's update, and any update under
+``model.gradient_checkpointing`` (this pass keeps every layer's activations), takes the exact values with the gradient
+of the ordinary (packed) pass at the same weights (:func:`with_gradient_of`): the two functions differ by rounding
+only, so this is the gradient any bf16 trainer computes, at the cost of a second forward.
 
 Shapes: ``N`` rows, ``T`` completion positions, ``S`` packed tokens, ``M`` completion tokens.
 """
@@ -54,7 +55,7 @@ class ExactPass:
     MAX_GRAPHS = 8
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, chunk_size: int = 1024,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, own_backward: bool = True):
         from gspo.errors import UserError
         from gspo.rollout.fused import FusedDecoder, exact_unsupported, fused_unsupported
         from gspo.rollout.graph import EngineWeights
@@ -77,9 +78,10 @@ class ExactPass:
         self.pool = None
         self.warmup_s = 0.0
         self.version: int | None = None  # the policy's weights_version the copy holds (None: unknown)
-        # dense models: the update differentiates the exact forward itself (gspo.train.exact_grad); MoE: the values
-        # of this pass with the ordinary pass's gradient (with_gradient_of, in the actor)
-        self.differentiable = all(layer.moe is None for layer in self.decoder.layers)
+        # dense models: the update differentiates the exact forward itself (gspo.train.exact_grad); MoE, or with
+        # own_backward off (activation checkpointing): the values of this pass with the ordinary pass's gradient
+        # (with_gradient_of, in the actor)
+        self.differentiable = own_backward and all(layer.moe is None for layer in self.decoder.layers)
         # (tokens, tiles, sequences + 2) -> the graphed update forward; None: off after a failed capture
         self.grad_graphs: dict[tuple[int, int, int], torch.nn.Module] | None = {}
         self._module = None
@@ -149,11 +151,12 @@ class ExactPass:
         self.warmup_s += time.perf_counter() - t0
 
     def _hidden_grad(self, ids: torch.Tensor, pos: torch.Tensor, seq_lens: list[int], starts: list[int],
-                     at_least: int = 0) -> torch.Tensor:
+                     at_least: int = 0, use_graphs: bool = True) -> torch.Tensor:
         """:meth:`_hidden`'s values (bit for bit), differentiable with respect to the policy's parameters: one CUDA
         graph of forward and backward per bucket (``make_graphed_callables``, as :class:`gspo.train.passes.
         PackedGraphs`), eager past ``MAX_GRAPHS`` shapes or what fits in memory, without graphs, or (with a warning)
-        after a failed capture. ``at_least``: the packed length to pad to at least (:meth:`PackedGraphs.hidden`'s)."""
+        after a failed capture, or with ``use_graphs`` False (a pass not worth a graph per shape). ``at_least``: the
+        packed length to pad to at least (:meth:`PackedGraphs.hidden`'s)."""
         from gspo.rollout.exact_kernels import tile_table
         from gspo.runtime import CAPTURE_LOCK
         from gspo.train.exact_grad import DifferentiableExact
@@ -167,7 +170,8 @@ class ExactPass:
         size = PackedGraphs.bucket(max(S, at_least) + 1)
         key = None
         # fp32 on CUDA stays eager: flash attention (the backward's) has no fp32 kernel, and SDPA per sequence syncs
-        graphs = self.use_graphs and self.grad_graphs is not None and self.dtype in (torch.float16, torch.bfloat16)
+        graphs = (use_graphs and self.use_graphs and self.grad_graphs is not None
+                  and self.dtype in (torch.float16, torch.bfloat16))
         if graphs:
             pad = size - S
             table = tile_table([*seq_lens, pad], [*starts, S], G)
@@ -199,25 +203,29 @@ class ExactPass:
             module.training = True  # the graphed forward runs while this flag matches
             if self.grad_pool is None:
                 self.grad_pool = torch.cuda.graph_pool_handle()
+            failed = None
             try:
                 with torch.enable_grad(), CAPTURE_LOCK:  # not while an asynchronous rollout collects (gspo.runtime)
                     self.grad_graphs[key] = torch.cuda.make_graphed_callables(module, inputs, pool=self.grad_pool)
                 self.grad_bytes_per_token = max(self.grad_bytes_per_token,
                                                 (torch.cuda.memory_reserved(dev) - reserved) / size)
             except Exception as e:  # as PackedGraphs: a capture can fail in many ways (memory, a host sync)
-                import logging
-
-                logging.getLogger("gspo").warning("CUDA graphs of the exact update are off for this run (%s: %s); it "
-                                                  "runs eager.", type(e).__name__, e)
-                self.grad_graphs = None
-                return self._hidden_grad(ids, pos, seq_lens, starts)  # eager: graphs are off now
+                failed = f"{type(e).__name__}: {e}"
             finally:
                 self.warmup_s += time.perf_counter() - t0
+            if failed is not None:  # outside the except block: its traceback no longer holds the capture's tensors
+                import logging
+
+                logging.getLogger("gspo").warning("CUDA graphs of the exact update are off for this run (%s); it "
+                                                  "runs eager.", failed)
+                self.grad_graphs = None
+                return self._hidden_grad(ids, pos, seq_lens, starts)  # eager: graphs are off now
         return self.grad_graphs[key](*inputs)[:S]
 
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                  temperature: float = 1.0, with_entropy: bool = False, routing=None, row_ids: torch.Tensor | None = None,
-                 version: int | None = None, pack_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 version: int | None = None, pack_tokens: int = 0,
+                 graphs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``(N, T)`` float32 under softmax(logits / temperature) of the current weights (0 where the mask
         is False), and the entropies ``(N, T)`` with ``with_entropy``. Completion tokens must be a prefix of each row.
         Under grad (the update) with a dense model the log-probs are differentiable with respect to the policy's
@@ -227,7 +235,7 @@ class ExactPass:
         :attr:`gspo.parallel.holding.Holding.weights_version`; the copy is refreshed only when it changed (None:
         always), so the micro-batches of one minibatch and of a frozen pass copy the weights once. ``pack_tokens``:
         the update's graph pads to at least this many tokens (as the ordinary pass's, :meth:`gspo.parallel.plan.Plan.
-        pack_hint`)."""
+        pack_hint`); ``graphs`` False: the update's pass runs eager."""
         from gspo.train.exact_grad import head_logprobs
 
         grad = torch.is_grad_enabled() and self.differentiable
@@ -250,7 +258,7 @@ class ExactPass:
         flat = to_device(mask.reshape(-1).nonzero().squeeze(-1), dev)
         with torch.set_grad_enabled(grad):
             if grad:
-                hidden = self._hidden_grad(ids, pos, seq_lens, starts.tolist(), pack_tokens)
+                hidden = self._hidden_grad(ids, pos, seq_lens, starts.tolist(), pack_tokens, graphs)
             else:
                 hidden, routes = self._hidden(ids, pos, seq_lens, starts.tolist())
                 if routing is not None and routes:

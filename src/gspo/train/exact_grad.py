@@ -19,8 +19,9 @@ master's dtype), and each weight's gradient goes to its fp32 master, cast as aut
   kernels each and made the backward 20 ms slower than autocast's).
 - ``attention``: recomputed by flash attention's variable-length kernel on CUDA in half precision (per-sequence SDPA
   otherwise) and differentiated by it: flash's backward recomputes its scores anyway.
-- ``LM head + log-softmax``: per chunk, the logits recomputed (as the ordinary pass's checkpointed head does) and
-  differentiated by autograd.
+- ``LM head + log-softmax``: per chunk, the logits recomputed as the ordinary pass's checkpointed head computes them
+  (a bf16 matmul, as autocast's, where the forward's exact kernel accumulates them in fp32) and differentiated by
+  autograd.
 
 MoE blocks keep the two-forward update (:func:`gspo.train.exact.with_gradient_of`): their extra cost was measured at
 +1% (``docs/experiments/engine/exact``), the routed experts' backward is not written.
@@ -293,13 +294,15 @@ class DifferentiableExact(torch.nn.Module):
                       for layer in fused.layers]
         self.final_norm = (master(fused.norm),)  # (tuples: not registered twice as this module's parameters)
         self.embed = (master(fused.model.get_input_embeddings()),)
+        self.padding_idx = getattr(fused.model.get_input_embeddings(), "padding_idx", None)
 
     def forward(self, ids: Tensor, pos: Tensor, table: Tensor, cu: Tensor) -> Tensor:
         f = self.fused
         tiles = tuple(table.unbind(0))
         shape = (f.heads, f.kv_heads, f.head_dim)
         S = ids.shape[0]
-        res, delta = F.embedding(ids, self.embed[0]), None  # (S, H), the residual stream in the embedding's dtype
+        # (S, H), the residual stream in the embedding's dtype; the pad row gets no gradient, as in nn.Embedding's
+        res, delta = F.embedding(ids, self.embed[0], padding_idx=self.padding_idx), None
         for layer, (qkv_w, o_w, gate_up_w, down_w), (in_w, post_w, qn, kn) in zip(f.layers, self.matmuls, self.norms):
             res, x = _AddNorm.apply(res, delta, in_w, layer.in_norm.variance_epsilon, f.dtype)
             qkv = _Linear.apply(x, *qkv_w[:3], *qkv_w[3])
