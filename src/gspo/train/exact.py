@@ -160,9 +160,7 @@ class ExactPass:
         from gspo.rollout.exact_kernels import tile_table
         from gspo.runtime import CAPTURE_LOCK
         from gspo.train.exact_grad import DifferentiableExact
-        from gspo.train.passes import PackedGraphs
-
-        from gspo.train.passes import graph_fits
+        from gspo.train.passes import PackedGraphs, graph_fits
 
         dev, S = self.device, ids.shape[0]
         G = self.decoder.heads // self.decoder.kv_heads
