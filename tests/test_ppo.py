@@ -136,25 +136,37 @@ def test_step_credit_feeds_gae(tiny_dir, tmp_path):
     assert runs["credit"]["critic/return_mean"] > runs["outcome"]["critic/return_mean"]
 
 
-def test_the_value_model_exports_as_a_token_classification_model(tiny_dir, tmp_path, capsys):
+@pytest.mark.parametrize("critic", ["copy", "smaller"])
+def test_the_value_model_exports_as_a_token_classification_model(critic, tiny_dir, tmp_path, capsys):
     """``gspo export --critic``: the value model as <Arch>ForTokenClassification with one label (transformers loads it
-    without gspo, as verl loads critics); its outputs are the trained value model's values. A run without a value model
-    and flags for the policy are refused in one line."""
-    from transformers import AutoModelForTokenClassification
+    without gspo, as verl loads critics); its outputs are the trained value model's values. The copy of the policy,
+    and a smaller model of the same tokenizer (``ppo.critic_model``: its shape comes from that model's config, not the
+    policy's). A run without a value model and flags for the policy are refused in one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
     from gspo.cli import main
 
-    trainer = Trainer(tiny_config(tiny_dir, "algorithm='ppo'", "ppo.critic_lr=1e-2"), tmp_path / "run")
+    extra = []
+    if critic == "smaller":  # one layer, a narrower hidden size
+        config = AutoConfig.from_pretrained(tiny_dir)
+        config.num_hidden_layers, config.hidden_size, config.intermediate_size = 1, 32, 48
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "small")
+        AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "small")
+        extra = [f"ppo.critic_model='{tmp_path / 'small'}'"]
+    trainer = Trainer(tiny_config(tiny_dir, "algorithm='ppo'", "ppo.critic_lr=1e-2", *extra), tmp_path / "run")
     trainer.train()
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "critic"), "--critic", "--dtype", "fp32"]) == 0
     exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic").eval()
     critic = trainer.actor.critic.model.eval()
+    assert exported.config.hidden_size == (32 if extra else AutoConfig.from_pretrained(tiny_dir).hidden_size)
     ids = torch.tensor([[1, 5, 9, 200, 31, 7]])
     with torch.no_grad():
         ours = critic.head(critic.backbone(input_ids=ids).last_hidden_state.float())[..., 0]
         theirs = exported(input_ids=ids).logits[..., 0]
     assert ours.abs().sum() > 0  # the head trained away from zero
     torch.testing.assert_close(theirs, ours)
+    if extra:
+        return
     Trainer(tiny_config(tiny_dir), tmp_path / "grpo").train()
     capsys.readouterr()
     for argv, says in (([str(tmp_path / "grpo"), "--out", str(tmp_path / "x"), "--critic"], "has no value model"),

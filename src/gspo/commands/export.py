@@ -98,7 +98,8 @@ def export_critic(source: Path, out: Path, *, dtype: str = "bf16") -> Path:
 
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from gspo.models import load_model, load_tokenizer
+    from gspo.models import load_tokenizer
+    from gspo.models.load import load_model_config
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}; pick one of them.")
@@ -110,10 +111,7 @@ def export_critic(source: Path, out: Path, *, dtype: str = "bf16") -> Path:
     run_config = ckpt.parent.parent / "config.json"  # the run's settings: ppo.critic_model names another model
     critic_model = (json.loads(run_config.read_text()).get("ppo", {}).get("critic_model")
                     if run_config.is_file() else None)
-    if critic_model:
-        config = load_model(critic_model, dtype=torch.float32)[0].config
-    else:
-        config = AutoConfig.from_pretrained(ckpt)
+    config = load_model_config(critic_model) if critic_model else AutoConfig.from_pretrained(ckpt)
     config.num_labels = 1
     try:
         model = AutoModelForTokenClassification.from_config(config).float()

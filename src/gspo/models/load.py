@@ -80,6 +80,24 @@ def load_model(
     return model, tok
 
 
+def load_model_config(name: str):
+    """The transformers config of the causal LM ``name`` (any form :func:`load_model` accepts), without its weights
+    (a GGUF is converted into the model cache first, as :func:`load_model` would; an adapter gives its base's)."""
+    from transformers import AutoConfig
+
+    from gspo.models import lora
+
+    folder = Path(name).expanduser()
+    if lora.is_adapter(folder):
+        return load_model_config(lora.base_name(folder))
+    try:
+        return AutoConfig.from_pretrained(_model_source(name))
+    except UserError:
+        raise
+    except Exception as err:
+        raise _load_error(name, "model config", err) from err
+
+
 def prepare(name: str) -> None:
     """Convert ``name`` into the model cache now if it is a GGUF (or an adapter on one) not converted yet: before a
     process joins a torchrun job, because transformers' ``save_pretrained`` writes nothing but from the job's first
