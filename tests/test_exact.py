@@ -312,6 +312,28 @@ def test_the_exact_update_gradient_in_bf16_is_as_close_as_the_ordinary_passs():
     assert not values_only.differentiable and not lp.requires_grad and torch.equal(lp, values)
 
 
+def test_the_exact_update_accumulates_into_ddp_flat_gradients():
+    """Under DDP every parameter's .grad is a view into one flat buffer that the all-reduce sums in place
+    (gspo.parallel.ddp.flat_gradients): the exact update's backward must add into those views, not replace them,
+    and give the gradient a plain backward gives."""
+    from gspo.parallel.ddp import flat_gradients
+    from gspo.train.exact import ExactPass
+
+    model = _family("qwen2").to(DEV)
+    prompts, ids, mask, weights = _update_batch()
+    exact = ExactPass(model, torch.bfloat16, DEV, use_graphs=False)
+    want = _gradients(model, lambda: exact.logprobs(prompts, ids, mask, 0.9)[0], weights)
+    params = [p for p in model.parameters() if p.requires_grad]
+    (flat,) = flat_gradients(params)
+    views = [p.grad for p in params]
+    for _ in range(2):  # accumulated twice
+        lp = exact.logprobs(prompts, ids, mask, 0.9)[0]
+        (lp.double() * weights.to(lp.device)).sum().backward()
+    assert all(p.grad is v for p, v in zip(params, views)) and flat.abs().sum() > 0
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double().cpu(), 2 * want[name], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_the_graphed_exact_update_equals_the_eager_one():
     """On a GPU the exact update is a CUDA graph of forward and backward per bucket: its values are the no-grad exact
