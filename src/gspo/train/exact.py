@@ -102,7 +102,6 @@ class ExactPass:
         """(S, H) for the packed row (CPU ``ids`` / ``pos``), and each MoE layer's experts (S, k): a graph replay when
         its bucket is captured or fits."""
         from gspo.rollout.exact_kernels import tile_table
-        from gspo.train.passes import PackedGraphs
 
         dev, S = self.device, ids.shape[0]
         G = self.decoder.heads // self.decoder.kv_heads
@@ -113,15 +112,9 @@ class ExactPass:
 
         if not self.use_graphs:
             return eager()
-        size = PackedGraphs.bucket(S + 1)  # at least one dummy token, so the dummy sequence is never empty
-        pad = size - S
-        table = tile_table([*seq_lens, pad], [*starts, S], G)
-        tiles = PackedGraphs.bucket(table.shape[1])
-        key = (size, tiles)
+        key, inputs = self._bucketed(ids, pos, seq_lens, starts, S)
         if key not in self.graphs and len(self.graphs) >= self.MAX_GRAPHS:
             return eager()
-        inputs = (torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)]),
-                  torch.cat([table, table.new_zeros(4, tiles - table.shape[1])], 1))
         if key not in self.graphs:
             self._capture(key, inputs)
         graph, static, out, routes = self.graphs[key]
@@ -129,6 +122,22 @@ class ExactPass:
             buffer.copy_(value, non_blocking=True)
         graph.replay()
         return out[:S], [r[:S] for r in routes]
+
+    def _bucketed(self, ids: torch.Tensor, pos: torch.Tensor, seq_lens: list[int], starts: list[int],
+                  at_least: int) -> tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """A graph's shape key (tokens, tiles) and its CPU inputs (ids, pos, tile table): the packed row padded with one
+        dummy sequence to the bucket of ``at_least + 1`` tokens (at least one dummy token, so that sequence is never
+        empty), the tile table with empty tiles to a bucket of tiles."""
+        from gspo.rollout.exact_kernels import tile_table
+        from gspo.train.passes import PackedGraphs
+
+        S = ids.shape[0]
+        size = PackedGraphs.bucket(at_least + 1)
+        pad = size - S
+        table = tile_table([*seq_lens, pad], [*starts, S], self.decoder.heads // self.decoder.kv_heads)
+        tiles = PackedGraphs.bucket(table.shape[1])
+        return (size, tiles), (torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)]),
+                               torch.cat([table, table.new_zeros(4, tiles - table.shape[1])], 1))
 
     def _capture(self, key: tuple[int, int], inputs: tuple) -> None:
         import time
@@ -160,20 +169,16 @@ class ExactPass:
         from gspo.rollout.exact_kernels import tile_table
         from gspo.runtime import CAPTURE_LOCK
         from gspo.train.exact_grad import DifferentiableExact
-        from gspo.train.passes import PackedGraphs, graph_fits
+        from gspo.train.passes import graph_fits
 
         dev, S = self.device, ids.shape[0]
-        G = self.decoder.heads // self.decoder.kv_heads
         cu = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        size = PackedGraphs.bucket(max(S, at_least) + 1)
         key = None
         # fp32 on CUDA stays eager: flash attention (the backward's) has no fp32 kernel, and SDPA per sequence syncs
         graphs = (use_graphs and self.use_graphs and self.grad_graphs is not None
                   and self.dtype in (torch.float16, torch.bfloat16))
         if graphs:
-            pad = size - S
-            table = tile_table([*seq_lens, pad], [*starts, S], G)
-            tiles = PackedGraphs.bucket(table.shape[1])
+            (size, tiles), padded = self._bucketed(ids, pos, seq_lens, starts, max(S, at_least))
             key = (size, tiles, cu.numel() + 1)
             # as PackedGraphs: each graph keeps its activations for the run; capture only while that fits
             if key not in self.grad_graphs and not graph_fits(size, len(self.grad_graphs), self.MAX_GRAPHS, 65536,
@@ -183,11 +188,9 @@ class ExactPass:
             if self._module is None:
                 self._module = DifferentiableExact(self.source, self.decoder)
             self._module.max_len = max(seq_lens)
+            G = self.decoder.heads // self.decoder.kv_heads
             return self._module(*(to_device(t, dev) for t in (ids, pos, tile_table(seq_lens, starts, G), cu)))
-        inputs = tuple(to_device(t, dev) for t in (
-            torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)]),
-            torch.cat([table, table.new_zeros(4, tiles - table.shape[1])], 1),
-            torch.cat([cu, cu.new_full((1,), size)])))
+        inputs = tuple(to_device(t, dev) for t in (*padded, torch.cat([cu, cu.new_full((1,), size)])))
         params = [p for p in self.source.get_decoder().parameters() if p.requires_grad]
         for p in params:  # see PackedGraphs.hidden: accumulate into .grad, never keep a view of the graph's buffer
             if p.grad is None:
