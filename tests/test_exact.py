@@ -512,7 +512,7 @@ def test_the_gradient_pass_forces_the_exact_routes(tokenizer):
     at_rows = torch.repeat_interleave(rows, torch.tensor(lens))
     at_pos = torch.cat([torch.arange(n) for n in lens])
     for layer, mine in enumerate(exact.decoder.routes):  # (S, k) per layer, the packed tokens in row order
-        assert torch.equal(routing.records[layer, at_rows, at_pos].long(), mine.long().cpu())
+        assert torch.equal(routing.records[layer, at_rows, at_pos].long().cpu(), mine.long().cpu())
     assert routing.recorded[[4, 0, 2]].sum() == sum(lens) and not routing.recorded[[1, 3]].any()
     routing.records[:, at_rows, at_pos] = ((routing.records[:, at_rows, at_pos].long() + 1) % 4).to(routing.dtype)
     ran = []
@@ -523,7 +523,7 @@ def test_the_gradient_pass_forces_the_exact_routes(tokenizer):
     for h in hooks:
         h.remove()
     for layer, theirs in enumerate(ran):  # the packed pass may pad: its first S tokens are the rows' own
-        assert torch.equal(theirs[:sum(lens)].long().cpu(), routing.records[layer, at_rows, at_pos].long())
+        assert torch.equal(theirs[:sum(lens)].long().cpu(), routing.records[layer, at_rows, at_pos].long().cpu())
     assert routing.flip_metrics()["moe/flip_rate"] > 0
 
 
