@@ -346,6 +346,35 @@ def test_two_processes_collect_in_the_background_as_in_turn(tiny_dir, tmp_path, 
     assert (_lines(run), _samples(run)) == runs["off"]
 
 
+def test_in_flight_updates_under_torchrun_keep_the_bound_in_every_process(tiny_dir, tmp_path):  # noqa: F811
+    """rollout.in_flight = 'recompute' under torchrun (2 processes on gloo, DDP): each process's engine thread loads the
+    versions its own trainer thread publishes, at its own steps, so the two shares of a batch may be sampled by
+    different versions (a first run swapped batch 2's two shares after 9 and 7 tokens); the gathered batch still keeps
+    every token within the bound (the logged mean and largest staleness), and the samples of both shares record their
+    tokens' versions, each within the bound and only ever moving to a newer one. (Whether a swap lands inside a
+    batch is timing's: the test asserts what holds either way.)"""
+    from test_dist import _overrides, _torchrun, _train
+
+    args = ["rollout.max_staleness=2", "rollout.in_flight='recompute'", "rollout.engine='graph'", "train.steps=6",
+            "train.minibatches=1", "train.lr=1e-2", "rollout.max_new_tokens=48", "dist.strategy='ddp'",
+            "log.samples_per_batch=1000"]
+    run = tmp_path / "run"
+    done = _train(tmp_path, _torchrun(2), _overrides(tiny_dir, *args), "--run-dir", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["minibatch"] == 0]
+    assert len(rows) == 6 and all(0 <= r["async/staleness_mean"] <= r["async/staleness_max"] <= 2 for r in rows)
+    assert [r["async/staleness_max"] for r in rows[:2]] == [0, 1]
+    samples = _raw_samples(run)
+    per_batch = {}
+    for sample in samples:
+        runs = sample["versions"]
+        assert sum(n for _, n in runs) == sample["length"]
+        assert all(sample["rollout_batch"] - 2 <= v <= sample["rollout_batch"] for v, _ in runs)
+        assert [v for v, _ in runs] == sorted({v for v, _ in runs})  # a swap only moves a row to a newer version
+        per_batch[sample["rollout_batch"]] = per_batch.get(sample["rollout_batch"], 0) + 1
+    assert per_batch == {b: 6 for b in range(6)}  # one per prompt of the gathered batch: both shares of 6 (_overrides)
+
+
 # ------------------------------------------------------------------------------------------ decode processes
 
 
