@@ -226,3 +226,41 @@ def test_fused_norms_compute_hf_rmsnorm(make_tiny_model, model_kind):
     for a, b in zip(out[True][1], out[False][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert not any("forward" in vars(m) for m in decoder.modules())
+
+
+def test_capture_graphed_returns_the_graph_or_warns_and_gives_none(monkeypatch, caplog):
+    """The capture both graphed update passes share (PackedGraphs, the exact update): the graphed module, built in
+    training mode under grad, with the memory it kept per input token; a capture that fails gives None after one
+    warning naming the pass and the error (the pass then runs eager). make_graphed_callables and the memory counter
+    are stand-ins here: capturing needs a GPU, which the GPU tests give."""
+    import logging
+
+    from gspo.train import passes
+
+    reserved = iter([1000, 1000 + 64 * 10])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: next(reserved))
+    seen = []
+
+    def graphed(module, inputs, pool=None):
+        seen.append((module.training, torch.is_grad_enabled(), pool))
+        return module
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", graphed)
+    with torch.no_grad():
+        module, per_token, seconds = passes.capture_graphed(lambda: torch.nn.Linear(2, 2).eval(),
+                                                            (torch.zeros(64, dtype=torch.long),), "pool", "for a test")
+    assert isinstance(module, torch.nn.Linear) and seen == [(True, True, "pool")]
+    assert per_token == 10.0 and seconds >= 0
+
+    def fails(module, inputs, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fails)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    with caplog.at_level(logging.WARNING, logger="gspo"):
+        module, per_token, _ = passes.capture_graphed(lambda: torch.nn.Linear(2, 2), (torch.zeros(4),), None,
+                                                      "of the exact update")
+    assert module is None and per_token == 0.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "CUDA graphs of the exact update are off for this run (RuntimeError: operation not permitted when stream is "
+        "capturing); it runs eager."]

@@ -167,9 +167,8 @@ class ExactPass:
         after a failed capture, or with ``use_graphs`` False (a pass not worth a graph per shape). ``at_least``: the
         packed length to pad to at least (:meth:`PackedGraphs.hidden`'s)."""
         from gspo.rollout.exact_kernels import tile_table
-        from gspo.runtime import CAPTURE_LOCK
         from gspo.train.exact_grad import DifferentiableExact
-        from gspo.train.passes import graph_fits
+        from gspo.train.passes import allocate_grads, capture_graphed, graph_fits
 
         dev, S = self.device, ids.shape[0]
         cu = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -191,36 +190,19 @@ class ExactPass:
             G = self.decoder.heads // self.decoder.kv_heads
             return self._module(*(to_device(t, dev) for t in (ids, pos, tile_table(seq_lens, starts, G), cu)))
         inputs = tuple(to_device(t, dev) for t in (*padded, torch.cat([cu, cu.new_full((1,), size)])))
-        params = [p for p in self.source.get_decoder().parameters() if p.requires_grad]
-        for p in params:  # see PackedGraphs.hidden: accumulate into .grad, never keep a view of the graph's buffer
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        allocate_grads(p for p in self.source.get_decoder().parameters() if p.requires_grad)
         if key not in self.grad_graphs:
-            import time
-
-            t0 = time.perf_counter()
-            reserved = torch.cuda.memory_reserved(dev)
-            module = DifferentiableExact(self.source, self.decoder, size)  # make_graphed_callables replaces its forward
-            module.training = True  # the graphed forward runs while this flag matches
             if self.grad_pool is None:
                 self.grad_pool = torch.cuda.graph_pool_handle()
-            failed = None
-            try:
-                with torch.enable_grad(), CAPTURE_LOCK:  # not while an asynchronous rollout collects (gspo.runtime)
-                    self.grad_graphs[key] = torch.cuda.make_graphed_callables(module, inputs, pool=self.grad_pool)
-                self.grad_bytes_per_token = max(self.grad_bytes_per_token,
-                                                (torch.cuda.memory_reserved(dev) - reserved) / size)
-            except Exception as e:  # as PackedGraphs: a capture can fail in many ways (memory, a host sync)
-                failed = f"{type(e).__name__}: {e}"
-            finally:
-                self.warmup_s += time.perf_counter() - t0
-            if failed is not None:  # outside the except block: its traceback no longer holds the capture's tensors
-                import logging
-
-                logging.getLogger("gspo").warning("CUDA graphs of the exact update are off for this run (%s); it "
-                                                  "runs eager.", failed)
+            # make_graphed_callables replaces the module's forward: one module per graph
+            graphed, per_token, seconds = capture_graphed(lambda: DifferentiableExact(self.source, self.decoder, size),
+                                                          inputs, self.grad_pool, "of the exact update")
+            self.warmup_s += seconds
+            if graphed is None:
                 self.grad_graphs = None
                 return self._hidden_grad(ids, pos, seq_lens, starts)  # eager: graphs are off now
+            self.grad_graphs[key] = graphed
+            self.grad_bytes_per_token = max(self.grad_bytes_per_token, per_token)
         return self.grad_graphs[key](*inputs)[:S]
 
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, completion_mask: torch.Tensor,

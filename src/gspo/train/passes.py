@@ -334,35 +334,54 @@ class PackedGraphs:
                                                       self.bytes_per_token, free_gpu_bytes(ids.device)):
             return None
         if torch.is_grad_enabled():
-            # The backward hands autograd views of the graph's gradient buffers; a parameter whose .grad is None would
-            # keep such a view as its .grad, and the next replay would then overwrite it and be added to itself.
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            allocate_grads(self.params)
         if key not in self.graphed:
-            import time
-
-            t0 = time.perf_counter()
-            reserved = torch.cuda.memory_reserved(ids.device)
-            try:
-                module = _GraphableDecoder(self.decoder, size, self.autocast_dtype)
-                module.training = True  # the graphed forward runs while this flag matches; the decoder's own modes stay
-                # the first use may be a no-grad pass; the backward graph is captured too. CAPTURE_LOCK: not while an
-                # asynchronous rollout collects (see gspo.runtime)
-                with torch.enable_grad(), CAPTURE_LOCK:
-                    self.graphed[key] = torch.cuda.make_graphed_callables(module, (ids_b, pos_b, cu_b), pool=self.pool)
-                grown = torch.cuda.memory_reserved(ids.device) - reserved
-                self.bytes_per_token = max(self.bytes_per_token, grown / size)
-            except Exception as e:  # capture can fail in many ways (a host sync in a model's forward, memory)
-                import logging
-
-                logging.getLogger("gspo").warning("CUDA graphs for the update are off for this run (%s: %s); the "
-                                                  "eager path is used.", type(e).__name__, e)
+            graphed, per_token, seconds = capture_graphed(
+                lambda: _GraphableDecoder(self.decoder, size, self.autocast_dtype), (ids_b, pos_b, cu_b), self.pool,
+                "for the update")
+            self.warmup_s += seconds
+            if graphed is None:
                 self.enabled = False
                 return None
-            finally:
-                self.warmup_s += time.perf_counter() - t0
+            self.graphed[key] = graphed
+            self.bytes_per_token = max(self.bytes_per_token, per_token)
         return self.graphed[key](ids_b, pos_b, cu_b)[:, :S]
+
+
+def allocate_grads(params) -> None:
+    """Before a graphed backward: its backward hands autograd views of the graph's gradient buffers, and a parameter
+    whose .grad is None would keep such a view as its .grad, which the next replay would then overwrite and add to
+    itself; a zero .grad of its own is accumulated into instead."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def capture_graphed(make_module, inputs: tuple, pool, what: str) -> tuple[torch.nn.Module | None, float, float]:
+    """One CUDA graph of forward and backward (``torch.cuda.make_graphed_callables``) of the module ``make_module()``
+    builds, over the device tensors ``inputs``: ``(the graphed module, the GPU memory it kept per token of inputs[0],
+    seconds spent)``. The first use may be a no-grad pass: the backward graph is captured too. A capture can fail in
+    many ways (a host sync in a model's forward, memory): then the module is None, after a warning that CUDA graphs
+    ``what`` are off for this run."""
+    import logging
+    import time
+
+    t0 = time.perf_counter()
+    device = inputs[0].device
+    reserved = torch.cuda.memory_reserved(device)
+    failed = None
+    try:
+        module = make_module()
+        module.training = True  # the graphed forward runs while this flag matches; the model's own modes stay
+        with torch.enable_grad(), CAPTURE_LOCK:  # not while an asynchronous rollout collects (see gspo.runtime)
+            graphed = torch.cuda.make_graphed_callables(module, inputs, pool=pool)
+    except Exception as e:  # noqa: BLE001 -- reported below and the pass runs eager
+        failed = f"{type(e).__name__}: {e}"
+    if failed is not None:  # outside the except block: its traceback no longer holds the capture's tensors
+        logging.getLogger("gspo").warning("CUDA graphs %s are off for this run (%s); it runs eager.", what, failed)
+        return None, 0.0, time.perf_counter() - t0
+    size = inputs[0].numel()
+    return graphed, (torch.cuda.memory_reserved(device) - reserved) / size, time.perf_counter() - t0
 
 
 def graph_fits(size: int, graphs: int, max_graphs: int, max_tokens: int, bytes_per_token: float, free_bytes: int) -> bool:
