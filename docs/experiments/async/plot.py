@@ -1,4 +1,4 @@
-"""Reward of the reference run at each rollout.max_staleness, GSPO and GRPO (mean and range of 3 seeds), per rollout
+"""Reward of the reference run at each rollout.max_staleness, GSPO, GRPO and DAPO (mean and range of 3 seeds), per rollout
 batch (top) and per version of the policy that sampled it (bottom: batch - max_staleness; a batch's reward measures
 the policy that sampled it): python docs/experiments/async/plot.py -> reward.png beside it, from curves.json."""
 import json
@@ -11,9 +11,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 curves = json.loads((HERE / "curves.json").read_text())
-fig, grid = plt.subplots(2, 2, figsize=(11, 7.5), sharey=True)
-for (row, by_version), (ax, algo) in [((r, r == 1), (grid[r][c], a)) for r in (0, 1) for c, a in enumerate(("gspo", "grpo"))]:
-    for eta, color in zip((0, 1, 4, 8), ("black", "tab:blue", "tab:orange", "tab:red")):
+COLORS = {0: "black", 1: "tab:blue", 2: "tab:green", 4: "tab:orange", 8: "tab:red"}
+ETAS = {"gspo": (0, 1, 2, 4, 8), "grpo": (0, 1, 2, 4, 8), "dapo": (0, 4)}  # the arms that were run
+fig, grid = plt.subplots(2, 3, figsize=(15, 7.5), sharey=True)
+for (row, by_version), (ax, algo) in [((r, r == 1), (grid[r][c], a)) for r in (0, 1) for c, a in enumerate(ETAS)]:
+    for eta in ETAS[algo]:
+        color = COLORS[eta]
         runs = [curves[f"{algo}_eta{eta}_s{s}"] for s in (1, 2, 3)]
         n = min(len(r) for r in runs)
         mean = [sum(r[i] for r in runs) / len(runs) for i in range(n)]
