@@ -144,3 +144,22 @@ def test_every_global_stream_is_seeded_captured_and_put_back_together():
     finally:
         set_rng_state(outer)
 
+
+
+def test_bytecode_warning_names_the_fix_only_when_torch_has_no_cache(monkeypatch, tmp_path):
+    """The start-up warning fires where torch was imported from source (no .pyc where Python looks, writing off), and
+    goes away once the cache exists: Python's own lookup, pointed at an empty cache tree with sys.pycache_prefix (what
+    PYTHONPYCACHEPREFIX sets), then at one holding torch's compiled __init__."""
+    import importlib.util
+    import py_compile
+
+    from gspo.runtime import bytecode_warning
+
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert bytecode_warning() is None  # writing is on: the next process will have the cache
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    msg = bytecode_warning()
+    assert msg is not None and "compileall" in msg and "PYTHONDONTWRITEBYTECODE" in msg and "\n" not in msg
+    py_compile.compile(torch.__file__, cfile=importlib.util.cache_from_source(torch.__file__), doraise=True)
+    assert bytecode_warning() is None

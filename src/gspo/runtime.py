@@ -278,6 +278,27 @@ def process_seconds() -> float:
         return time.perf_counter() - _IMPORTED
 
 
+def bytecode_warning() -> str | None:
+    """One line when this process imported torch from source because no byte-code cache exists and writing one is off
+    (``PYTHONDONTWRITEBYTECODE`` / ``-B``), as in images that ship packages without ``.pyc`` files: every process then
+    compiles some 2,000 modules again (10 s of a 35 s run on an H200 host, benchmarks/README.md). None otherwise."""
+    import importlib.util
+    import sys
+
+    if not sys.dont_write_bytecode or not torch.__file__:
+        return None
+    try:
+        cached = importlib.util.cache_from_source(torch.__file__)
+    except (NotImplementedError, ValueError):  # no cache tag, or an optimisation level it cannot name
+        return None
+    if os.path.exists(cached):
+        return None
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    return (f"torch was imported without byte-code ({cached} is absent and PYTHONDONTWRITEBYTECODE or -B keeps Python "
+            f"from writing it), so each process compiles its packages again, seconds of start-up: run "
+            f"`python -m compileall -q {site}` once, or unset PYTHONDONTWRITEBYTECODE.")
+
+
 def seconds_since(started: float | None) -> float:
     """Seconds since ``started`` (a ``time.perf_counter()`` reading), or since this process started when it is None."""
     return process_seconds() if started is None else time.perf_counter() - started

@@ -34,7 +34,7 @@ from gspo.parallel.strategy import check_layout
 from gspo.runlog.profiler import BatchProfiler, stage
 from gspo.rollout import rounded_weights
 from gspo.runlog import RunLog
-from gspo.runtime import Runtime, finite, seconds_since
+from gspo.runtime import Runtime, bytecode_warning, finite, seconds_since
 from gspo.train.checkpoint import Checkpoints, TrainState, checkpoint_batch
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, out_of_memory
 from gspo.train.parts import build, describe_run
@@ -85,6 +85,8 @@ class Trainer:
         self.dir.open(resume)
         if self.runtime.is_main:  # before the model loads (seconds to minutes): what this run is, at once
             log.info("%s", describe_run(cfg, self.runtime, self.run_dir, resume))
+            if (slow := bytecode_warning()) is not None:
+                log.warning("%s", slow)
         try:
             parts = build(cfg, self.runtime, self.timings, sampling=self.roles is None)
             self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
