@@ -69,14 +69,17 @@ class InFlightEngine(FakeEngine):
         return FakeBatch(float(versions[0]), rollout=FakeRollout(torch.tensor([versions])))
 
 
-def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None = None, in_flight: str = "off"):
+def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None = None, in_flight: str = "off",
+          group=None):
     """A trainer's side of the pipeline with random update times: the policy's one weight is its version, changed in
-    place after each batch; with ``resume_at``, a checkpoint there (pause, save) and a restart from it."""
+    place after each batch; with ``resume_at``, a checkpoint there (pause, save) and a restart from it. ``group``: the
+    engine threads' process group under torchrun (outside a distributed job any object: the agreement to stop is then
+    this process's own answer)."""
     rng = random.Random(seed)
     engine = (InFlightEngine if in_flight != "off" else FakeEngine)(random.Random(seed + 1))
     weight = torch.zeros(())
     pipe = Pipeline(eta, threaded, engine.collect, engine, lambda: [("w", weight)], torch.device("cpu"),
-                    in_flight=in_flight)
+                    group=group, in_flight=in_flight)
     pipe.reset(0, total, [])
     seen = []
     for j in range(total):
@@ -89,8 +92,12 @@ def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None
         pipe.publish(j + 1)
         if resume_at == j + 1:
             saved = pipe.pause()
-            # the batches sampled ahead by the versions before (and the next one, if the engine had started it)
-            assert len(saved) in (min(eta, total - j - 1), min(eta + 1, total - j - 1))
+            # the batches sampled ahead by the versions before (and the next one, if the engine had started it; under
+            # torchrun always, whatever the timing, for every process saves the same)
+            if group is None:
+                assert len(saved) in (min(eta, total - j - 1), min(eta + 1, total - j - 1))
+            else:
+                assert len(saved) == min(eta + 1, total - j - 1)
             if in_flight == "off":
                 assert [q.version for q in saved] == [max(k - eta, 0) for k in range(j + 1, j + 1 + len(saved))]
             pipe.reset(j + 1, total, saved)
@@ -109,6 +116,34 @@ def test_every_batch_is_sampled_by_the_version_eta_batches_back_whatever_the_tim
             seen = drive(eta, threaded, total, seed, resume_at=4 if seed % 2 else None)
             assert [(s, st) for s, st, _ in seen] == want, (seed, threaded)
             assert max(a for _, _, a in seen) <= eta
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_under_torchrun_a_checkpoint_saves_the_same_batches_whatever_the_timing(eta):
+    """Under torchrun a checkpoint must not depend on whether this process's engine had started the batch the
+    checkpoint's own policy samples (the engines gather with each other in a collect: one held back while another
+    collects would hang both): it always lets that batch be collected, η + 1 saved, under random engine and update
+    times (20 schedules), with the same versions and results as without a group."""
+    want = [(float(max(j - eta, 0)), float(min(j, eta))) for j in range(9)]
+    for seed in range(20):
+        for in_flight in ("off", "keep"):
+            seen = drive(eta, True, 9, seed, resume_at=4, in_flight=in_flight, group=object())
+            if in_flight == "off":
+                assert [(s, st) for s, st, _ in seen] == want, seed
+
+
+def test_a_checkpoint_before_the_first_update_lets_the_first_batches_be_collected():
+    """A checkpoint at the start (a run stopped before its first batch writes one) waits for the batches the first
+    policy samples; it used to wait for them while holding the engine back, for ever."""
+    for eta, group in ((1, None), (2, None), (2, object())):
+        engine = FakeEngine(random.Random(0))
+        pipe = Pipeline(eta, True, engine.collect, engine, lambda: [("w", torch.zeros(()))], torch.device("cpu"),
+                        group=group)
+        pipe.reset(0, 5, [])
+        saved = pipe.pause()
+        assert [q.version for q in saved] == [0] * (eta + (group is not None))
+        pipe.close()
+        assert pipe.thread is None
 
 
 @pytest.mark.parametrize("eta", [1, 2])
@@ -207,6 +242,40 @@ def test_a_synchronous_run_is_not_changed_by_the_pipeline_code(tiny_dir, tmp_pat
     first = {k: v for k, v in b[0].items() if not k.startswith("async/")}
     assert first.keys() == a[0].keys()
     assert all(v == pytest.approx(a[0][k], rel=1e-5, abs=1e-6) for k, v in first.items()), first
+
+
+def test_a_stopped_run_collects_nothing_after_its_final_checkpoint(tiny_dir, tmp_path):  # noqa: F811
+    """SIGTERM in the middle of an η = 2 run: the final checkpoint holds the engine and then stops it, so no batch is
+    collected after it (one used to start once the checkpoint let the engine go, while the reward workers closed under
+    it, its error lost): every batch collected was trained or saved, and the run resumes to the uninterrupted one."""
+    import os
+    import signal
+
+    args = ("train.steps=16", "rollout.max_staleness=2")
+    t = Trainer(tiny_config(tiny_dir, *args), tmp_path / "run")
+    collected, collect = [], t.pipeline.collect
+    t.pipeline.collect = lambda: collected.append(t.pipeline.next) or collect()
+    once, close = t.rollout_batch_once, t.collector.close
+
+    def batch(runlog):
+        once(runlog)
+        if t.state.rollout_batch == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def slow_close():  # time enough for an engine let go to start the next batch
+        time.sleep(0.5)
+        close()
+
+    t.rollout_batch_once, t.collector.close = batch, slow_close
+    t.train()
+    v = t.state.rollout_batch  # the batch the signal came in, or the next one
+    assert t.stop_signal == "SIGTERM" and 3 <= v < 8 and t.pipeline.error is None
+    payload = torch.load(tmp_path / "run" / "checkpoints" / f"step-{t.state.step:06d}" / "trainer_state.pt",
+                         weights_only=False)
+    assert sorted(collected) == list(range(v + len(payload["async_queue"])))
+    Trainer(tiny_config(tiny_dir, *args), tmp_path / "run", resume=True).train()
+    Trainer(tiny_config(tiny_dir, *args), tmp_path / "whole").train()
+    assert _lines(tmp_path / "run") == _lines(tmp_path / "whole")
 
 
 def test_a_run_killed_mid_pipeline_resumes_to_the_uninterrupted_run(tiny_dir, tmp_path):  # noqa: F811
@@ -376,6 +445,28 @@ def test_in_flight_updates_under_torchrun_keep_the_bound_in_every_process(tiny_d
 
 
 # ------------------------------------------------------------------------------------------ decode processes
+
+
+def test_a_checkpoint_resumed_into_another_layout_has_its_streams_before_any_batch_arrives():
+    """A checkpoint resumed into another number of decode processes seeds their streams afresh from (seed, step,
+    index). The trainers compute those streams themselves, so a checkpoint written before any batch arrives (a resume
+    within the run's last η + 1 batches, whose final checkpoint comes first) has them too: it used to fail on an
+    assertion after the run had finished."""
+    from gspo.train.remote import RemoteCollector
+
+    one_process = {"generator": torch.Generator().manual_seed(5).get_state(), "data": {"position": 7},
+                   "skipped_prompts": 1, "step": 12, "world_size": 1}
+    for payload, decoders in ((one_process, 2), ({**one_process, "world_size": 2}, 1),
+                              ({**one_process, "decoder_generators": [one_process["generator"]] * 3}, 2)):
+        c = RemoteCollector(decoders, seed=3, device=torch.device("cpu"))
+        c.load_state_dict(payload)
+        state = c.state_dict()
+        want = [torch.Generator().manual_seed(3 + 1_000_003 * 12 + i).get_state() for i in range(decoders)]
+        assert all(torch.equal(a, b) for a, b in zip(state["decoder_generators"], want, strict=True))
+        assert torch.equal(state["generator"], want[0]) and state["data"] == {"position": 7}
+    same = RemoteCollector(1, seed=3, device=torch.device("cpu"))  # one process's stream: the one decode process's
+    same.load_state_dict(one_process)
+    assert torch.equal(same.state_dict()["generator"], one_process["generator"])
 
 
 def test_a_decode_process_computes_the_one_process_run(tiny_dir, tmp_path):  # noqa: F811

@@ -92,7 +92,7 @@ class Trainer:
             self.actor, self.tokenizer, self.engine = parts.actor, parts.tokenizer, parts.engine
             self.collector, self.rewards = parts.collector, parts.rewards
             if self.roles is not None:  # the decode processes collect; a checkpoint keeps their state
-                self.collector = RemoteCollector(self.roles.decoders)
+                self.collector = RemoteCollector(self.roles.decoders, cfg.seed, self.runtime.device)
             self.state = TrainState()
             self.checkpoints = Checkpoints(self.run_dir, cfg, self.runtime, self.actor, self.collector, self.tokenizer)
             self.profiler = BatchProfiler(cfg.log.profile_batch, self.run_dir, self.runtime.rank, self.runtime.device)
@@ -162,7 +162,9 @@ class Trainer:
                 t_loop_end = time.perf_counter()
                 self.timings["loop_s"] = round(t_loop_end - t_train, 3)
                 if state.step > start_step or not (self.run_dir / "checkpoints" / f"step-{state.step:06d}").is_dir():
-                    self.checkpoint()  # written while the reward workers close
+                    self.checkpoint(final=True)  # written while the reward workers close
+                elif self.pipeline is not None:  # the engine stops before the reward workers close under it
+                    self.pipeline.close()
                 self.collector.close()
                 self.checkpoints.writer.wait()
                 runlog.close()  # after the final checkpoint: a failed write closes the sinks (W&B) as failed
@@ -334,9 +336,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, final: bool = False) -> None:
         """Start writing a checkpoint of the run as it is now (see :meth:`Checkpoints.save`), keeping the one a reward
-        drop would roll back to (:meth:`Checkpoints.rollback_target`)."""
+        drop would roll back to (:meth:`Checkpoints.rollback_target`). ``final``: the session's last, after which the
+        engine stops where it was held (a stopped run's engine would otherwise collect on while the reward workers
+        close)."""
         pinned = self.checkpoints.rollback_target(self.rewards_seen)
         if self.pipeline is None:
             self.checkpoints.save(self.state, self.t_start, pinned)
@@ -348,7 +352,10 @@ class Trainer:
         try:
             self.checkpoints.save(self.state, self.t_start, pinned, queued)
         finally:
-            self.pipeline.resume()
+            if final:
+                self.pipeline.close()
+            else:
+                self.pipeline.resume()
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""

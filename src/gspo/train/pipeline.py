@@ -28,23 +28,29 @@ staleness, by construction (AReaL bounds its rollouts with a capacity rule to th
 Weights to the engine. With η = 1 the engine needs version ``j`` for batch ``j + 1`` exactly when it has finished batch
 ``j`` and the actor, which waits for that batch, has not yet stepped: the actor copies its weights into the engine then,
 with no extra memory. With η >= 2 the engine needs versions the actor has already moved past, so each version that a
-batch will need is copied when it is published and the copy is freed once the engine has loaded it (at most η - 1
-copies of the weights at once, on the policy's device).
+batch will need is copied when it is published and the copy is freed once the engine has loaded it, on the policy's
+device: at most η + 1 copies at once (versions v - η .. v when the actor publishes v), η + 1 only in the moment between
+the engine finishing a batch and loading the next one's version.
 
 Checkpoints. A checkpoint at version ``v`` first lets the engine finish every batch sampled by an older version (those
 before ``v + η``), then holds it idle while the checkpoint takes its copy: the batches it saves (η of them, or η + 1
 when the engine had started the next one already; in turn with the update, η + 1) and the collect stage's state (data
 position, sampling stream) agree, and every later batch is sampled by the checkpoint's policy or a newer one. Nothing
 is lost or sampled twice, and a resumed run is the uninterrupted one bit for bit. With η = 1 this waits for nothing the
-actor would not wait for anyway (the next batch).
+actor would not wait for anyway (the next batch). Under torchrun the choice between η and η + 1 cannot depend on each
+process's timing (the engines gather with each other inside a collect: one holding batch ``v + η`` back while another
+collects it would hang both), so there a checkpoint always lets batch ``v + η`` be collected too and saves η + 1.
 
 Processes. Under torchrun every process runs its own engine thread, which talks to the others through a gloo group of
 its own (the collect's gathers, beside the update's collectives on the default group in the trainer's thread). Each
-process samples its share of every batch, as in the synchronous loop, so the fixed lag holds job-wide.
+process samples its share of every batch, as in the synchronous loop, so the fixed lag holds job-wide. Before each
+batch the engine threads agree whether any of them is stopping (a stop signal, a rollback, the end of a failed run), so
+they start the same batches and stop at the same one: none waits in a gather for a peer that has already stopped.
 
-CUDA. The background collect runs on its own stream, and holds :data:`gspo.runtime.CAPTURE_LOCK` while it collects: the
-update's CUDA-graph captures take it too, so no capture overlaps the engine's work (a capture in torch's default global
-mode forbids other threads the calls the engine makes). The engine's own captures are thread-local.
+CUDA. The background collect runs on its own stream, and holds :data:`gspo.runtime.CAPTURE_LOCK` while it loads weights,
+collects and synchronises its stream: the update's CUDA-graph captures take it too, so no capture overlaps the engine's
+work (a capture in torch's default global mode forbids other threads the calls the engine makes). The engine's own
+captures are thread-local.
 """
 from __future__ import annotations
 
@@ -147,7 +153,8 @@ class Pipeline:
         self.error: BaseException | None = None
         self.stopping = False
         self.started = False
-        self.paused = False  # held idle for a checkpoint
+        self.paused = False  # held idle for a checkpoint: batches from hold_from on wait
+        self.hold_from = 0
         self.collecting = False  # the engine thread is collecting a batch
         self.swaps, self.swap_s = 0, 0.0  # in-flight updates of the batch being collected, and their seconds
 
@@ -174,7 +181,9 @@ class Pipeline:
         (in turn with the update), or hand it to the engine thread (a copy, with η >= 2, when a batch needs it)."""
         with self.cond:
             self.version = version
-            if self.in_flight and self.next < self.total:  # the engine loads the newest version when it can
+            # The engine loads the newest version when it can. Decided on version and total alone, never on how far
+            # this process's engine has got: under FSDP2 the copy is a collective every process must make.
+            if self.in_flight and version < self.total:
                 self.copies = {version: self._copy()}
             elif self.threaded and self.eta >= 2 and self._needed(version) and version != self.engine_version:
                 self.copies[version] = self._copy()
@@ -189,7 +198,8 @@ class Pipeline:
         self._start()
         with self.cond:
             self.paused = True
-            self._wait(lambda: self.next >= min(self.total, self.version + self.eta) and not self.collecting)
+            self.hold_from = min(self.total, self.version + self.eta + (self.group is not None))
+            self._wait(lambda: self.next >= self.hold_from and not self.collecting)
             return [self.queue[j] for j in sorted(self.queue)]
 
     def resume(self) -> None:
@@ -315,34 +325,41 @@ class Pipeline:
                 while True:
                     with self.cond:
                         j = self.next
-                        if self.stopping or j >= self.total:
+                        if j >= self.total or self.stopping and self.group is None:
                             return
                         g = self.version_of(j)
                         t0 = time.perf_counter()
                         self.engine_waits = g
                         self.cond.notify_all()
-                        # paused for a checkpoint: only the batches older versions sample, which it saves
-                        self.cond.wait_for(lambda: self.stopping or (not self.paused or g < self.version) and (
+                        # paused for a checkpoint: only the batches it saves (see pause)
+                        self.cond.wait_for(lambda: self.stopping or (not self.paused or j < self.hold_from) and (
                             self.engine_version == g or g in self.copies
                             or self.in_flight and self._newest() >= g))
                         self.engine_waits = None
-                        if self.stopping:
-                            return
+                        stopping = self.stopping
+                        # batch j is claimed before the lock is let go: a pause waits for it
+                        self.collecting = not stopping
                         waited = time.perf_counter() - t0
                         if self.in_flight:  # the newest version there is, never older than the lag allows
                             g = self._newest()
                         copy = self.copies.get(g)
                         ready, self.ready_event = self.ready_event, None
-                        self.collecting = True
-                    if ready is not None:  # the actor's copy into the engine was queued on its stream
-                        torch.cuda.current_stream().wait_event(ready)
-                    sync = 0.0 if copy is None else self._load_copy(g, copy)
-                    del copy
-                    self.swaps, self.swap_s = 0, 0.0
+                    if self.group is not None:  # every engine thread starts batch j, or none does (module docstring)
+                        stopping = comm.any_rank(stopping)
+                    if stopping:
+                        with self.cond:
+                            self.collecting = False
+                            self.cond.notify_all()
+                        return
                     with CAPTURE_LOCK:
+                        if ready is not None:  # the actor's copy into the engine was queued on its stream
+                            torch.cuda.current_stream().wait_event(ready)
+                        sync = 0.0 if copy is None else self._load_copy(g, copy)
+                        del copy
+                        self.swaps, self.swap_s = 0, 0.0
                         batch = self.collect()
-                    if self.stream is not None:
-                        self.stream.synchronize()
+                        if self.stream is not None:
+                            self.stream.synchronize()
                     with self.cond:
                         self.queue[j] = Queued(batch, g, waited, sync + self.swap_s, self.swaps)
                         self.next = j + 1

@@ -84,14 +84,15 @@ class RemoteCollector:
 
     generator = None  # the trainers sample nothing
 
-    def __init__(self, decoders: int):
-        self.decoders = decoders
+    def __init__(self, decoders: int, seed: int, device: torch.device):
+        self.decoders, self.seed, self.device = decoders, seed, device
         self.saved: dict | None = None  # from the checkpoint restored, for the decode processes
         self.latest: dict | None = None  # the state after the newest batch received
 
     def state_dict(self) -> dict:
         state = self.latest or self.saved
-        assert state is not None and state["generators"], "a checkpoint before the decode processes collected anything"
+        # (a checkpoint waits for the batches the decode processes owe, and a new run's first one for its first batch)
+        assert state is not None, "a checkpoint before the decode processes collected anything"
         return {"generator": state["generators"][0], "decoder_generators": state["generators"], "data": state["data"],
                 "skipped_prompts": state["skipped_prompts"]}
 
@@ -99,8 +100,11 @@ class RemoteCollector:
         gens = payload.get("decoder_generators")
         if gens is None and payload.get("world_size", 1) == 1 and self.decoders == 1:
             gens = [payload["generator"]]  # a one-process run's stream: the one decode process's
-        if gens is not None and len(gens) != self.decoders:
-            gens = None  # another layout: the streams cannot be mapped; each is seeded afresh from (seed, step, index)
+        if gens is None or len(gens) != self.decoders:  # another layout: the streams cannot be mapped; each is seeded
+            # afresh from (seed, step, index), here, so that a checkpoint written before a batch arrives has them too
+            step = int(payload["step"])
+            gens = [torch.Generator(device=self.device).manual_seed(self.seed + 1_000_003 * step + i).get_state()
+                    for i in range(self.decoders)]
         self.saved = {"generators": gens, "data": payload["data"], "skipped_prompts": payload.get("skipped_prompts", 0),
                       "step": int(payload["step"])}
         self.latest = None
@@ -343,15 +347,13 @@ class Decoder:
         return self.runtime.device if self.runtime.device.type == "cuda" else torch.device("cpu")
 
     def _restore(self, saved: dict) -> None:
-        """The collect stage's state from the trainers' checkpoint: this process's sampling stream when the same
-        number of decode processes wrote it, else one seeded from (seed, step, index)."""
+        """The collect stage's state from the trainers' checkpoint (:meth:`RemoteCollector.load_state_dict`): this
+        process's sampling stream when the same number of decode processes wrote it, else one seeded from (seed, step,
+        index)."""
         c, index = self.collector, self.roles.index
         c.stream.load_state_dict(saved["data"])
         c.skipped_prompts = saved["skipped_prompts"]
-        if saved["generators"] is not None:
-            c.generator.set_state(saved["generators"][index])
-        else:
-            c.generator.manual_seed(self.cfg.seed + 1_000_003 * saved["step"] + index)
+        c.generator.set_state(saved["generators"][index])
 
 
 def decode_if_mine(cfg) -> int | None:
