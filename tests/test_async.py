@@ -132,6 +132,26 @@ def test_under_torchrun_a_checkpoint_saves_the_same_batches_whatever_the_timing(
                 assert [(s, st) for s, st, _ in seen] == want, seed
 
 
+def test_engine_threads_agree_to_stop_unless_their_run_failed(monkeypatch):
+    """Under torchrun the engine threads agree before each batch whether any is stopping (one that stopped alone
+    would leave the others in a gather); a failing run's (close with a timeout) stops without asking, for its peers
+    may never come to agree. The agreement is watched here in one process, where it is this process's own answer."""
+    from gspo.parallel import comm
+
+    for timeout, asked in ((None, True), (5.0, False)):
+        calls = []
+        monkeypatch.setattr(comm, "any_rank", lambda flag: calls.append(flag) or flag)
+        engine = FakeEngine(random.Random(0))
+        pipe = Pipeline(1, True, engine.collect, engine, lambda: [("w", torch.zeros(()))], torch.device("cpu"),
+                        group=object())
+        pipe.reset(0, 5, [])
+        pipe.take(0)
+        with pipe.cond:  # batch 1 (version 0) collected; batch 2 waits for version 1, which never comes
+            pipe.cond.wait_for(lambda: pipe.engine_waits == 1, timeout=30)
+        pipe.close(timeout)
+        assert pipe.thread is None and calls[:2] == [False, False] and (True in calls) == asked, calls
+
+
 def test_a_checkpoint_before_the_first_update_lets_the_first_batches_be_collected():
     """A checkpoint at the start (a run stopped before its first batch writes one) waits for the batches the first
     policy samples; it used to wait for them while holding the engine back, for ever."""

@@ -44,8 +44,9 @@ collects it would hang both), so there a checkpoint always lets batch ``v + η``
 Processes. Under torchrun every process runs its own engine thread, which talks to the others through a gloo group of
 its own (the collect's gathers, beside the update's collectives on the default group in the trainer's thread). Each
 process samples its share of every batch, as in the synchronous loop, so the fixed lag holds job-wide. Before each
-batch the engine threads agree whether any of them is stopping (a stop signal, a rollback, the end of a failed run), so
-they start the same batches and stop at the same one: none waits in a gather for a peer that has already stopped.
+batch the engine threads agree whether any of them is stopping (a stop signal, a rollback), so they start the same
+batches and stop at the same one: none waits in a gather for a peer that has already stopped. A process whose run
+failed stops its engine alone, without waiting to agree: the others fail on their own once it is gone.
 
 CUDA. The background collect runs on its own stream, and holds :data:`gspo.runtime.CAPTURE_LOCK` while it loads weights,
 collects and synchronises its stream: the update's CUDA-graph captures take it too, so no capture overlaps the engine's
@@ -152,6 +153,7 @@ class Pipeline:
         self.ready_event: torch.cuda.Event | None = None  # after the actor's own copy into the engine, on a GPU
         self.error: BaseException | None = None
         self.stopping = False
+        self.alone = False  # stopping without the other processes' engines (close with a timeout)
         self.started = False
         self.paused = False  # held idle for a checkpoint: batches from hold_from on wait
         self.hold_from = 0
@@ -219,6 +221,9 @@ class Pipeline:
             return
         with self.cond:
             self.stopping = True
+            # a failing run stops alone: its peers' engines may never come to agree, and it must not wait in a
+            # collective for them (they fail on their own once this process is gone)
+            self.alone = timeout is not None
             self.cond.notify_all()
         thread.join(timeout)
         self.thread = None
@@ -325,7 +330,7 @@ class Pipeline:
                 while True:
                     with self.cond:
                         j = self.next
-                        if j >= self.total or self.stopping and self.group is None:
+                        if j >= self.total or self.stopping and (self.group is None or self.alone):
                             return
                         g = self.version_of(j)
                         t0 = time.perf_counter()
@@ -336,7 +341,7 @@ class Pipeline:
                             self.engine_version == g or g in self.copies
                             or self.in_flight and self._newest() >= g))
                         self.engine_waits = None
-                        stopping = self.stopping
+                        stopping, alone = self.stopping, self.alone
                         # batch j is claimed before the lock is let go: a pause waits for it
                         self.collecting = not stopping
                         waited = time.perf_counter() - t0
@@ -344,7 +349,7 @@ class Pipeline:
                             g = self._newest()
                         copy = self.copies.get(g)
                         ready, self.ready_event = self.ready_event, None
-                    if self.group is not None:  # every engine thread starts batch j, or none does (module docstring)
+                    if self.group is not None and not alone:  # every engine thread starts batch j, or none does
                         stopping = comm.any_rank(stopping)
                     if stopping:
                         with self.cond:
