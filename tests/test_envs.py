@@ -464,3 +464,24 @@ def test_a_template_whose_roles_must_alternate_gets_its_replies_joined(tokenizer
     with pytest.raises(UserError, match=r"the chat template has no tool turns .* leave env.tools empty") as err:
         Episodes(EnvConfig(tools=["gspo.envs.builtin:calculator"], workers=1, timeout_s=3.0), tok, stop_token_ids(tok))
     assert "\n" not in str(err.value)
+
+
+def test_a_trajectory_cut_in_a_later_turn_is_truncated_and_dapo_counts_only_its_sampled_tokens(tokenizer):
+    """A trajectory whose first turn ended on the stop token and whose second ran out of tokens is cut off: finish
+    reason "length" (it used to stay "stop", so loss.mask_truncated trained on it); and DAPO's overlong penalty counts
+    the tokens the policy sampled, not the tool results appended between its turns."""
+    from types import SimpleNamespace
+
+    from gspo.rollout.turns import TurnRows
+    from gspo.train.collect import Collector
+
+    stop = stop_token_ids(tokenizer)[-1]
+    book = TurnRows(1, SamplingParams(max_new_tokens=20, max_turn_tokens=4), lambda ended, ids: [[7] * 9] * len(ended),
+                    [stop])
+    assert book.sampled(0, [5, stop], [-0.1, -0.2])  # turn 1 ends on the stop token
+    assert book.answer([0]) == {0: [7] * 9}  # 9 ids of tool results appended
+    assert not book.sampled(0, [5, 5, 5, 5], [-0.1] * 4)  # turn 2 runs out of env.max_turn_tokens
+    rollout = book.rollout(tokenizer, 0, [[1, 2]], 1)
+    assert rollout.finish_reasons == ["length"] and int(rollout.lengths[0]) == 15
+    cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=20), dapo=SimpleNamespace(overlong_cache=10))
+    assert float(Collector.overlong(SimpleNamespace(cfg=cfg), rollout)[0]) == 0.0  # 6 sampled tokens: no penalty

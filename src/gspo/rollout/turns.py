@@ -36,6 +36,7 @@ class TurnRows:
         if ids and ids[-1] in self.stop:
             self.finish[r] = FINISH_STOP
             return True
+        self.finish[r] = FINISH_LENGTH  # cut mid-turn, whatever its earlier turns ended on
         return False
 
     def answer(self, ended: list[int]) -> dict[int, list[int]]:

@@ -324,7 +324,8 @@ class Collector:
     # ------------------------------------------------------------------------------------------ pieces
 
     def overlong(self, rollout: Rollout) -> torch.Tensor:
-        return overlong_penalty(rollout.lengths, self.cfg.rollout.max_new_tokens, self.cfg.dapo.overlong_cache)
+        # the tokens the policy wrote: a multi-turn row's tool results and observations are not its length
+        return overlong_penalty(rollout.sampled.sum(-1), self.cfg.rollout.max_new_tokens, self.cfg.dapo.overlong_cache)
 
     @staticmethod
     def reward_metrics(groups: Groups, rounds: list[Scores], timing: dict[str, float]) -> dict[str, float]:
