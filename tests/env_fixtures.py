@@ -40,6 +40,22 @@ def structured(x: int) -> dict:
     return {"twice": 2 * x}
 
 
+def spawns(path: str) -> str:
+    """Start a process that outlives any call (its pid written to ``path``), then hang.
+
+    Args:
+        path: Where to write the child's pid.
+    """
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(path, "w") as f:
+        f.write(str(child.pid))
+    while True:
+        time.sleep(1.0)
+
+
 class Echo:
     """Answers every reply with "again" and reward 1 per step; done after 3 steps."""
 
@@ -118,3 +134,17 @@ def chatml(tokenizer):
 
 def not_a_renderer(tokenizer):
     return object()
+
+
+class OddRole:
+    """Answers with a message of a role no chat template renders after an assistant turn."""
+
+    def step(self, reply):
+        return [{"role": "environment", "content": "the door opens"}], 0.5, False
+
+
+class Verbose:
+    """Answers with a megabyte of text: cut before it reaches the trainer."""
+
+    def step(self, reply):
+        return "y" * 1_000_000, 0.0, False

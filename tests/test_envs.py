@@ -485,3 +485,65 @@ def test_a_trajectory_cut_in_a_later_turn_is_truncated_and_dapo_counts_only_its_
     assert rollout.finish_reasons == ["length"] and int(rollout.lengths[0]) == 15
     cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=20), dapo=SimpleNamespace(overlong_cache=10))
     assert float(Collector.overlong(SimpleNamespace(cfg=cfg), rollout)[0]) == 0.0  # 6 sampled tokens: no penalty
+
+
+def test_a_timed_out_tool_takes_the_processes_it_started_with_it(tokenizer, tmp_path):
+    """A tool that started a process of its own and hangs past env.timeout_s: the worker is killed with its whole
+    process group, so the child does not live on (it used to, re-parented, for as long as it liked)."""
+    import os
+    import time
+
+    ep = _episodes(tokenizer, tools=["env_fixtures:spawns"])
+    try:
+        pid_file = tmp_path / "child.pid"
+        text = '<tool_call>{"name": "spawns", "arguments": {"path": "%s"}}</tool_call>' % pid_file
+        ep.rows = [Trajectory(0, Example(prompt="q", answer="1"))]
+        said = tokenizer.decode(ep([0], [_turn(tokenizer, ep, text)])[0])
+        assert "error: timed out after 3 s" in said
+        child = int(pid_file.read_text())
+        for _ in range(50):  # killed at once; reaped by init a moment later
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            if open(f"/proc/{child}/stat").read().split()[2] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the tool's child process {child} outlived its worker")
+    finally:
+        ep.close()
+
+
+def test_observations_the_template_cannot_render_fail_their_trajectory_and_huge_ones_are_cut(tokenizer):
+    """An observation of a role SmolLM2's template does not render after an assistant turn ends its trajectory with
+    a reward of NaN and a message naming the roles to use (it used to render to nothing, or raise mid-run under a
+    stricter template); a megabyte observation reaches the trainer cut, saying so."""
+    for path, check in (("env_fixtures:OddRole", "odd"), ("env_fixtures:Verbose", "cut")):
+        ep = _episodes(tokenizer, path=path)
+        try:
+            ep.rows = [Trajectory(0, Example(prompt="q", answer="1"))]
+            ep.pool.call([(0, "reset", ep.rows[0].example)])
+            out = ep([0], [_turn(tokenizer, ep, "I open the door.")])
+            t = ep.rows[0]
+            if check == "odd":
+                assert out == [None] and "role 'environment'" in t.error and "return the observation as user" in t.error
+            else:
+                said = tokenizer.decode(out[0])
+                assert t.error is None and "[cut: 1000000 characters]" in said and len(said) < 21_000
+        finally:
+            ep.close()
+
+
+def test_a_prompt_with_its_own_system_message_still_describes_the_tools(tokenizer):
+    """A chat-format prompt that brings its own system message replaces data.system_prompt, as in single-turn
+    training, but keeps the tools' description (SmolLM2's template renders no tools=): without it the model is never
+    told the tools exist."""
+    ep = _episodes(tokenizer, tools=["gspo.envs.builtin:calculator"])
+    try:
+        own = ep.turns.prompt([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}])
+        text = tokenizer.decode(own)
+        assert "You are terse." in text and "calculator" in text
+        assert text.count("<|im_start|>system") == 1
+    finally:
+        ep.close()

@@ -85,12 +85,15 @@ class Episodes:
             schemas = self._schemas() if env.tools else []
             self.tool_names = {s["function"]["name"] for s in schemas}
             in_template = bool(schemas) and in_template
-            system = system_prompt
+            system, tool_text = system_prompt, None
             if schemas and not in_template:
-                system = "\n\n".join(x for x in (system_prompt, system_text(schemas, self.format)) if x)
+                tool_text = system_text(schemas, self.format)
+                system = "\n\n".join(x for x in (system_prompt, tool_text) if x)
             self.turns = Turns(tokenizer, stop_ids, system=system, tools=schemas if in_template else None,
-                               renderer=renderer)
-            check_template(self.turns, samples=100, roles=getattr(renderer, "roles", ("user", "tool")))
+                               renderer=renderer, tool_text=tool_text)
+            # the roles the template renders after an assistant turn: an observation of another role is refused
+            self.roles = tuple(getattr(renderer, "roles", ("user", "tool")))
+            check_template(self.turns, samples=100, roles=self.roles)
         except BaseException:
             self.pool.close()
             raise
@@ -188,6 +191,10 @@ class Episodes:
                 messages, reward, finished = value
                 t.reward += reward
                 t.step_rewards[-1] = reward
+                odd = next((m["role"] for m in messages if m["role"] not in self.roles), None)
+                if odd is not None:
+                    t.error = (f"step returned a message of role {odd!r}, which this model's chat template does not "
+                               f"render after an assistant turn; return the observation as {' or '.join(self.roles)}")
                 replies[r].extend(messages)
                 if finished:
                     done.add(r)
@@ -198,7 +205,14 @@ class Episodes:
                 out.append(None)
                 continue
             t.messages.extend(replies[r])
-            ids = self.turns.after(replies[r])
+            try:
+                ids = self.turns.after(replies[r])
+            except UserError:  # a template that re-renders earlier turns: the run's to stop
+                raise
+            except Exception as e:  # noqa: BLE001 -- the template's own refusal of this conversation (Jinja)
+                t.error = f"the chat template could not render the environment's reply ({type(e).__name__}: {e})"
+                out.append(None)
+                continue
             t.appended += len(ids)
             out.append(ids)
         return out

@@ -108,13 +108,16 @@ class Turns:
     ``end_ids``: the ids that end an assistant turn (the template's end-of-turn token among the engine's stop ids);
     ``system``: a system message the template renders the same in every conversation (or ``None``); ``tools``: JSON
     schemas passed to the template as ``tools=`` (for templates that render them); ``renderer``: the chat format,
-    by default ``tokenizer``'s chat template (:class:`TemplateRenderer`)."""
+    by default ``tokenizer``'s chat template (:class:`TemplateRenderer`); ``tool_text``: the tools' description where
+    the template does not render ``tools=`` (the end of ``system``), kept when a conversation brings its own system
+    message, which replaces ``system``."""
 
     def __init__(self, tokenizer, end_ids: Sequence[int], system: str | None = None, tools: list[dict] | None = None,
-                 renderer: Renderer | None = None):
+                 renderer: Renderer | None = None, tool_text: str | None = None):
         self.renderer = renderer if renderer is not None else TemplateRenderer(tokenizer)
         self.tokenizer = tokenizer
         self.system = system
+        self.tool_text = tool_text
         self.tools = tools or None
         base = self.encode(BASE, generation_prompt=False)
         ends = [i for i, t in enumerate(base) if t in set(end_ids)]
@@ -127,8 +130,9 @@ class Turns:
         self.end_id = base[ends[-1]]  # the end-of-turn token a turn must stop on to be continued
 
     def messages(self, messages: Sequence[Message]) -> list[Message]:
-        """``messages`` after the system message (when one is set and they have none); under a template that needs
-        roles to alternate, consecutive messages of one role joined into one (their contents a blank line apart)."""
+        """``messages`` after the system message (when one is set and they have none; when they have their own, the
+        tools' description is added to it); under a template that needs roles to alternate, consecutive messages of one
+        role joined into one (their contents a blank line apart)."""
         msgs = list(messages)
         if getattr(self.renderer, "alternates", False):
             joined: list[Message] = []
@@ -138,7 +142,10 @@ class Turns:
                 else:
                     joined.append(m)
             msgs = joined
-        if self.system is not None and not (msgs and msgs[0].get("role") == "system"):
+        if msgs and msgs[0].get("role") == "system":
+            if self.tool_text:  # without it the model is never told the tools exist
+                msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{self.tool_text}"}
+        elif self.system is not None:
             msgs.insert(0, {"role": "system", "content": self.system})
         return msgs
 

@@ -29,6 +29,7 @@ from gspo.errors import UserError
 ENV_EXAMPLE = "gspo.envs.builtin:GuessNumber"
 TOOL_EXAMPLE = "gspo.envs.builtin:calculator"
 MAX_TOOL_CHARS = 2000  # a tool's result past this is cut (and says so): the model's context is not the tool's log
+MAX_OBSERVATION_CHARS = 20_000  # an observation message past this is cut too (rendering megabytes would stall the run)
 
 
 def resolve_env(path: str) -> Any:
@@ -61,6 +62,7 @@ def _step_result(value: Any) -> tuple[list[dict[str, str]], float, bool]:
         raise ValueError(f"step returned {value!r:.80}; return (observation, reward, done)")
     observation, reward, done = value
     messages = [] if observation is None or observation == "" else as_messages(observation, "step", "user")
+    messages = [{**m, "content": _cut(m["content"], MAX_OBSERVATION_CHARS)} for m in messages]
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(float(reward)):
         raise ValueError(f"step returned the reward {reward!r:.40}; return a finite number")
     if not isinstance(done, bool):
@@ -79,9 +81,12 @@ def tool_text(value: Any) -> str:
             value = json.dumps(value, ensure_ascii=False, default=repr)
         except (TypeError, ValueError, RecursionError):
             value = repr(value)
-    if len(value) > MAX_TOOL_CHARS:
-        value = value[:MAX_TOOL_CHARS] + f"... [cut: {len(value)} characters]"
-    return value
+    return _cut(value, MAX_TOOL_CHARS)
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and a note of the whole length."""
+    return text if len(text) <= limit else text[:limit] + f"... [cut: {len(text)} characters]"
 
 
 def _schema(path: str, fn: Callable) -> dict:

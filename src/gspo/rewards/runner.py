@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 import time
@@ -77,10 +78,23 @@ class WorkerHandle:
         self.spawned = time.monotonic()  # its start-up limit counts from here, not from the score() call
 
     def kill(self) -> None:
-        """SIGKILL the process: the only way to stop a call stuck in C code."""
-        self.proc.kill()
+        """SIGKILL the process and the processes the user's code started (its process group): the only way to stop a
+        call stuck in C code, or waiting for a child."""
+        kill_group(self.proc)
         self.proc.join(timeout=5.0)
         self.conn.close()
+
+
+def kill_group(proc: Any) -> None:
+    """SIGKILL a worker's process group (:func:`gspo.rewards.worker.start_worker` makes the worker lead one), or the
+    worker alone when it has not made its group yet."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return
+    except (ProcessLookupError, TypeError):  # gone already, or never started
+        pass
+    proc.kill()
 
 
 def shutdown_workers(workers: list[WorkerHandle], owner_pid: int) -> None:
@@ -98,6 +112,10 @@ def shutdown_workers(workers: list[WorkerHandle], owner_pid: int) -> None:
         if w.proc.is_alive():
             w.proc.kill()
             w.proc.join(timeout=5.0)
+        try:  # what the user's code started and left running (the worker that led its group is gone)
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, TypeError):
+            pass
         w.conn.close()
     workers.clear()
 

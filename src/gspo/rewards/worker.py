@@ -85,7 +85,10 @@ def watch_parent() -> None:
     parent_pid = os.getppid()
     while os.getppid() == parent_pid:
         time.sleep(1.0)
-    os._exit(0)
+    try:  # the processes the user's code started go too (this worker leads their process group)
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def _warm_up(path: str, fn: RewardFn) -> None:
@@ -102,6 +105,9 @@ def start_worker(sys_path: list[str], cwd: str) -> None:
     # batch, which needs these workers, then shuts them down; a worker also exits when its parent is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A process group of its own, which the processes the user's code starts (a code-running tool's interpreter)
+    # join: killing the worker (a call past its time limit, shutdown) kills them with it, never leaving them running.
+    os.setpgrp()
     os.chdir(cwd)  # user code may open files relative to where the user started training
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     user_code.search_current_folder()
