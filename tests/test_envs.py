@@ -547,3 +547,40 @@ def test_a_prompt_with_its_own_system_message_still_describes_the_tools(tokenize
         assert text.count("<|im_start|>system") == 1
     finally:
         ep.close()
+
+
+def test_a_first_call_larger_than_a_pipe_waits_for_the_worker_to_load(tokenizer, monkeypatch):
+    """The first chunk of calls (a rollout batch's resets: here ~1 MB, past a pipe's buffer) is sent only once the
+    worker has loaded the user's code, so an environment module that blocks at import ends in its one line at the
+    start-up limit, and one that raises in its own line (they used to hang in the send, or end in a BrokenPipeError
+    traceback)."""
+    from gspo.envs import pool
+
+    monkeypatch.setattr(pool, "STARTUP_TIMEOUT_S", 2.0)
+    big = [(i, "reset", Example(prompt=f"{i} " + "x" * 4000, answer="1")) for i in range(256)]  # distinct strings
+    for path, match in (("reward_fixtures_hang:f", "did not finish within 2 s to load"),
+                        ("env_fixtures_raises:Env", "this module cannot be imported")):
+        ep = _episodes(tokenizer, path=path)
+        try:
+            with pytest.raises(UserError, match=match) as e:
+                ep.pool.call(big)
+            assert "\n" not in str(e.value)
+        finally:
+            ep.close()
+
+
+def test_a_trajectory_whose_environment_was_lost_fails_even_while_it_calls_tools(tokenizer):
+    """Worker 0 is killed for a tool call past env.timeout_s, and with it the environment of another trajectory it
+    held. That trajectory's next turn, a tool call, ends it with a NaN reward (it used to read "its environment was
+    lost" as a tool result and go on, ending with a partial reward counted in the baseline)."""
+    ep = _episodes(tokenizer, path="env_fixtures:Echo", tools=["env_fixtures:sleepy", "gspo.envs.builtin:calculator"])
+    try:
+        call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'.format
+        ep.rows = [Trajectory(i, Example(prompt="q", answer="1")) for i in range(2)]
+        assert [s for s, _ in ep.pool.call([(t.id, "reset", t.example) for t in ep.rows])] == ["ok", "ok"]
+        said = tokenizer.decode(ep([0], [_turn(tokenizer, ep, call("sleepy", '{"seconds": 30}'))])[0])
+        assert "timed out after 3 s" in said and ep.rows[0].error is None  # a tool's failure is the model's to read
+        out = ep([1], [_turn(tokenizer, ep, call("calculator", '{"expression": "1 + 1"}'))])
+        assert out == [None] and "its environment was lost" in ep.rows[1].error
+    finally:
+        ep.close()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gspo import user_code
-from gspo.envs.pool import EnvPool
+from gspo.envs.pool import LOST, EnvPool
 from gspo.envs.tools import detect_format, parse_calls, system_text
 from gspo.envs.turns import TemplateRenderer, Turns, check_template, check_vocabulary
 from gspo.errors import UserError
@@ -157,6 +157,8 @@ class Episodes:
             t = self.rows[r]
             t.turns += 1
             t.step_rewards.append(0.0)
+            if t.error is None and t.id in self.pool.lost:  # its environment died with a worker: whatever it would
+                t.error = f"step: {LOST}"  # earn now, with tools or without, is not the episode's reward
             if t.error is not None or ids[-1] != self.turns.end_id:
                 continue
             text = self.tokenizer.decode(ids[:-1], skip_special_tokens=True)

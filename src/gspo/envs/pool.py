@@ -76,9 +76,8 @@ class EnvPool:
         for w_idx, queue in queues.items():
             w = self._workers[w_idx]
             w.chunk = deque(i for i in queue if calls[i][1] != "drop")  # drops are not answered
-            w.started = time.monotonic()
             try:
-                w.conn.send([(i, *calls[i]) for i in queue])
+                self._send(w, [(i, *calls[i]) for i in queue])
             except OSError:
                 self._fail(w_idx, calls, results, "its worker process had died")
         while any(self._workers[k].chunk for k in queues):
@@ -101,6 +100,27 @@ class EnvPool:
                                         f"workers did not finish within {limit} (an import that blocks); make them "
                                         "load quickly, or set env.workers = 0 to debug in-process.")
                     self._fail(k, calls, results, f"timed out after {limit}; the worker was killed")
+
+    def _send(self, w: WorkerHandle, chunk: list) -> None:
+        """Send ``chunk`` once ``w`` has loaded the user's code: a worker reads nothing before, so a chunk larger than
+        the pipe's buffer would block here for ever behind an import that never ends."""
+        while not w.ready:
+            left = w.spawned + STARTUP_TIMEOUT_S - time.monotonic()
+            if left <= 0:
+                raise UserError(f"loading env.path = {self.env_path!r} and env.tools {self.tools} in the workers did "
+                                f"not finish within {STARTUP_TIMEOUT_S:g} s to load (an import that blocks); make "
+                                "them load quickly, or set env.workers = 0 to debug in-process.")
+            try:
+                answered = w.conn.poll(left)
+            except (EOFError, OSError):
+                answered = True
+            if answered and not self._read(w, []):  # (only "ready" or "init_error" can come before a call)
+                w.proc.join(timeout=1.0)
+                raise UserError(f"an environment worker exited while loading env.path = {self.env_path!r} and "
+                                f"env.tools {self.tools} (exit code {w.proc.exitcode}; its output is above); set "
+                                "env.workers = 0 to debug them in-process.")
+        w.conn.send(chunk)
+        w.started = time.monotonic()
 
     def _deadline(self, w: WorkerHandle) -> float:
         return (w.started + self.timeout_s) if w.ready else (w.spawned + STARTUP_TIMEOUT_S + self.timeout_s)
@@ -149,7 +169,10 @@ class EnvPool:
                 self.held.setdefault(k, set()).add(traj)
         if retry:
             new.chunk = deque(retry)
-            new.conn.send([(i, *calls[i]) for i in retry])
+            try:
+                self._send(new, [(i, *calls[i]) for i in retry])
+            except OSError:  # the new worker died at once: its calls fail as the first one did
+                self._fail(k, calls, results, "its worker process had died")
 
     def forget(self, trajectories: list[int]) -> None:
         """Drop these trajectories' environments (their episodes are over)."""
