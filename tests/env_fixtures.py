@@ -148,3 +148,12 @@ class Verbose:
 
     def step(self, reply):
         return "y" * 1_000_000, 0.0, False
+
+
+def calculator(expression: str) -> str:
+    """A second tool named calculator, from another module.
+
+    Args:
+        expression: Anything.
+    """
+    return expression

@@ -584,3 +584,11 @@ def test_a_trajectory_whose_environment_was_lost_fails_even_while_it_calls_tools
         assert out == [None] and "its environment was lost" in ep.rows[1].error
     finally:
         ep.close()
+
+
+def test_two_tools_of_one_name_are_refused_in_one_line(tokenizer):
+    """Tools are called by name: two functions of one name from different modules (the second used to answer for
+    both, while both schemas reached the model) end in one line at start-up."""
+    with pytest.raises(UserError, match="are both named 'calculator'") as e:
+        _episodes(tokenizer, tools=["gspo.envs.builtin:calculator", "env_fixtures:calculator"])
+    assert "\n" not in str(e.value)

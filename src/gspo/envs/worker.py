@@ -108,9 +108,15 @@ class Host:
         self.env_cls = resolve_env(env_path) if env_path else None
         self.tools = {}
         self.schemas: list[dict] = []
+        paths: dict[str, str] = {}
         for path in tool_paths:
             fn = resolve_tool(path)
-            self.tools[getattr(fn, "__name__", path.rpartition(":")[2])] = fn
+            name = getattr(fn, "__name__", path.rpartition(":")[2])
+            if name in paths:  # the model calls tools by name: one would answer for both
+                raise UserError(f"env.tools entries {paths[name]!r} and {path!r} are both named {name!r}, so the "
+                                "model could not tell them apart; rename one of the functions.")
+            paths[name] = path
+            self.tools[name] = fn
             self.schemas.append(_schema(path, fn))
         self.envs: dict[int, Any] = {}
 
