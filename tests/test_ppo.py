@@ -174,3 +174,21 @@ def test_the_value_model_exports_as_a_token_classification_model(critic, tiny_di
         assert main(["export", *argv]) != 0
         err = capsys.readouterr().err.strip()
         assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_what_a_value_model_changes_in_the_config_checks(tiny_dir, caplog):  # noqa: F811
+    """With a value model, DAPO's dynamic sampling is refused (groups of equal rewards still carry signal under GAE and
+    train the value model), and a group of one is refused for gspo's own reason, not a missing baseline; ppo.* settings
+    without one are named in a warning (they do nothing; a shared gspo compare config may set them for a PPO arm)."""
+    import logging
+
+    with pytest.raises(UserError, match="dapo.dynamic_sampling drops the groups") as e:
+        tiny_config(tiny_dir, "algorithm='ppo'", "dapo.dynamic_sampling=true")
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="not supported with a value model \\(PPO\\) yet"):
+        tiny_config(tiny_dir, "algorithm='ppo'", "rollout.group_size=1")
+    with pytest.raises(UserError, match="leaves no group to compare against"):
+        tiny_config(tiny_dir, "rollout.group_size=1")
+    with caplog.at_level(logging.WARNING, logger="gspo"):
+        tiny_config(tiny_dir, "algorithm='grpo'", "ppo.critic_lr=1e-3")
+    assert "ppo.critic_lr is set but loss.advantage_baseline = 'group_mean' trains no value model" in caplog.text

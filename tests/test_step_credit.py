@@ -151,3 +151,27 @@ def test_env_step_credit_needs_an_environment_and_other_step_credits_do_not_take
         build_config({**env, "loss": {"step_credit": "task"}})
     with pytest.raises(UserError, match="sequence-level ratio cannot take"):
         build_config({**env, "algorithm": "gspo", "loss": {"step_credit": "env"}})
+
+
+def test_under_a_critic_an_environments_step_rewards_are_paid_once():
+    """loss.step_credit = 'env' with PPO, by hand: two turns paid c = 0.5 and 0, the trajectory's reward is their sum
+    0.5. GAE's token rewards are 0.5 at turn 1's end and the rest of the outcome, 0.5 - 0.5 = 0, at the last step, so
+    with gamma = lambda = 1 and V = 0 turn 1's tokens return 0.5 and turn 2's 0 (they returned 1.0 and 0.5 when the
+    outcome was paid again on top); a process reward model's credits (not part of the outcome) are added to it."""
+    from gspo.algorithms.ppo import gae, process_token_rewards
+    from gspo.rewards.steps import turn_steps
+    from gspo.types import Rollout
+
+    sampled = torch.tensor([[1, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    rollout = Rollout(prompt_ids=[[1]], completion_ids=torch.zeros(1, 6, dtype=torch.long),
+                      completion_mask=torch.ones(1, 6, dtype=torch.bool), logprobs=torch.zeros(1, 6),
+                      finish_reasons=["stop"], texts=[""], pad_id=0, sampled_mask=sampled, turn_rewards=[[0.5, 0.0]])
+    reward = torch.tensor([0.5])
+    steps = turn_steps(rollout, reward)
+    assert steps == ([[2, 6]], [[0.5, 0.0]])
+    tokens = process_token_rewards(reward, sampled, *steps, paid_in_outcome=True)
+    torch.testing.assert_close(tokens[0], torch.tensor([0, 0.5, 0, 0, 0, 0], dtype=torch.float64))
+    _, returns = gae(tokens, torch.zeros(1, 6, dtype=torch.float64), sampled, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(returns[0][sampled[0]], torch.tensor([0.5, 0.5, 0, 0], dtype=torch.float64))
+    prm = process_token_rewards(reward, sampled, *steps, weight=2.0)  # credits beside the outcome, weighted
+    torch.testing.assert_close(prm[0], torch.tensor([0, 1.0, 0, 0, 0, 0.5], dtype=torch.float64))

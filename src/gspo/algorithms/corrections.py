@@ -17,7 +17,8 @@ as the ratios' are (``LOG_RATIO_CLAMP``), in float64.
 - ``sequence_mask`` (SkyRL's geometric mask, verl's ``seq_mask`` in geometric mode): a sequence whose geometric-mean
   weight leaves [low, high] is left out of the loss; the others keep weight 1.
 - ``icepop`` (Ring-1T's IcePop): a token whose weight leaves [low, high] is left out of the loss; the others keep their
-  weight w_t.
+  weight w_t. Per token at every level: under GSPO a token left out also leaves the sequence ratio's mean (s_i over
+  the kept tokens), and the kept tokens' weights average arithmetically, not geometrically as TIS's do.
 
 Deliberate differences from the peers that define these (verl ``rollout_corr_helper.py``, SkyRL
 ``off_policy_correction_utils.py``, slime, AReaL, OpenRLHF):

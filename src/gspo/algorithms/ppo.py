@@ -48,6 +48,22 @@ def step_token_rewards(step_ends: list[list[int]], step_credit: list[list[float]
     return out
 
 
+def process_token_rewards(rewards: Tensor, mask: Tensor, step_ends: list[list[int]], step_credit: list[list[float]],
+                          weight: float = 1.0, paid_in_outcome: bool = False) -> Tensor:
+    """The token rewards GAE takes with process credit (``loss.step_credit`` with PPO): each step's ``weight`` x
+    credit at its last token (:func:`step_token_rewards`) and the outcome at the row's last step.  (B, T) float64
+
+    ``paid_in_outcome``: the credits are already part of ``rewards`` (an environment's step rewards, whose sum is the
+    trajectory's reward: ``loss.step_credit = "env"``), so the last step gets only the rest, and with weight 1 a
+    row's rewards sum to its outcome rather than counting each step twice:
+
+        r_end(k) = w c_k,    r_last += R - sum_k c_k"""
+    if paid_in_outcome:
+        rewards = rewards.double() - torch.tensor([float(sum(c)) for c in step_credit], dtype=torch.float64,
+                                                  device=rewards.device)
+    return outcome_token_rewards(rewards, mask, step_token_rewards(step_ends, step_credit, mask.shape[1], weight))
+
+
 def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over each row's steps, backwards from its last.
 

@@ -8,6 +8,7 @@ that list, so the two cannot drift apart.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import re
@@ -207,6 +208,11 @@ def check_loss(cfg: Config) -> None:
             raise UserError("loss.advantage_baseline = 'critic' (PPO) with rollout.decode_processes is not built: the "
                             "trainers compute the values, the decode processes the batches; set "
                             "rollout.decode_processes = 0.")
+        if cfg.dapo.dynamic_sampling:
+            raise UserError("dapo.dynamic_sampling drops the groups whose rewards are all equal as carrying no signal, "
+                            "but with a value model (PPO) they do: GAE gives their tokens advantages from the values, "
+                            "and they train the value model; set dapo.dynamic_sampling = false.")
+
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:
         raise UserError(
             f"loss.level = {lc.level!r} with loss.aggregation = {lc.aggregation!r} weights every sequence by its "
@@ -260,6 +266,10 @@ def check_rollout(cfg: Config) -> None:
     if not (r.engine_weight_bits == 0 or 2 <= r.engine_weight_bits <= 16):
         raise UserError(f"rollout.engine_weight_bits = {r.engine_weight_bits} must be 0 (off) or 2-16, e.g. 8.")
     if r.group_size < 2:
+        if cfg.loss.advantage_baseline == "critic":  # the value model is the baseline: the reason is gspo's own
+            raise UserError(f"rollout.group_size = {r.group_size} is not supported with a value model (PPO) yet: its "
+                            "baseline needs no group, but gspo's collect stage samples and reports in groups; use 2 or "
+                            "more.")
         raise UserError(f"rollout.group_size = {r.group_size} leaves no group to compare against; use 2 or more (the paper uses 8+).")
     if r.prompts_per_batch < 1 or r.max_new_tokens < 1:
         raise UserError("rollout.prompts_per_batch and rollout.max_new_tokens must be at least 1.")
@@ -415,6 +425,11 @@ def warn_surprises(cfg: Config) -> None:
     if t.minibatches == 1:
         log.warning("train.minibatches = 1: every update is on-policy, so the importance ratio is always 1 and GSPO, "
                     "GRPO and REINFORCE with a group baseline coincide; use 2+ minibatches to exercise the ratio.")
+    if lc.advantage_baseline != "critic":  # (a config shared by gspo compare's arms may set them for its PPO arm)
+        changed = [f.name for f in dataclasses.fields(cfg.ppo) if getattr(cfg.ppo, f.name) != f.default]
+        if changed:
+            log.warning("ppo.%s is set but loss.advantage_baseline = %r trains no value model, so it does nothing in "
+                        "this run; algorithm = 'ppo' trains one.", changed[0], lc.advantage_baseline)
 
 
 # Sections first, in the order their first check ran when this was one function (so a config with several faults

@@ -30,7 +30,7 @@ from gspo.prompts import encode_prompts
 from gspo.envs.episodes import COUNTS as env_counts, Episodes, batch_metrics as env_metrics
 from gspo.rewards.runner import RewardRunner
 from gspo.algorithms.advantages import step_advantages
-from gspo.algorithms.ppo import outcome_token_rewards, step_token_rewards
+from gspo.algorithms.ppo import process_token_rewards
 from gspo.rewards.steps import task_steps, turn_steps
 from gspo.types import FINISH_LENGTH, Batch, Example, Groups, Rollout, SamplingParams
 
@@ -296,8 +296,8 @@ class Collector:
         if critic:  # a failed reward is no return to learn from
             loss_mask &= torch.isfinite(shaped)[:, None]
             if steps is not None:  # (N, T) token rewards for GAE: the outcome at the last step, the steps' credit
-                process = step_token_rewards(*steps, rollout.completion_ids.shape[1], cfg.loss.step_credit_weight)
-                adv = outcome_token_rewards(adv, loss_mask, process).float()
+                adv = process_token_rewards(adv, loss_mask, *steps, cfg.loss.step_credit_weight,
+                                            paid_in_outcome=cfg.loss.step_credit == "env").float()
         elif cfg.loss.advantage_scale == "tokens":  # REINFORCE++: over the loss tokens of completions with a reward
             adv = whiten_tokens(adv, loss_mask & torch.isfinite(shaped)[:, None])  # (N, T)
         m = self.reward_metrics(groups, rounds, timing)

@@ -7,7 +7,7 @@ Per rollout batch (:meth:`Critic.prepare`, before any weight changes):
 
     V_old = critic(every row)                              (N, T), each process its rows, then shared
     r_t   = the outcome reward at each row's last step     (gspo.algorithms.ppo.outcome_token_rewards), plus with
-            loss.step_credit each step's credit at its last token (gspo.algorithms.ppo.step_token_rewards)
+            loss.step_credit each step's credit at its last token (gspo.algorithms.ppo.process_token_rewards)
     A, R  = gae(r, V_old, gamma, lam)                      advantages and value targets
     A     = whitened over the batch's loss tokens          (loss.advantage_scale = "tokens"; "none" leaves them)
 
