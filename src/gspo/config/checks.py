@@ -212,7 +212,6 @@ def check_loss(cfg: Config) -> None:
             raise UserError("dapo.dynamic_sampling drops the groups whose rewards are all equal as carrying no signal, "
                             "but with a value model (PPO) they do: GAE gives their tokens advantages from the values, "
                             "and they train the value model; set dapo.dynamic_sampling = false.")
-
     if lc.level != "token" and lc.aggregation != "seq-mean-token-mean" and not lc.allow_length_weighted_sequence:
         raise UserError(
             f"loss.level = {lc.level!r} with loss.aggregation = {lc.aggregation!r} weights every sequence by its "

@@ -85,8 +85,9 @@ def watch_parent() -> None:
     parent_pid = os.getppid()
     while os.getppid() == parent_pid:
         time.sleep(1.0)
-    try:  # the processes the user's code started go too (this worker leads their process group)
-        os.killpg(0, signal.SIGKILL)
+    try:  # the processes the user's code started go too (when this worker leads their process group: never another's)
+        if os.getpgrp() == os.getpid():
+            os.killpg(0, signal.SIGKILL)
     finally:
         os._exit(0)
 
@@ -107,7 +108,10 @@ def start_worker(sys_path: list[str], cwd: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # A process group of its own, which the processes the user's code starts (a code-running tool's interpreter)
     # join: killing the worker (a call past its time limit, shutdown) kills them with it, never leaving them running.
-    os.setpgrp()
+    try:
+        os.setpgrp()
+    except OSError:  # (a session leader cannot: it keeps the group it has, and only itself is killed)
+        pass
     os.chdir(cwd)  # user code may open files relative to where the user started training
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     user_code.search_current_folder()
