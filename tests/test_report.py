@@ -1,4 +1,5 @@
 """gspo report / compare: the numbers of the key-metrics table, every figure written, and the page in a real browser."""
+import json
 import re
 import shutil
 import subprocess
@@ -87,7 +88,8 @@ def _figcaption(page: Path, figure: str) -> str:
 
 def test_key_metrics_hand_worked(tmp_path):
     """Rewards 0.2, 0.6, 1.0, 0.0, 0.0, 0.0 per batch (two steps each): final = mean of all 6 (fewer than 10) = 0.3;
-    5-batch moving averages 0.2, 0.4, 0.6, 0.45, 0.36, 0.32 -> best 0.6, largest drop 0.6 - 0.32 = 0.28; clipping is
+    5-batch moving averages over full windows only, 0.36, 0.32 -> best 0.36, largest drop 0.04 (the first batches'
+    shorter windows, 0.2, 0.4, 0.6, 0.45, are no 5-batch means: they made the best 0.6 and the drop 0.28); clipping is
     the mean over the off-policy steps only (0.1 each), entropy the mean of the last batch (0.5, 0.7)."""
     rewards = [0.2, 0.6, 1.0, 0.0, 0.0, 0.0]
     rows = []
@@ -95,8 +97,8 @@ def test_key_metrics_hand_worked(tmp_path):
         rows += [_row(2 * b + 1, b, 0, r, clip=0.0), _row(2 * b + 2, b, 1, r, clip=0.1)]
     rows[-2]["entropy"], rows[-1]["entropy"] = 0.5, 0.7
     m = key_metrics(Run(tmp_path, "gspo", 1, {}, rows))
-    assert m["reward_final"] == pytest.approx(0.3) and m["reward_best"] == pytest.approx(0.6)
-    assert m["largest_drop"] == pytest.approx(0.28) and m["clip_token"] == pytest.approx(0.1)
+    assert m["reward_final"] == pytest.approx(0.3) and m["reward_best"] == pytest.approx(0.36)
+    assert m["largest_drop"] == pytest.approx(0.04) and m["clip_token"] == pytest.approx(0.1)
     assert m["entropy_end"] == pytest.approx(0.6) and m["wall_s"] == 12.0 and m["steps"] == 12
 
 
@@ -719,3 +721,26 @@ def test_compare_passes_sigint_and_sigterm_to_every_run_and_exits_as_each_asks(t
         assert [r.got for r in running] == [[signum], [signum]] and not runs.pending
         runs.running, runs.halted = {}, [tmp_path / "run0", tmp_path / "run1"]
         assert runs.outcome() == code
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_run_that_stops_itself_is_a_result_compare_keeps_and_reports(tiny_dir, tmp_path, capsys, jobs):  # noqa: F811
+    """A run the collapse sentinel stops (here its entropy floor, set above any entropy) is a result, not a failure:
+    compare records why, goes on with the other runs, writes the report with the steps it trained, and a second
+    compare keeps it (it used to end compare with an error asking to run it again, which resumed the run into the same
+    stop, for ever)."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--algos", "gspo,grpo", "--seeds", "7", "--out", str(out), "--jobs", str(jobs),
+            f"model.name='{tiny_dir}'", "model.device='cpu'", "rollout.prompts_per_batch=2", "rollout.group_size=4",
+            "rollout.max_new_tokens=6", "train.steps=4", "train.minibatches=2", "rewards.workers=0",
+            "log.progress=false", "sentinel.action='stop'", "sentinel.entropy_min=100.0"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for arm in ("gspo", "grpo"):
+        run = out / f"{arm}-seed7"
+        assert "Collapse sentinel stopped the run" in json.loads((run / "stopped.json").read_text())["reason"]
+        assert f"{arm}-seed7 ({run}) stopped itself: Collapse sentinel stopped the run" in err
+        assert 0 < read_jsonl(run / "metrics.jsonl")[-1]["step"] < 4
+    assert (out / "report" / "index.html").exists()
+    assert main(argv) == 0
+    assert capsys.readouterr().err.count("stopped itself (Collapse sentinel") == 2  # kept, not trained again

@@ -426,6 +426,11 @@ def test_collapse_sentinel_detectors_stop_the_run(tiny_dir, tmp_path, detector):
     assert t.state.step < 6 and t.collapse
     written = [p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")] if (tmp_path / "run" / "checkpoints").exists() else []
     assert f"step-{t.state.step:06d}" not in written  # the collapsed state is not checkpointed
+    assert json.loads((tmp_path / "run" / "stopped.json").read_text())["step"] == t.state.step  # for gspo compare
+    again = Trainer(tiny_config(tiny_dir, "train.steps=6", "sentinel.action='stop'", detector, *extra), tmp_path / "run",
+                    resume=True)
+    again.release()
+    assert not (tmp_path / "run" / "stopped.json").exists()  # resumed: it goes on, no longer a stopped run
 
 
 def test_collapse_sentinel_warns_and_goes_on(tiny_dir, tmp_path, caplog):

@@ -9,6 +9,7 @@ continues a comparison; the runs left train one after another in this process or
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.config import PRESETS, flatten, load_config, unknown_key
-from gspo.errors import UserError
+from gspo.errors import STOPPED_FILE, RunStopped, UserError
 
 Todo = tuple[list[str], Path, bool]  # a run still to train: its overrides, its run directory, whether it resumes
 
@@ -134,6 +135,9 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
             if rows and rows[-1]["step"] >= cfg.train.steps:
                 print(f"[compare] {run_dir} is complete; kept", file=sys.stderr)
                 continue
+            if (why := stopped_itself(run_dir)) is not None:  # a result: resuming would stop it the same way
+                print(f"[compare] {run_dir} stopped itself ({why}); kept", file=sys.stderr)
+                continue
             resume = bool(complete_checkpoints(run_dir / "checkpoints")) if run_dir.exists() else False
             if run_dir.exists() and not resume:  # died before its first checkpoint: keep what it wrote, start again
                 aside = run_dir.with_name(f"{run_dir.name}.incomplete-{int(time.time())}")
@@ -145,8 +149,18 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
     return run_dirs, todo
 
 
-AGAIN = ("fix the cause and run the same command again: finished runs are kept, stopped ones resume from their last "
-         "checkpoint, the others start again.")
+def stopped_itself(run_dir: Path) -> str | None:
+    """Why a run stopped itself by one of its own rules (:class:`gspo.errors.RunStopped`: the collapse sentinel,
+    non-finite steps), as it recorded; None for a run that did not. Such a run is a result: compare keeps it and
+    reports it with the steps it trained."""
+    try:
+        return json.loads((run_dir / STOPPED_FILE).read_text())["reason"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+AGAIN = ("fix the cause and run the same command again: finished runs (and those that stopped themselves) are kept, "
+         "runs stopped by a signal resume from their last checkpoint, the others start again.")
 
 
 def _run(run_dir: Path) -> str:
@@ -168,9 +182,12 @@ def train_in_process(config: str | None, todo: list[Todo]) -> int:
         try:
             trainer = Trainer(load_config(config, overrides), run_dir, resume=resume, started=started)
             trainer.train()
+        except RunStopped as e:  # a result for the report, not a failure of the compare
+            print(f"[compare] {_run(run_dir)} stopped itself: {e}; kept in the report", file=sys.stderr)
+            trainer = None  # its memory goes before the next run's model loads
         except UserError as e:
             raise UserError(f"{_run(run_dir)} failed: {str(e).rstrip('.')}; {AGAIN}") from None
-        if trainer.stop_signal is not None:
+        if trainer is not None and trainer.stop_signal is not None:
             print(f"[compare] stopped by {trainer.stop_signal}: {_run(run_dir)} stopped at its checkpoint; run the same "
                   "command again to continue (finished runs are kept, stopped ones resume)", file=sys.stderr)
             return 130 if trainer.stop_signal == "SIGINT" else 143
@@ -290,6 +307,8 @@ class _Runs:
             code = proc.returncode
             if code in _STOP_CODES:
                 self.halted.append(run_dir)
+            elif code != 0 and (why := stopped_itself(run_dir)) is not None:  # a result for the report
+                print(f"[compare] {_run(run_dir)} stopped itself: {why}; kept in the report", file=sys.stderr)
             elif code != 0:
                 how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
                        else f"failed (exit {code}: {_last_line(log_path)})")

@@ -103,7 +103,11 @@ def load_run(path: str | Path) -> Run:
 
 
 def _moving_mean(xs: list[float], k: int) -> list[float]:
-    return [sum(xs[max(0, i - k + 1): i + 1]) / len(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
+    """The means of every full window of ``k`` (as the sentinel's), or of all of ``xs`` when it is shorter: a first
+    window of one batch is no "5-batch mean"."""
+    if len(xs) < k:
+        return [sum(xs) / len(xs)] if xs else []
+    return [sum(xs[i - k + 1: i + 1]) / k for i in range(k - 1, len(xs))]
 
 
 def key_metrics(run: Run) -> dict[str, Any]:

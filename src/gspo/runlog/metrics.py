@@ -38,7 +38,7 @@ class JsonlWriter:
         try:
             if keep is not None and path.exists():
                 lines = [json.dumps(row) for row in read_jsonl(path) if keep(row)]
-                _replace_atomically(path, "".join(ln + "\n" for ln in lines))
+                replace_atomically(path, "".join(ln + "\n" for ln in lines))
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
             raise UserError(f"Rewriting or opening {str(path)!r} failed ({e.strerror or e}); free disk space or fix the "
@@ -68,7 +68,7 @@ class JsonlWriter:
             self._fd = None
 
 
-def _replace_atomically(path: Path, text: str) -> None:
+def replace_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w") as f:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from gspo.errors import UserError
+from gspo.errors import RunStopped, UserError
 from gspo.runtime import gpu_memory_cap
 
 log = logging.getLogger("gspo")
@@ -162,8 +162,8 @@ class NonFiniteSteps:
         self.in_row += 1
         log.warning("non-finite loss or gradient at step %d: optimizer step skipped", step)
         if self.in_row >= self.limit:
-            raise UserError(f"{self.in_row} optimizer steps in a row had a non-finite loss or gradient (last at step "
-                            f"{step}); lower train.lr or try model.precision = 'fp32'. The last checkpoint is intact.")
+            raise RunStopped(f"{self.in_row} optimizer steps in a row had a non-finite loss or gradient (last at step "
+                             f"{step}); lower train.lr or try model.precision = 'fp32'. The last checkpoint is intact.")
 
 
 LOCK_FILE = ".lock"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -26,8 +27,8 @@ import torch
 
 from gspo.checkpoint import complete_checkpoints
 from gspo.config import Config
-from gspo.errors import UserError
-from gspo.runlog.metrics import read_jsonl
+from gspo.errors import STOPPED_FILE, RunStopped, UserError
+from gspo.runlog.metrics import read_jsonl, replace_atomically
 from gspo.models.load import prepare as prepare_model_files
 from gspo.parallel import comm, roles
 from gspo.parallel.strategy import check_layout
@@ -118,6 +119,7 @@ class Trainer:
             self.reset_pipeline()
             if self.runtime.is_main:
                 self.dir.record(self.state.step)
+                (self.run_dir / STOPPED_FILE).unlink(missing_ok=True)  # a stopped run resumed goes on: no longer one
             self.timings["trainer_ready_at"] = self.since_start()
         except BaseException:
             if hasattr(self, "collector"):
@@ -171,6 +173,10 @@ class Trainer:
                 # A signal that came during the final checkpoint of a finished run stopped nothing: the run is done.
                 self.stop_signal = (stop.received or "SIGTERM") if stopping and state.step < cfg.train.steps else None
             failed = False
+        except RunStopped as e:  # a result, not a fault: what stopped it, for gspo compare to keep and report
+            if self.runtime.is_main:
+                replace_atomically(self.run_dir / STOPPED_FILE, json.dumps({"step": state.step, "reason": str(e)}))
+            raise
         finally:
             if runlog is not None:
                 runlog.close(failed=failed)
@@ -331,8 +337,8 @@ class Trainer:
             return True
         last = f"the last checkpoint is {newest}" if newest else "no checkpoint was written yet"
         last += stop_reason(sc, state.rollbacks, bool(older))
-        raise UserError(f"Collapse sentinel stopped the run at step {state.step}: {self.collapse}; {last}. Resume from "
-                        "it with a lower train.lr, or loosen the sentinel.* thresholds.")
+        raise RunStopped(f"Collapse sentinel stopped the run at step {state.step}: {self.collapse}; {last}. Resume from "
+                         "it with a lower train.lr, or loosen the sentinel.* thresholds.")
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
