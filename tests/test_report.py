@@ -744,3 +744,43 @@ def test_a_run_that_stops_itself_is_a_result_compare_keeps_and_reports(tiny_dir,
     assert (out / "report" / "index.html").exists()
     assert main(argv) == 0
     assert capsys.readouterr().err.count("stopped itself (Collapse sentinel") == 2  # kept, not trained again
+
+
+def test_compare_keeps_a_finished_run_only_with_the_settings_it_asks_for(tiny_dir, tmp_path, capsys):  # noqa: F811
+    """A second compare into the same --out keeps the finished runs, unless they were trained otherwise (another
+    learning rate, fewer or more steps): then one line naming the run, the key and both values (they used to be
+    kept and shown under the new command's title)."""
+    out = tmp_path / "cmp"
+    base = ["compare", "--algos", "gspo", "--seeds", "7", "--out", str(out), f"model.name='{tiny_dir}'",
+            "model.device='cpu'", "rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
+            "train.minibatches=2", "rewards.workers=0", "log.progress=false"]
+    assert main([*base, "train.steps=2"]) == 0
+    assert main([*base, "train.steps=2", "log.trace_every=1"]) == 0  # what is logged may differ: kept
+    assert "is complete; kept" in capsys.readouterr().err
+    for change, key in ((["train.steps=2", "train.lr=1e-3"], "train.lr"),
+                        (["train.steps=1", "train.minibatches=1"], "train.steps")):  # (1 step of 1 minibatch)
+        assert main([*base, *change]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"gspo: error: {out / 'gspo-seed7'} is kept as finished but was trained with {key} = ")
+
+
+def test_compare_never_moves_aside_a_run_another_process_still_trains(tiny_dir, tmp_path, capsys):  # noqa: F811
+    """A run directory without a checkpoint is moved aside and trained again, unless a process still holds it (the
+    same compare started twice, or an orphan of a compare whose terminal went away): then one line naming it (it
+    used to be renamed under the live run, and a second run started at the same path)."""
+    from gspo.train.guards import lock_run_dir
+
+    out = tmp_path / "cmp"
+    run = out / "gspo-seed7"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    held = lock_run_dir(run)  # what a training process holds
+    try:
+        argv = ["compare", "--algos", "gspo", "--seeds", "7", "--out", str(out), f"model.name='{tiny_dir}'",
+                "model.device='cpu'", "rollout.prompts_per_batch=2", "rollout.group_size=4",
+                "rollout.max_new_tokens=6", "train.steps=2", "train.minibatches=2", "rewards.workers=0",
+                "log.progress=false"]
+        assert main(argv) == 2
+        assert "is in use by another gspo process" in capsys.readouterr().err and run.is_dir()
+    finally:
+        held.close()

@@ -119,6 +119,7 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
     before any run starts; a run that died before its first checkpoint is moved aside and trained again."""
     from gspo.checkpoint import complete_checkpoints
     from gspo.runlog.metrics import read_jsonl
+    from gspo.train.guards import lock_run_dir
 
     run_dirs, todo = [], []
     for algo, preset, extra in arms:
@@ -133,13 +134,16 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
             run_dirs.append(run_dir)
             rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
             if rows and rows[-1]["step"] >= cfg.train.steps:
+                _same_run(run_dir, cfg, rows[-1]["step"])
                 print(f"[compare] {run_dir} is complete; kept", file=sys.stderr)
                 continue
             if (why := stopped_itself(run_dir)) is not None:  # a result: resuming would stop it the same way
+                _same_run(run_dir, cfg, None)
                 print(f"[compare] {run_dir} stopped itself ({why}); kept", file=sys.stderr)
                 continue
             resume = bool(complete_checkpoints(run_dir / "checkpoints")) if run_dir.exists() else False
             if run_dir.exists() and not resume:  # died before its first checkpoint: keep what it wrote, start again
+                lock_run_dir(run_dir).close()  # one line if a process still trains in it (a compare run twice)
                 aside = run_dir.with_name(f"{run_dir.name}.incomplete-{int(time.time())}")
                 run_dir.rename(aside)
                 print(f"[compare] {run_dir} had no checkpoint; moved to {aside}", file=sys.stderr)
@@ -147,6 +151,28 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
                 run_overrides.append(f"model.gpu_memory={cfg.model.gpu_memory!r}")
             todo.append((run_overrides, run_dir, resume))
     return run_dirs, todo
+
+
+def _same_run(run_dir: Path, cfg, steps: int | None) -> None:
+    """A finished run kept for this compare was trained with the settings it asks for (what ``--resume`` may change
+    aside, but for the learning rate and in-flight updates, which change its numbers), else one line: the report would
+    show it under this command's title."""
+    from gspo.config.resume import resume_changes
+
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # no record to compare (a run written by an older gspo): kept as before
+    changed, differ = resume_changes(saved, cfg.to_dict())
+    differ += [k for k in ("train.lr", "rollout.in_flight") if k in changed]
+    if steps is not None and steps != cfg.train.steps:
+        differ = ["train.steps", *differ]
+    if differ:
+        key = differ[0]
+        old = steps if key == "train.steps" and steps is not None else flatten(saved).get(key)
+        raise UserError(f"{run_dir} is kept as finished but was trained with {key} = {old!r}, where this command asks "
+                        f"for {flatten(cfg.to_dict()).get(key)!r}; use another --out, or move that run away to train it "
+                        "again.")
 
 
 def stopped_itself(run_dir: Path) -> str | None:
