@@ -646,7 +646,10 @@ def _read(path: Path) -> bytes:
 @pytest.mark.parametrize("flag,value,says", [
     ("--algos", "gspo,gspo", "gives gspo twice"), ("--algos", "grpo+r2, grpo + r2", "gives grpo+r2 twice"),
     ("--algos", "gspo,,grpo", "has an empty entry (entry 2)"), ("--algos", "gspo,", "has an empty entry (entry 2)"),
-    ("--seeds", "1,01", "gives 1 twice"), ("--seeds", "1,,2", "has an empty entry (entry 2)")])
+    ("--seeds", "1,01", "gives 1 twice"), ("--seeds", "1,,2", "has an empty entry (entry 2)"),
+    # one arm spelled twice: suffixes in another order, a number written otherwise (it trained twice, two labels)
+    ("--algos", "gspo+tis+stale4,gspo+stale4+tis", "are the same settings; keep one of them"),
+    ("--algos", "grpo+lr2e-5,grpo+lr0.00002", "are the same settings; keep one of them")])
 def test_a_repeated_or_empty_arm_or_seed_is_refused_before_any_run(flag, value, says, tmp_path, capsys):
     """Two equal arms or seeds would train into one run directory twice (`--algos gspo,gspo` trained gspo-seed1, then
     failed on it: 'already exists'); an empty entry is an arm or seed lost to a typo. One line, before any work."""
@@ -784,3 +787,4 @@ def test_compare_never_moves_aside_a_run_another_process_still_trains(tiny_dir, 
         assert "is in use by another gspo process" in capsys.readouterr().err and run.is_dir()
     finally:
         held.close()
+

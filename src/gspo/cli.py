@@ -223,6 +223,12 @@ def _presets(text: str) -> list[tuple[str, str, dict]]:
             reasons.append(str(e).rstrip("."))
     if reasons:
         raise argparse.ArgumentTypeError("; ".join(reasons))
+    seen: dict[str, str] = {}
+    for arm, preset, extra in arms:  # one arm spelled twice (suffixes in another order) would train twice
+        key = repr((preset, sorted(extra.items())))
+        if key in seen:
+            raise argparse.ArgumentTypeError(f"{seen[key]!r} and {arm!r} are the same settings; keep one of them")
+        seen[key] = arm
     return arms
 
 
