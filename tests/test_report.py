@@ -787,4 +787,3 @@ def test_compare_never_moves_aside_a_run_another_process_still_trains(tiny_dir, 
         assert "is in use by another gspo process" in capsys.readouterr().err and run.is_dir()
     finally:
         held.close()
-
