@@ -787,3 +787,15 @@ def test_compare_never_moves_aside_a_run_another_process_still_trains(tiny_dir, 
         assert "is in use by another gspo process" in capsys.readouterr().err and run.is_dir()
     finally:
         held.close()
+
+
+def test_a_mean_over_seeds_of_different_lengths_says_so():
+    """Seeds that trained different numbers of steps (one stopped by the sentinel) are averaged at their own last
+    steps: the group's row names their range instead of passing for a mean at one step."""
+    from gspo.commands.report import group_means
+
+    rows = [{"algorithm": "gspo", "steps": s, "reward_final": r} for s, r in ((212, 0.5), (320, 0.9), (320, 0.7))]
+    rows.append({"algorithm": "grpo", "steps": 320, "reward_final": 0.8})
+    gspo, grpo = group_means(rows)
+    assert gspo["run"] == "gspo (mean of 3; steps 212-320)" and gspo["reward_final"] == pytest.approx(0.7)
+    assert grpo["run"] == "grpo (mean of 1)"

@@ -685,11 +685,15 @@ def metrics_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
 
 
 def group_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per algorithm: the mean of each number over its seeds."""
+    """One row per algorithm: the mean of each number over its seeds; when the seeds trained different numbers of
+    steps (a run stopped by the sentinel), the row's name says so, with their range: its "final" numbers are then
+    each seed's at its own last step."""
     out = []
     for algo in dict.fromkeys(r["algorithm"] for r in rows):
         mine = [r for r in rows if r["algorithm"] == algo]
-        mean_row: dict[str, Any] = {"run": f"{algo} (mean of {len(mine)})", "algorithm": algo, "seed": None}
+        steps = sorted({r["steps"] for r in mine if r.get("steps") is not None})
+        uneven = f"; steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else ""
+        mean_row: dict[str, Any] = {"run": f"{algo} (mean of {len(mine)}{uneven})", "algorithm": algo, "seed": None}
         for k, _ in _COLUMNS[3:]:
             xs = [r[k] for r in mine if r.get(k) is not None]
             mean_row[k] = sum(xs) / len(xs) if xs else None
