@@ -88,22 +88,14 @@ class EnvPool:
                 w = self._workers[k]
                 if w.conn in ready and not self._read(w, results):
                     w.proc.join(timeout=1.0)
-                    if not w.ready:  # would fail the same way again: stop rather than respawn forever
-                        raise UserError(f"an environment worker exited while loading env.path = {self.env_path!r} "
-                                        f"and env.tools {self.tools} (exit code {w.proc.exitcode}; its output is "
-                                        "above); set env.workers = 0 to debug them in-process.")
                     self._fail(k, calls, results, f"the worker process died (exit code {w.proc.exitcode})")
                 elif w.chunk and time.monotonic() > self._deadline(w):
-                    limit = f"{STARTUP_TIMEOUT_S:g} s to load" if not w.ready else f"{self.timeout_s:g} s"
-                    if not w.ready:
-                        raise UserError(f"loading env.path = {self.env_path!r} and env.tools {self.tools} in the "
-                                        f"workers did not finish within {limit} (an import that blocks); make them "
-                                        "load quickly, or set env.workers = 0 to debug in-process.")
-                    self._fail(k, calls, results, f"timed out after {limit}; the worker was killed")
+                    self._fail(k, calls, results, f"timed out after {self.timeout_s:g} s; the worker was killed")
 
     def _send(self, w: WorkerHandle, chunk: list) -> None:
         """Send ``chunk`` once ``w`` has loaded the user's code: a worker reads nothing before, so a chunk larger than
-        the pipe's buffer would block here for ever behind an import that never ends."""
+        the pipe's buffer would block here for ever behind an import that never ends. A worker that does not load
+        (it would fail the same way again) ends the run in one line rather than being respawned for ever."""
         while not w.ready:
             left = w.spawned + STARTUP_TIMEOUT_S - time.monotonic()
             if left <= 0:
@@ -123,7 +115,8 @@ class EnvPool:
         w.started = time.monotonic()
 
     def _deadline(self, w: WorkerHandle) -> float:
-        return (w.started + self.timeout_s) if w.ready else (w.spawned + STARTUP_TIMEOUT_S + self.timeout_s)
+        """When the call ``w`` is running times out (every worker with calls has loaded: :meth:`_send`)."""
+        return w.started + self.timeout_s
 
     def _read(self, w: WorkerHandle, results: list) -> bool:
         """Take every answer ``w`` has sent; False when it is gone."""

@@ -155,8 +155,7 @@ class Pipeline:
         self.stopping = False
         self.alone = False  # stopping without the other processes' engines (close with a timeout)
         self.started = False
-        self.paused = False  # held idle for a checkpoint: batches from hold_from on wait
-        self.hold_from = 0
+        self.paused = False  # held idle for a checkpoint: batches from _held_from() on wait
         self.collecting = False  # the engine thread is collecting a batch
         self.swaps, self.swap_s = 0, 0.0  # in-flight updates of the batch being collected, and their seconds
 
@@ -200,8 +199,7 @@ class Pipeline:
         self._start()
         with self.cond:
             self.paused = True
-            self.hold_from = min(self.total, self.version + self.eta + (self.group is not None))
-            self._wait(lambda: self.next >= self.hold_from and not self.collecting)
+            self._wait(lambda: self.next >= self._held_from() and not self.collecting)
             return [self.queue[j] for j in sorted(self.queue)]
 
     def resume(self) -> None:
@@ -229,6 +227,12 @@ class Pipeline:
         self.thread = None
 
     # ------------------------------------------------------------------------------------------ internals
+
+    def _held_from(self) -> int:
+        """While paused for a checkpoint (the actor's version fixed): the first batch the engine holds back. Every
+        batch an older version samples comes before it, and under torchrun the one the actor's own version samples too
+        (module docstring: every process saves the same batches)."""
+        return min(self.total, self.version + self.eta + (self.group is not None))
 
     def _needed(self, version: int) -> bool:
         """Whether a batch still to collect is sampled by ``version``."""
@@ -337,7 +341,7 @@ class Pipeline:
                         self.engine_waits = g
                         self.cond.notify_all()
                         # paused for a checkpoint: only the batches it saves (see pause)
-                        self.cond.wait_for(lambda: self.stopping or (not self.paused or j < self.hold_from) and (
+                        self.cond.wait_for(lambda: self.stopping or (not self.paused or j < self._held_from()) and (
                             self.engine_version == g or g in self.copies
                             or self.in_flight and self._newest() >= g))
                         self.engine_waits = None
