@@ -585,3 +585,19 @@ def test_engine_weight_bits_samples_from_rounded_weights_and_leaves_the_trainers
         w = trainer.actor.model.model.layers[0].mlp.up_proj.weight  # (out, in): 4 bits give at most 15 values a row
         assert len(torch.unique(w[0])) > 15
     assert gaps[0] < 1e-5 and gaps[4] > 100 * max(gaps[0], 1e-6)
+
+
+def test_two_moves_aside_in_one_second_keep_both(tmp_path):
+    """A rollback renames the abandoned checkpoints to rolled-back-<name>-<second>: two rollbacks past a checkpoint of
+    one name within a second (a fast replay) used to collide on that name (OSError: Directory not empty, the run
+    lost); the second move takes the next free name, and the first one's files stay."""
+    from gspo.checkpoint import aside
+
+    for k in range(3):
+        d = tmp_path / "step-000004"
+        d.mkdir()
+        (d / "f").write_text(str(k))
+        d.rename(aside(d, "rolled-back-step-000004-7"))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["rolled-back-step-000004-7", "rolled-back-step-000004-7-2", "rolled-back-step-000004-7-3"]
+    assert [(tmp_path / n / "f").read_text() for n in names] == ["0", "1", "2"]

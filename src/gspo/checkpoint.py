@@ -41,6 +41,17 @@ def _discard(path: Path) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
+def aside(path: Path, name: str) -> Path:
+    """Where to move ``path`` out of the way: its sibling ``name`` or, when an earlier move in the same second took
+    that name, ``name-2``, ``name-3``...; a rename onto the earlier one would fail (or, for an empty directory,
+    silently replace it)."""
+    target, n = path.with_name(name), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{name}-{n}")
+    return target
+
+
 def fsync_tree(path: Path) -> None:
     """Every file under ``path``, then ``path`` itself, flushed to disk (before a rename makes the tree visible)."""
     for p in sorted(path.rglob("*")):

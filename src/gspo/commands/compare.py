@@ -117,7 +117,7 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
               out: Path) -> tuple[list[Path], list[Todo]]:
     """Every arm and seed's run directory, and the runs among them still to train. Every arm's settings are checked
     before any run starts; a run that died before its first checkpoint is moved aside and trained again."""
-    from gspo.checkpoint import complete_checkpoints
+    from gspo.checkpoint import aside, complete_checkpoints
     from gspo.runlog.metrics import read_jsonl
     from gspo.train.guards import lock_run_dir
 
@@ -144,9 +144,9 @@ def plan_runs(config: str | None, overrides: list[str], arms: list[tuple[str, st
             resume = bool(complete_checkpoints(run_dir / "checkpoints")) if run_dir.exists() else False
             if run_dir.exists() and not resume:  # died before its first checkpoint: keep what it wrote, start again
                 lock_run_dir(run_dir).close()  # one line if a process still trains in it (a compare run twice)
-                aside = run_dir.with_name(f"{run_dir.name}.incomplete-{int(time.time())}")
-                run_dir.rename(aside)
-                print(f"[compare] {run_dir} had no checkpoint; moved to {aside}", file=sys.stderr)
+                moved = aside(run_dir, f"{run_dir.name}.incomplete-{int(time.time())}")
+                run_dir.rename(moved)
+                print(f"[compare] {run_dir} had no checkpoint; moved to {moved}", file=sys.stderr)
             if cfg.model.gpu_memory is not None:  # the config file's share, which start_next must see and keep
                 run_overrides.append(f"model.gpu_memory={cfg.model.gpu_memory!r}")
             todo.append((run_overrides, run_dir, resume))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import (RANK_FILE, attempt, checkpoint_step, complete_checkpoints, save_checkpoint,
+from gspo.checkpoint import (RANK_FILE, aside, attempt, checkpoint_step, complete_checkpoints, save_checkpoint,
                              save_replicated, save_sharded, to_cpu, verify, why)
 from gspo.errors import UserError
 from gspo.parallel import comm
@@ -336,4 +336,4 @@ class Checkpoints:
         ``rolled-back-step-N``, never taken for a checkpoint), so neither --resume nor a message can pick them."""
         for ckpt in complete_checkpoints(self.run_dir / "checkpoints"):
             if checkpoint_step(ckpt) > step:
-                ckpt.rename(ckpt.with_name(f"rolled-back-{ckpt.name}-{int(time.time())}"))
+                ckpt.rename(aside(ckpt, f"rolled-back-{ckpt.name}-{int(time.time())}"))
