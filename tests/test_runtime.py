@@ -27,6 +27,26 @@ def test_precision_rule_is_one_for_every_device(monkeypatch):
         autocast_dtype("bf16", cpu)
 
 
+def test_a_process_past_the_last_gpu_is_refused_in_one_line(monkeypatch):
+    """Under torchrun with more processes than GPUs (cuda:LOCAL_RANK would not exist), and a decode process placed
+    on a trainer's GPU by rollout.decode_gpu = 'shared' instead, with its share of the memory."""
+    from gspo.runtime import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="Process 1 of this machine would take GPU 1, and 1 are visible: .*--nproc 1.*"
+                                        "rollout.decode_gpu = 'shared'"):
+        resolve_device("cuda", 1)
+    assert resolve_device("auto", 0) == torch.device("cuda", 0)
+    shares = []
+    monkeypatch.setattr("gspo.runtime.limit_gpu_memory", lambda device, share: shares.append((device, share)))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    runtime = Runtime.from_config(ModelConfig(device="cuda"), (0, 0.5))
+    assert runtime.device == torch.device("cuda", 0) and shares == [(torch.device("cuda", 0), 0.5)]
+    Runtime.from_config(ModelConfig(device="cuda", gpu_memory=0.3), (0, 0.5))  # the config's share wins
+    assert shares[-1] == (torch.device("cuda", 0), 0.3)
+
+
 @pytest.mark.parametrize("flags, isa, native", [
     ({"avx2", "fma"}, "", False),  # an AVX2-only CPU (e.g. AMD Zen 3): bf16 would be emulated
     ({"avx512f", "avx512_bf16"}, "", True),

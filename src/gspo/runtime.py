@@ -62,6 +62,11 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"model.device = {name!r} but no CUDA device is visible; use model.device = 'cpu' or 'auto'.")
     if name == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"Process {local_rank} of this machine would take GPU {local_rank}, and "
+                            f"{torch.cuda.device_count()} are visible: launch as many processes as GPUs (gspo train "
+                            f"--nproc {torch.cuda.device_count()}), or, with rollout.decode_processes, put the decode "
+                            "processes on the trainers' GPUs with rollout.decode_gpu = 'shared'.")
         return torch.device("cuda", local_rank)
     return torch.device(name)
 
@@ -193,12 +198,15 @@ class Runtime:
         return self.rank == 0
 
     @classmethod
-    def from_config(cls, model_cfg) -> "Runtime":
-        """The runtime a ``[model]`` section asks for, in this process of the job."""
+    def from_config(cls, model_cfg, placement: tuple[int, float] | None = None) -> "Runtime":
+        """The runtime a ``[model]`` section asks for, in this process of the job. ``placement``: ``(GPU, share)`` when
+        the job puts several processes on a GPU (:func:`gspo.parallel.roles.placement`): this process's GPU instead of
+        ``LOCAL_RANK``'s, and its memory share unless ``model.gpu_memory`` sets one."""
         rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-        device = resolve_device(model_cfg.device, local)
+        gpu, share = placement if placement is not None else (local, None)
+        device = resolve_device(model_cfg.device, gpu)
         limit_cpu_threads(device)
-        limit_gpu_memory(device, model_cfg.gpu_memory)
+        limit_gpu_memory(device, model_cfg.gpu_memory if model_cfg.gpu_memory is not None else share)
         return cls(device=device, autocast=autocast_dtype(model_cfg.precision, device), rank=rank, world_size=world,
                    local_rank=local)
 

@@ -302,6 +302,10 @@ def check_rollout(cfg: Config) -> None:
         raise UserError(f"rollout.decode_processes = {r.decode_processes} with rollout.max_staleness = 0: decode "
                         "processes sample ahead of the update, which needs a lag; set rollout.max_staleness = 1 (or "
                         "more).")
+    _one_of(r.decode_gpu, ("own", "shared"), "rollout.decode_gpu")
+    if r.decode_gpu == "shared" and not r.decode_processes:
+        raise UserError("rollout.decode_gpu = 'shared' places decode processes, and this run has none; set "
+                        "rollout.decode_processes = 1 (or more), or leave rollout.decode_gpu = 'own'.")
     if r.decode_processes and cfg.moe.routing_replay == "rollout":
         raise UserError("rollout.decode_processes with moe.routing_replay = 'rollout' (R3) is not built: the routes "
                         "the engine records would have to travel with the batch; use routing_replay = 'old' (R2) or "

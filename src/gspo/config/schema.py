@@ -148,6 +148,13 @@ class RolloutConfig:
     batches (each its share, as k processes of a synchronous job would) and the others only train; trainer 0 sends
     them the weights after every update (NCCL on GPUs). The same fixed lag, so 1 trainer + 1 decode process computes
     the one-process run bit for bit. 0 (default): every process samples and trains. See docs/async.md."""
+    decode_gpu: str = "own"
+    """With ``rollout.decode_processes``: ``own`` (default) gives each decode process a GPU of its own (launch one
+    process per GPU); ``shared`` puts decode process i on trainer i's GPU (modulo the trainers), so one GPU holds a
+    trainer and a decode process (``gspo train --nproc 2`` on one GPU), and the weights reach the decode processes
+    through shared memory (CUDA IPC on GPUs, a mapped file on CPUs) instead of a broadcast. One machine only; without
+    ``model.gpu_memory`` each process on a GPU is capped at its share. Start NVIDIA's MPS daemon
+    (``nvidia-cuda-mps-control -d``) first, so that the two processes' kernels run at once instead of taking turns."""
 
 
 @dataclass

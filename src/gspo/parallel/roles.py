@@ -12,7 +12,8 @@ The groups (every process creates every one, in this order: torch's rule for new
   :mod:`gspo.parallel.comm`'s collectives in this process (:func:`comm.set_role_group`);
 * ``link`` (gloo): trainer 0 and the decode processes: what to do next (start at a version, a new version, stop);
 * ``weights`` (NCCL on GPUs, gloo on CPUs): trainer 0 and the decode processes: the policy's weights, one broadcast of
-  a flat buffer per dtype;
+  a flat buffer per dtype (unused with ``rollout.decode_gpu = 'shared'``, where they travel through shared memory, and
+  then gloo: NCCL refuses two processes of one group on one GPU);
 * ``batches`` (gloo): decode process 0 and the trainers: each collected batch, as it is done.
 """
 from __future__ import annotations
@@ -64,6 +65,25 @@ def check(cfg, world: int) -> int:
     return world - k
 
 
+def placement(cfg) -> tuple[int, float] | None:
+    """Under ``rollout.decode_gpu = 'shared'``: this process's GPU (trainer ``t`` on GPU ``t``, decode process ``i`` on
+    trainer ``i mod T``'s) and the share of its memory each process on that GPU gets; None otherwise (one process per
+    GPU, ``LOCAL_RANK``'s). Refused in one line on more than one machine: shared memory does not cross machines."""
+    import os
+
+    k = cfg.rollout.decode_processes
+    world, rank = (int(os.environ.get(key, d)) for key, d in (("WORLD_SIZE", 1), ("RANK", 0)))
+    if not k or cfg.rollout.decode_gpu != "shared" or world <= k:
+        return None
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        raise UserError(f"rollout.decode_gpu = 'shared' needs the whole job on one machine (the weights travel through "
+                        f"its shared memory), and this job spans {world // int(os.environ['LOCAL_WORLD_SIZE'])}; set "
+                        "rollout.decode_gpu = 'own', or launch on one machine.")
+    trainers = world - k
+    gpu = rank if rank < trainers else (rank - trainers) % trainers
+    return gpu, 1.0 / (1 + sum(1 for i in range(k) if i % trainers == gpu))
+
+
 _ROLES: Roles | None = None
 
 
@@ -84,7 +104,7 @@ def split(cfg, device: torch.device) -> Roles | None:
     train_group = comm.new_group(list(range(trainers)), backend)
     decode_group = comm.new_gloo_group(decoders)
     link = comm.new_gloo_group([0, *decoders])
-    weights = comm.new_group([0, *decoders], backend)
+    weights = comm.new_group([0, *decoders], "gloo" if cfg.rollout.decode_gpu == "shared" else backend)
     batches = comm.new_gloo_group([trainers, *range(trainers)])  # (torch sorts a group's ranks: the order is for us)
     talks, hands = [0, *decoders], [trainers, *range(trainers)]  # trainer 0 + decoders; decoder 0 + trainers
     _ROLES = Roles(trainers, k, rank, decode_group if rank >= trainers else train_group,

@@ -64,7 +64,7 @@ class Trainer:
         self.started = started
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.runtime = runtime or Runtime.from_config(cfg.model)
+        self.runtime = runtime or Runtime.from_config(cfg.model, roles.placement(cfg))
         check_layout(cfg, roles.check(cfg, self.runtime.world_size))
         if self.runtime.world_size > 1:
             prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
@@ -106,7 +106,8 @@ class Trainer:
                 threaded = cfg.rollout.overlap == "thread"
                 if self.roles is not None:
                     self.pipeline = RemotePipeline(cfg.rollout.max_staleness, self.roles, self.engine_weights,
-                                                   self.runtime.device, self.collector)
+                                                   self.runtime.device, self.collector,
+                                                   shared=cfg.rollout.decode_gpu == "shared")
                 else:
                     # under torchrun the engine thread's gathers go through a group of their own
                     group = comm.new_gloo_group() if threaded and comm.active() else None

@@ -18,6 +18,10 @@ The conversation, all of it in order, so that no process depends on another's ti
   failed: the trainers raise it, in its one line); ``end`` (after ``stop``). Every trainer receives in a thread of its
   own into a queue, so a decode process never waits for an update either.
 
+The weights travel by a broadcast of one flat buffer per dtype (``rollout.decode_gpu = 'own'``: NCCL between GPUs),
+or, with ``'shared'`` (a decode process on a trainer's GPU, where NCCL cannot go), through :class:`SharedWeights`:
+buffers trainer 0 writes and the decode processes map (CUDA IPC; a mapped file on CPUs), the order naming the slot.
+
 A decode process collects every batch whose version it has, in order, then waits for the next order. So what it will
 send before reading the next one is known to the trainers exactly (every batch ``j < sent + η + 1``, ``sent``: the
 newest version sent): a checkpoint waits for those (it saves them and the state after the last, as the one-process
@@ -31,9 +35,12 @@ import logging
 import math
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -76,6 +83,90 @@ def _sizes(meta) -> list[tuple[torch.dtype, int]]:
     return [(d, sum(math.prod(s) for _, s, dt in meta if dt == d)) for d in dtypes]
 
 
+class SharedWeights:
+    """The weights' way to decode processes on the same machine (``rollout.decode_gpu = 'shared'``): ``eta + 2`` slots
+    of memory that trainer 0 writes and every decode process maps, version ``v`` in slot ``v mod (eta + 2)``, with the
+    version stamped after its tensors. On GPUs the slots are CUDA memory shared by IPC handles (NCCL refuses two
+    processes of one group on one GPU); on CPUs, files under /dev/shm mapped by both sides. Hand-written because no
+    library offers a ring of IPC buffers between two torchrun processes; torch provides the handles.
+
+    A slot is written again only once the decode processes are done with the version in it (:meth:`read_through`):
+    they load versions in order, and a batch sampled by version ``u`` tells that every version up to ``u`` was
+    loaded. The fixed lag keeps that from ever waiting (version ``v`` is published after batch ``v - 1``, which was
+    sampled by version ``v - 1 - eta`` at the newest), and a decode process checks the stamp before and after it
+    copies, so a slot overwritten too soon fails in one line instead of loading a mix of two versions."""
+
+    def __init__(self, eta: int, device: torch.device):
+        self.count, self.device = eta + 2, device
+        self.slots: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}  # slot -> (flat buffers, stamp)
+        self.pending: dict[int, int] = {}  # slot -> the version written there, not yet known to be loaded
+        self.cond = threading.Condition()
+        self.dir = None
+        if device.type != "cuda":
+            self.dir = Path(tempfile.mkdtemp(prefix="gspo-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                             else None))
+
+    def write(self, v: int, flats: list[torch.Tensor], failed: Callable[[], bool]) -> tuple[int, list | None] | None:
+        """Version ``v``'s buffers into its slot (copies on the current stream, the stamp last); returns the slot and,
+        the first time it is used, the handles that map it. Waits while the version in that slot may still be
+        loading; None, having written nothing, when ``failed()`` says the run failed meanwhile."""
+        slot = v % self.count
+        with self.cond:
+            while slot in self.pending:
+                if failed():
+                    return None
+                self.cond.wait(1.0)
+            self.pending[slot] = v
+        handles = None
+        if slot not in self.slots:
+            self.slots[slot], handles = self._allocate(slot, flats)
+        buffers, stamp = self.slots[slot]
+        if [(b.dtype, b.numel()) for b in buffers] != [(f.dtype, f.numel()) for f in flats]:
+            raise RuntimeError("the policy's weights changed shape between two versions; shared slots cannot hold them")
+        for buffer, flat in zip(buffers, flats):
+            buffer.copy_(flat)
+        stamp.fill_(v)
+        return slot, handles
+
+    def read_through(self, version: int | None) -> None:
+        """The decode processes loaded every version up to ``version`` (None: every version written, after they
+        finished what they owed a timeline)."""
+        with self.cond:
+            self.pending = {s: v for s, v in self.pending.items() if version is not None and v > version}
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        self.slots.clear()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _allocate(self, slot: int, flats: list[torch.Tensor]) -> tuple[tuple[list[torch.Tensor], torch.Tensor], list]:
+        specs = [(f.dtype, f.numel()) for f in flats] + [(torch.int64, 1)]  # the buffers, then the stamp
+        if self.dir is None:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            tensors = [torch.empty(n, dtype=d, device=self.device) for d, n in specs]
+            handles = [reduce_tensor(t) for t in tensors]
+        else:
+            handles = [(str(self.dir / f"slot{slot}-{i}"), n, d) for i, (d, n) in enumerate(specs)]
+            tensors = map_shared(handles)
+        tensors[-1].fill_(-1)
+        return (tensors[:-1], tensors[-1]), handles
+
+
+def map_shared(handles: list) -> list[torch.Tensor]:
+    """A decode process's view of a :class:`SharedWeights` slot from the handles trainer 0 sent."""
+    out = []
+    for handle in handles:
+        if isinstance(handle[0], str):  # a file on a CPU: (path, numel, dtype)
+            path, n, dtype = handle
+            out.append(torch.from_file(path, shared=True, size=n, dtype=dtype))
+        else:  # CUDA IPC: torch's (rebuild function, arguments)
+            rebuild, args = handle
+            out.append(rebuild(*args))
+    return out
+
+
 class RemoteCollector:
     """The trainers' stand-in for the collect stage, which runs in the decode processes: what a checkpoint saves of it
     (the state after the newest batch received) and restores (sent to the decode processes with the next reset).
@@ -116,9 +207,12 @@ class RemoteCollector:
 class RemotePipeline:
     """The trainers' side: :class:`gspo.train.pipeline.Pipeline`'s interface over the decode processes."""
 
-    def __init__(self, eta: int, roles: Roles, weights: Weights, device: torch.device, collector: RemoteCollector):
+    def __init__(self, eta: int, roles: Roles, weights: Weights, device: torch.device, collector: RemoteCollector,
+                 shared: bool = False):
         self.eta, self.roles, self.weights, self.device = eta, roles, weights, device
         self.collector = collector
+        # rollout.decode_gpu = 'shared': trainer 0 writes the weights into memory the decode processes map
+        self.shared = SharedWeights(eta, device) if shared and roles.rank == 0 else None
         self.cond = threading.Condition()
         self.sends: queue.Queue | None = queue.Queue() if roles.rank == 0 else None
         self.error: BaseException | None = None
@@ -143,6 +237,8 @@ class RemotePipeline:
         processes owe the one before it, which are dropped)."""
         if self.timeline:
             self._drain()
+            if self.shared is not None:
+                self.shared.read_through(None)
         self.timeline += 1
         with self.cond:
             self.v0 = self.version = version
@@ -196,6 +292,8 @@ class RemotePipeline:
                 self.sender.join(timeout)
             self.receiver.join(timeout)
             self.receiver = None
+            if self.shared is not None:
+                self.shared.close()
 
     # ------------------------------------------------------------------------------------------ internals
 
@@ -244,6 +342,17 @@ class RemotePipeline:
         try:
             while True:
                 header, flats, event = self.sends.get()
+                if flats is not None and self.shared is not None:
+                    with (CAPTURE_LOCK, torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                        if event is not None:
+                            torch.cuda.current_stream().wait_event(event)
+                        where = self.shared.write(header[1], flats, lambda: self.error is not None)
+                        if stream is not None:
+                            stream.synchronize()
+                    if where is None:  # the run failed while the slot was still being read: it says why
+                        return
+                    comm.send_from((*header, *where), 0, roles.link)
+                    continue
                 comm.send_from(header, 0, roles.link)
                 if flats is not None:
                     # (no CUDA call of this thread while the update captures a graph: see gspo.runtime.CAPTURE_LOCK)
@@ -272,6 +381,8 @@ class RemotePipeline:
                     _, text, user = msg
                     raise UserError(text) if user else RuntimeError(f"a decode process failed: {text}")
                 _, j, version, batch, state, engine_wait, sync = msg
+                if self.shared is not None:  # (before the update can take the batch and publish the next version)
+                    self.shared.read_through(version)
                 with self.cond:
                     self.queue[j] = Queued(batch, version, engine_wait, sync)
                     self.arrived = j + 1
@@ -293,6 +404,7 @@ class Decoder:
         self.cfg, self.roles, self.runtime = cfg, roles, runtime
         self.engine, self.collector = build_sampler(cfg, runtime, roles.index)
         self.first = roles.index == 0
+        self.slots: dict[int, list[torch.Tensor]] = {}  # rollout.decode_gpu = 'shared': the slots mapped so far
 
     def run(self) -> None:
         """Until trainer 0 says stop."""
@@ -305,6 +417,7 @@ class Decoder:
                 order = comm.send_from(None, 0, roles.link)
                 waited, sync = time.perf_counter() - t0, 0.0
                 if order[0] == "stop":
+                    self.slots.clear()  # (unmapped before trainer 0, which owns them, frees them)
                     if self.first:
                         comm.send_from(("end",), roles.first_decoder, roles.batches)
                     return
@@ -314,13 +427,16 @@ class Decoder:
                     if saved is not None:
                         self._restore(saved)
                     continue
-                _, engine_version, meta = order
+                _, engine_version, meta, *where = order
                 t1 = time.perf_counter()
-                flats = [torch.empty(n, dtype=d, device=self._weights_device()) for d, n in _sizes(meta)]
-                for flat in flats:
-                    torch.distributed.broadcast(flat, src=0, group=roles.weights)
-                self.engine.sync_weights(unpack(meta, flats))
-                del flats
+                if where:
+                    self._load_shared(engine_version, meta, *where)
+                else:
+                    flats = [torch.empty(n, dtype=d, device=self._weights_device()) for d, n in _sizes(meta)]
+                    for flat in flats:
+                        torch.distributed.broadcast(flat, src=0, group=roles.weights)
+                    self.engine.sync_weights(unpack(meta, flats))
+                    del flats
                 sync = time.perf_counter() - t1
                 while j < total and max(j - eta, v0) == engine_version:
                     batch = c.collect()
@@ -342,6 +458,23 @@ class Decoder:
             raise
         finally:
             c.close()
+
+    def _load_shared(self, version: int, meta, slot: int, handles: list | None) -> None:
+        """Version ``version`` from :class:`SharedWeights`' slot ``slot`` into the engine (mapping the slot first when
+        ``handles`` come with it), its stamp checked before and after."""
+        if handles is not None:
+            self.slots[slot] = map_shared(handles)
+        *flats, stamp = self.slots[slot]
+        if self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)
+        before = int(stamp.item())
+        self.engine.sync_weights(unpack(meta, flats))
+        if self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)
+        after = int(stamp.item())
+        if before != version or after != version:
+            raise RuntimeError(f"shared weights slot {slot} held version {before} then {after} while this decode "
+                               f"process loaded version {version}: trainer 0 wrote it too soon")
 
     def _weights_device(self) -> torch.device:
         return self.runtime.device if self.runtime.device.type == "cuda" else torch.device("cpu")
@@ -371,7 +504,7 @@ def decode_if_mine(cfg) -> int | None:
     world, rank = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0)))
     if not cfg.rollout.decode_processes or world <= 1 or rank < world - cfg.rollout.decode_processes:
         return None  # (a trainer: the Trainer checks the layout)
-    runtime = Runtime.from_config(cfg.model)
+    runtime = Runtime.from_config(cfg.model, roles.placement(cfg))
     check_layout(cfg, roles.check(cfg, runtime.world_size))
     prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
     comm.init(runtime.device, cfg.dist.timeout_s, subgroups=True)
