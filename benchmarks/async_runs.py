@@ -2,7 +2,8 @@
 ``rollout.max_staleness`` values, one process at a time on one GPU, then a table of wall-clock and reward.
 
   python benchmarks/async_runs.py run --model /root/smollm2/model.gguf --out $OUT \\
-      --runs gspo:0:1,gspo:1:1,gspo:1:1:off [-- key=value ...]  # algorithm:eta:seed[:overlap[:nproc[:decode[:in_flight]]]]
+      --runs gspo:0:1,gspo:1:1,gspo:1:1:off [-- key=value ...]
+      # algorithm:eta:seed[:overlap[:nproc[:decode[:in_flight[:decode_gpu]]]]], e.g. gspo:1:1:thread:2:1:off:shared
   python benchmarks/async_runs.py table $OUT                       # prints the table, writes async_summary.json
 
 Per run: the process's and the loop's wall-clock (``timings.json``), the reward of the first and the last 10 rollout
@@ -28,19 +29,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_name(spec: str) -> tuple[str, list[str], int]:
-    """``algorithm:eta:seed[:overlap[:nproc[:decode[:in_flight]]]]`` -> the run's name, its overrides and its processes
-    (``nproc`` GPUs under ``gspo train --nproc``, ``decode`` of them decode processes; ``in_flight`` is
-    ``rollout.in_flight``)."""
+    """``algorithm:eta:seed[:overlap[:nproc[:decode[:in_flight[:decode_gpu]]]]]`` -> the run's name, its overrides and
+    its processes (``nproc`` processes under ``gspo train --nproc``, ``decode`` of them decode processes, each on a GPU
+    of its own or, with ``decode_gpu`` = ``shared``, on a trainer's; ``in_flight`` is ``rollout.in_flight``)."""
     algo, eta, seed, *rest = spec.split(":")
     overlap = rest[0] if rest else "thread"
     nproc = int(rest[1]) if len(rest) > 1 else 1
     decode = int(rest[2]) if len(rest) > 2 else 0
     in_flight = rest[3] if len(rest) > 3 else "off"
+    decode_gpu = rest[4] if len(rest) > 4 else "own"
     name = (f"{algo}_eta{eta}_s{seed}" + ("" if overlap == "thread" else f"_{overlap}")
             + (f"_n{nproc}" if nproc > 1 else "") + (f"_d{decode}" if decode else "")
-            + ("" if in_flight == "off" else f"_{in_flight}"))
+            + ("" if in_flight == "off" else f"_{in_flight}") + ("" if decode_gpu == "own" else f"_{decode_gpu}"))
     return name, [f"algorithm='{algo}'", f"rollout.max_staleness={eta}", f"rollout.overlap='{overlap}'", f"seed={seed}",
-                  f"rollout.decode_processes={decode}", f"rollout.in_flight='{in_flight}'"], nproc
+                  f"rollout.decode_processes={decode}", f"rollout.in_flight='{in_flight}'",
+                  f"rollout.decode_gpu='{decode_gpu}'"], nproc
 
 
 def gpu_busy(trace: Path) -> dict:
@@ -97,7 +100,10 @@ def cmd_run(a: argparse.Namespace) -> None:
         import torch
 
         card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-        card = card if nproc == 1 else f"{nproc} x {card}"
+        decoders = int(next(o for o in overrides if o.startswith("rollout.decode_processes=")).split("=")[1])
+        gpus = nproc - decoders if "rollout.decode_gpu='shared'" in overrides else nproc
+        card = card if gpus == 1 else f"{gpus} x {card}"
+        card += "" if gpus == nproc else f" ({nproc} processes)"
         (out / name / "meta.json").write_text(json.dumps({"name": name, "wall_s": round(wall, 1), "rc": rc,
                                                           "card": card, "command": " ".join(cmd)}, indent=1))
         print(f"[async] {name}: rc={rc} wall={wall:.0f}s", flush=True)
