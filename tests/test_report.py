@@ -517,6 +517,33 @@ def test_the_noise_figure_says_it_measured_the_base_model_on_one_batch_moved_off
     assert "measured on the base model tiny-base as the probe's model.name loaded it" in _figcaption(page, "noise.png")
 
 
+def test_runs_of_one_arm_with_other_settings_are_not_averaged_as_seeds(tmp_path):
+    """Two unlabelled gspo runs at other learning rates are two groups named by the setting that tells them apart; seeds
+    of one setting (that differ in how they logged and their GPU share) stay one group, averaged; a key an older run's
+    config lacks is no difference."""
+    import json
+
+    from gspo.commands.report import group_means, group_runs, key_metrics, load_runs
+
+    dirs = []
+    for name, lr, seed, extra in (("a1", 1e-6, 1, {}), ("a2", 1e-6, 2, {"rollout": {"decode_gpu": "own"}}),
+                                  ("b1", 5e-6, 1, {})):
+        d = _synthetic_run(tmp_path / name, "gspo", [0.1, 0.2])
+        config = json.loads((d / "config.json").read_text())
+        config.update(seed=seed, train={"lr": lr}, log={"progress": seed == 1}, model={"name": "tiny-base",
+                                                                                       "gpu_memory": 0.1 * seed},
+                      **extra)
+        (d / "config.json").write_text(json.dumps(config))
+        dirs.append(d)
+    runs = load_runs(dirs)
+    assert {k: [r.name for r in v] for k, v in group_runs(runs).items()} == {
+        "gspo (train.lr=1e-06)": ["a1", "a2"], "gspo (train.lr=5e-06)": ["b1"]}
+    means = group_means([key_metrics(r) for r in runs])
+    assert [m["run"] for m in means] == ["gspo (train.lr=1e-06) (mean of 2)", "gspo (train.lr=5e-06) (mean of 1)"]
+    same = load_runs(dirs[:2])  # seeds alone: the arm's own name
+    assert {r.algorithm for r in same} == {"gspo"}
+
+
 def test_arms_with_the_same_curve_stay_apart(tmp_path, monkeypatch):
     """Two arms with identical numbers differ in line style, marker and colour, the later one thinner and on top."""
     import gspo.commands.report as report

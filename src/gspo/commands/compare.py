@@ -99,7 +99,7 @@ def compare(config: str | None, overrides: list[str], arms: list[tuple[str, str,
             jobs: int = 1) -> int:
     """Train ``config`` under each arm (``(arm, preset, overrides)`` as :func:`parse_arm` reads them) and seed into
     ``<out>/<arm>-seed<seed>``, then write the report and print the key-metrics table; the exit code."""
-    from gspo.commands.report import group_means, key_metrics, load_run, metrics_table, write_report
+    from gspo.commands.report import group_means, key_metrics, load_runs, metrics_table, write_report
 
     run_dirs, todo = plan_runs(config, overrides, arms, seeds, out)
     code = train_concurrently(config, todo, out, jobs) if jobs > 1 else train_in_process(config, todo)
@@ -107,7 +107,7 @@ def compare(config: str | None, overrides: list[str], arms: list[tuple[str, str,
         return code
     names = ", ".join(arm for arm, _, _ in arms)
     page = write_report(run_dirs, out / "report", title=f"gspo compare: {names} x seeds {', '.join(map(str, seeds))}")
-    rows = [key_metrics(load_run(d)) for d in run_dirs]
+    rows = [key_metrics(run) for run in load_runs(run_dirs)]
     print(metrics_table(rows + group_means(rows), markdown=True))
     print(f"report: {page}")
     return 0

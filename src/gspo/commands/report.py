@@ -1,8 +1,10 @@
 """``gspo report``: the seeds' figures drawn from the user's own runs, as PNGs and one HTML page readable offline.
 
 Input: run directories (``metrics.jsonl``, ``config.json``; ``histograms.jsonl``, ``traces.jsonl`` and
-``probe_noise.json`` when present). Runs are grouped by algorithm; runs of one algorithm with different seeds are
-averaged, with a band from the lowest to the highest seed.
+``probe_noise.json`` when present). Runs are grouped by arm (``log.label``, else the algorithm and its arm suffixes);
+runs of one arm that differ only in their seed are averaged, with a band from the lowest to the highest seed. Runs of
+one arm with other settings too are not seeds of each other: each group's name gains the settings that tell them
+apart (``gspo (train.lr=1e-06)``).
 
 Figures (each saved as a PNG next to ``index.html``):
   1. reward vs optimizer step and vs wall-clock
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.commands.compare import arm_label
+from gspo.config import flatten
 from gspo.errors import UserError
 from gspo.runlog.metrics import mean_present, read_jsonl
 
@@ -97,6 +100,29 @@ def load_run(path: str | Path) -> Run:
     probe = json.loads((p / "probe_noise.json").read_text()) if (p / "probe_noise.json").exists() else None
     return Run(p, arm_label(config), int(config.get("seed", 0)), config, metrics, opt("histograms.jsonl"),
                opt("traces.jsonl"), probe)
+
+
+# settings that may differ between seeds of one arm: the seed, how the run logged, its share of a shared GPU, how long
+# its processes wait for each other
+_NOT_SETTINGS = ("seed", "log.", "model.gpu_memory", "dist.timeout_s")
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    """:func:`load_run` of each path, the runs of one arm that differ in more than their seed told apart: each such
+    run's arm gains the settings in which its arm's runs differ (keys a run's config.json lacks, written by an older
+    gspo, count as no difference)."""
+    runs = [load_run(p) for p in paths]
+    by_arm: dict[str, list[Run]] = {}
+    for run in runs:
+        by_arm.setdefault(run.algorithm, []).append(run)
+    for arm, members in by_arm.items():
+        settings = [{k: v for k, v in flatten(r.config).items() if not k.startswith(_NOT_SETTINGS)} for r in members]
+        common = set.intersection(*(set(s) for s in settings))
+        differ = sorted(k for k in common if len({json.dumps(s[k], sort_keys=True, default=str) for s in settings}) > 1)
+        for run, s in zip(members, settings):
+            if differ:
+                run.algorithm = f"{arm} ({', '.join(f'{k}={s[k]!r}' for k in differ)})"
+    return runs
 
 
 # --------------------------------------------------------------------------------------------- numbers
@@ -767,7 +793,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
 
     if not run_dirs:
         raise UserError("gspo report needs at least one run directory.")
-    runs = [load_run(d) for d in run_dirs]
+    runs = load_runs(run_dirs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
