@@ -544,6 +544,32 @@ def test_runs_of_one_arm_with_other_settings_are_not_averaged_as_seeds(tmp_path)
     assert {r.algorithm for r in same} == {"gspo"}
 
 
+def test_a_run_whose_old_log_probs_are_the_engines_counts_its_first_minibatch_as_off_policy(tmp_path):
+    """With train.old_logprobs = 'rollout' minibatch 0's ratio is the trainer's over the engine's, so its clipping is in
+    the run's numbers (and the depth figure draws k = 0); with recomputed log-probs minibatch 0 is on-policy."""
+    import json
+
+    from gspo.commands.report import key_metrics, load_runs
+
+    dirs = []
+    for name, old in (("recomputed", "recompute"), ("engine", "rollout")):
+        d = _synthetic_run(tmp_path / name, "gspo", [0.4, 0.4])
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, "train": {"old_logprobs": old}}))
+        rows = [{**r, "clip/token_total": 0.2} if r["minibatch"] == 0 else r for r in read_jsonl(d / "metrics.jsonl")]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        dirs.append(d)
+    recomputed, engine = load_runs(dirs)
+    assert key_metrics(recomputed)["clip_token"] == pytest.approx(0.4)
+    assert key_metrics(engine)["clip_token"] == pytest.approx(0.3)
+    assert engine.per_batch("clip/token_total", off_policy=True) == pytest.approx([0.3, 0.3])
+    for d in dirs:  # one minibatch per rollout batch: only the engine's run has off-policy steps to draw
+        rows = [r for r in read_jsonl(d / "metrics.jsonl") if r["minibatch"] == 0]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        page = write_report([d], tmp_path / f"report-{d.name}")
+        assert (page.parent / "minibatch_depth.png").exists() == (d.name == "engine")
+
+
 def test_arms_with_the_same_curve_stay_apart(tmp_path, monkeypatch):
     """Two arms with identical numbers differ in line style, marker and colour, the later one thinner and on top."""
     import gspo.commands.report as report

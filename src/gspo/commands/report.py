@@ -57,13 +57,19 @@ class Run:
             seen.setdefault(r["rollout_batch"], r)
         return [seen[k] for k in sorted(seen)]
 
+    def off_policy(self, row: dict[str, Any]) -> bool:
+        """Whether the step of metrics line (or histogram) ``row`` trained off-policy, so that its ratios can move and
+        its clip act: minibatches 1.. of a rollout batch, and every minibatch of a run whose π_old is the engine's
+        (``train.old_logprobs = "rollout"``: minibatch 0's ratio is then the trainer's over the engine's)."""
+        return row.get("minibatch", 0) > 0 or flatten(self.config).get("train.old_logprobs") == "rollout"
+
     def per_batch(self, key: str, off_policy: bool = False) -> list[float | None]:
-        """``key`` per rollout batch; with ``off_policy`` the mean over the batch's minibatches 1.. (None if none)."""
+        """``key`` per rollout batch; with ``off_policy`` the mean over the batch's off-policy steps (None if none)."""
         if not off_policy:
             return [b.get(key) for b in self.batches()]
         out: dict[int, list[float]] = {}
         for r in self.metrics:
-            if r.get("minibatch", 0) > 0 and r.get(key) is not None:
+            if self.off_policy(r) and r.get(key) is not None:
                 out.setdefault(r["rollout_batch"], []).append(r[key])
         return [sum(out[b]) / len(out[b]) if out.get(b) else None for b in sorted({r["rollout_batch"] for r in self.metrics})]
 
@@ -139,7 +145,7 @@ def _moving_mean(xs: list[float], k: int) -> list[float]:
 def key_metrics(run: Run) -> dict[str, Any]:
     """The seeds' "key metrics comparison" for one run.
 
-    - clipping: mean clipped fraction over the off-policy steps (minibatches 1..), per token and per sequence
+    - clipping: mean clipped fraction over the off-policy steps (:meth:`Run.off_policy`), per token and per sequence
     - final reward: mean over the last 10 rollout batches; best: the best 5-batch moving average
     - stability: the largest drop of the 5-batch moving average from its running maximum
     - entropy at the end: mean over the last rollout batch's steps; wall-clock of the training loop
@@ -150,7 +156,7 @@ def key_metrics(run: Run) -> dict[str, Any]:
     for x in smooth:
         peak = max(peak, x)
         drop = max(drop, peak - x)
-    off = [r for r in run.metrics if r.get("minibatch", 0) > 0]
+    off = [r for r in run.metrics if run.off_policy(r)]
 
     def mean(key: str, rows: list[dict[str, Any]]) -> float | None:
         return mean_present([r.get(key) for r in rows], empty=None)
@@ -320,7 +326,8 @@ def clipping_caption(groups: dict[str, list[Run]]) -> str:
                 zeros.append(f"{g} {what}: 0 in {sum(v <= 0 for v in y)} of {len(y)} batches")
     zero_text = (f"A log scale cannot draw 0; batches that clipped nothing sit on the dotted floor as \u25bd: "
                  f"{'; '.join(zeros)}." if zeros else "Every batch drawn clipped something.")
-    return ("Per rollout batch, the clipped fraction of its off-policy steps (minibatches after the first), mean over "
+    return ("Per rollout batch, the clipped fraction of its off-policy steps (minibatches after the first; every "
+            "minibatch of a run whose old log-probs are the engine's), mean over "
             "seeds, log scale: thick solid, of all tokens; thin dashed, drawn on top, the mean over sequences of each "
             "sequence's clipped share of its tokens (with a sequence-level ratio, the share of sequences clipped). "
             f"Means over the off-policy steps: {means}. {zero_text}")
@@ -349,7 +356,7 @@ def fig_clipping(plt, groups, styles, out: Path) -> Drawn:
 
 
 def _histogram_counts(run: Run) -> tuple[list[float], list[int], list[int]] | None:
-    rows = [h for h in run.histograms if h.get("minibatch", 0) > 0]
+    rows = [h for h in run.histograms if run.off_policy(h)]
     if not rows:
         return None
     edges = rows[0]["edges"]
@@ -622,10 +629,9 @@ def length_bins_seen(rows: list[dict[str, Any]]) -> list[str]:
 
 def fig_minibatch_depth(plt, groups, styles, out: Path) -> Drawn | None:
     """Off-policy depth: clipped fraction and ratio spread against the minibatch's index in its rollout batch (0 is
-    the on-policy step; k is k optimizer steps away from the policy that sampled), mean over steps and seeds. None
-    when no run has an off-policy step."""
-    depth = max((r.get("minibatch", 0) for runs in groups.values() for run in runs for r in run.metrics), default=0)
-    if depth < 1:
+    the on-policy step, drawn only for runs whose π_old is the engine's; k is k optimizer steps away from the policy
+    that sampled), mean over steps and seeds. None when no run has an off-policy step."""
+    if not any(run.off_policy(r) for runs in groups.values() for run in runs for r in run.metrics):
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     panels = (("clip/token_total", "clipped tokens"), ("ratio/token_std", "std of token ratios"),
@@ -633,7 +639,9 @@ def fig_minibatch_depth(plt, groups, styles, out: Path) -> Drawn | None:
     for ax, (key, what) in zip(axes, panels):
         lines = []
         for g, runs in groups.items():
-            pts = [(k, y) for k, y in minibatch_means(runs, key).items() if k > 0 and y is not None]
+            # (minibatch 0 too where the run's π_old is the engine's: Run.off_policy)
+            engine_old = any(run.off_policy({"minibatch": 0}) for run in runs)
+            pts = [(k, y) for k, y in minibatch_means(runs, key).items() if (k > 0 or engine_old) and y is not None]
             if pts:
                 lines.append(([p[0] for p in pts], [p[1] for p in pts], _label(g, runs),
                               styles[g]))
@@ -648,7 +656,7 @@ def fig_minibatch_depth(plt, groups, styles, out: Path) -> Drawn | None:
 def fig_by_length(plt, groups, styles, out: Path) -> Drawn | None:
     """By response length: clipped fraction and ratio spreads of each length bin (``bylen/<bin>/*``), mean over the
     off-policy steps and seeds. None unless responses fell in two or more bins."""
-    off = {g: [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0] for g, runs in groups.items()}
+    off = {g: [r for run in runs for r in run.metrics if run.off_policy(r)] for g, runs in groups.items()}
     names = length_bins_seen([r for rows in off.values() for r in rows])
     if len(names) < 2:
         return None
