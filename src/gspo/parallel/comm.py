@@ -81,17 +81,19 @@ def active() -> bool:
             and torch.distributed.get_world_size(group()) > 1)
 
 
-def init(device: torch.device, timeout_s: float, subgroups: bool = False) -> None:
+def init(device: torch.device, timeout_s: float, subgroups: bool = False, shared_gpus: bool = False) -> None:
     """Join the ``torchrun`` job (NCCL on GPUs, gloo on CPUs); a collective that waits longer than ``timeout_s``
     (a rank that crashed or hangs) fails instead of waiting forever. ``subgroups``: the job will make groups of some
     of its processes (decode processes): NCCL's communicator is then made at its first collective, not at once (bound
     to the device, torch 2.11 makes every later group by splitting it, a collective of every process, which the
-    processes outside a group never join: it hung)."""
+    processes outside a group never join: it hung). ``shared_gpus``: some processes share a GPU
+    (``rollout.decode_gpu = 'shared'``), which NCCL refuses within a group: the job's default group is gloo, and the
+    trainers make their NCCL group among themselves (:func:`gspo.parallel.roles.split`)."""
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" and not shared_gpus else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" and not subgroups else {}
     if device.type == "cuda":
         torch.cuda.set_device(device)

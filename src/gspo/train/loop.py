@@ -68,7 +68,8 @@ class Trainer:
         check_layout(cfg, roles.check(cfg, self.runtime.world_size))
         if self.runtime.world_size > 1:
             prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
-        comm.init(self.runtime.device, cfg.dist.timeout_s, subgroups=cfg.rollout.decode_processes > 0)
+        comm.init(self.runtime.device, cfg.dist.timeout_s, subgroups=cfg.rollout.decode_processes > 0,
+                  shared_gpus=roles.placement(cfg) is not None)
         # rollout.decode_processes: this process is one of the trainers, the job's first processes
         self.roles = roles.split(cfg, self.runtime.device)
         if self.roles is not None:

@@ -507,7 +507,7 @@ def decode_if_mine(cfg) -> int | None:
     runtime = Runtime.from_config(cfg.model, roles.placement(cfg))
     check_layout(cfg, roles.check(cfg, runtime.world_size))
     prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
-    comm.init(runtime.device, cfg.dist.timeout_s, subgroups=True)
+    comm.init(runtime.device, cfg.dist.timeout_s, subgroups=True, shared_gpus=cfg.rollout.decode_gpu == 'shared')
     mine = roles.split(cfg, runtime.device)
     runtime = dataclasses.replace(runtime, rank=mine.index, world_size=mine.decoders)
     # the first stop signal is the trainers' to act on (they finish the batch, checkpoint, and send stop)
