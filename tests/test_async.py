@@ -412,7 +412,7 @@ def test_bad_settings_are_refused_in_one_line(tiny_dir):  # noqa: F811
 
 def test_shared_gpus_place_each_decode_process_on_a_trainers_gpu(tiny_dir, monkeypatch):  # noqa: F811
     """rollout.decode_gpu = 'shared': trainer t on GPU t, decode process i on trainer i mod T's, each process capped at
-    its share of the GPU; one machine only."""
+    its share of the GPU; one machine only; on GPUs one trainer, without expandable segments."""
     from gspo.parallel.roles import placement
 
     cfg = tiny_config(tiny_dir, "rollout.max_staleness=1", "rollout.decode_processes=3", "rollout.decode_gpu='shared'")
@@ -427,58 +427,91 @@ def test_shared_gpus_place_each_decode_process_on_a_trainers_gpu(tiny_dir, monke
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(UserError, match="needs the whole job on one machine .* this job spans 5; set"):
         placement(cfg)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg.model.device = "cuda"  # on GPUs: one trainer only, and no expandable segments
+    with pytest.raises(UserError, match="built for one trainer on one GPU, and this job has 2 .*launch --nproc 4 for 1 "
+                                        "trainer \\+ 3 decode processes"):
+        placement(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert placement(cfg) == (0, 1 / 4)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(UserError, match="unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF"):
+        placement(cfg)
 
 
 def test_shared_weights_wait_for_a_slot_to_be_read_and_a_torn_slot_fails():
-    """SharedWeights: version v goes into slot v mod (eta + 2), stamped; writing a slot whose version the decode
-    processes have not loaded waits for read_through (or gives up when told to); a decode process reads a slot's
-    tensors through the handles, and a stamp that is not its version fails in one line."""
+    """SharedWeights: version v goes into slot v mod (eta + 1), stamped; a slot whose version the decode processes
+    have not loaded is reserved only after read_through says so (or not at all once the run failed); a decode process
+    reads a slot through its handles, and a slot written while it copies (or holding another version) fails in one
+    line."""
+    from types import SimpleNamespace
+
     from gspo.train.remote import Decoder, SharedWeights, map_shared, pack
 
-    shared = SharedWeights(eta=1, device=torch.device("cpu"))
-    try:
-        def version(v):
-            return pack([("w", torch.full((2, 3), float(v))), ("b", torch.full((4,), v, dtype=torch.bfloat16))])
+    def version(v):
+        return pack([("w", torch.full((2, 3), float(v))), ("b", torch.full((4,), v, dtype=torch.bfloat16))])
 
-        meta, flats = version(0)
+    shared = SharedWeights(eta=1, device=torch.device("cpu"), decoders=1)
+    try:
+        meta, _ = version(0)
         mapped = {}
-        for v in range(3):
-            slot, handles = shared.write(v, version(v)[1], failed=lambda: False)
-            assert slot == v and handles is not None
-            mapped[slot] = map_shared(handles)
+        for v in range(2):
+            slot = shared.reserve(v, failed=lambda: False)
+            handles = shared.write(v, slot, version(v)[1])
+            assert slot == v and len(handles) == 1
+            mapped[slot] = map_shared(handles[0])
             assert mapped[slot][-1].item() == v and torch.equal(mapped[slot][0], version(v)[1][0])
-        shared.read_through(1)  # versions 0 and 1 loaded: slot 0 may take version 3
-        assert shared.write(3, version(3)[1], failed=lambda: False) == (0, None)
-        assert mapped[0][-1].item() == 3 and mapped[0][0][0].item() == 3.0  # the decode process sees it
-        stop = threading.Event()
-        writer = threading.Thread(target=lambda: shared.write(5, version(5)[1], failed=stop.is_set))
-        writer.start()  # slot 2 holds version 2 until read_through says it was loaded
+        shared.read_through(0)  # version 0 loaded: slot 0 may take version 2
+        assert shared.reserve(2, failed=lambda: False) == 0
+        assert shared.write(2, 0, version(2)[1]) is None  # (mapped already)
+        assert mapped[0][-1].item() == 2 and mapped[0][0][0].item() == 2.0  # the decode process sees it
+        stop, got = threading.Event(), []
+        writer = threading.Thread(target=lambda: got.append(shared.reserve(3, failed=stop.is_set)))
+        writer.start()  # slot 1 holds version 1 until read_through says it was loaded
         writer.join(0.5)
-        assert writer.is_alive() and mapped[2][-1].item() == 2
-        shared.read_through(2)
+        assert writer.is_alive()
+        shared.read_through(1)
         writer.join(10)
-        assert not writer.is_alive() and mapped[2][-1].item() == 5
-        giving_up = threading.Thread(target=lambda: shared.write(8, version(8)[1], failed=stop.is_set))
-        giving_up.start()  # slot 2 again, version 5 not loaded: waits until the run fails
+        assert got == [1]
+        shared.write(3, 1, version(3)[1])
+        giving_up = threading.Thread(target=lambda: got.append(shared.reserve(4, failed=stop.is_set)))
+        giving_up.start()  # slot 0 again, version 2 not loaded: waits until the run fails
         giving_up.join(0.5)
         assert giving_up.is_alive()
         stop.set()
         giving_up.join(10)
-        assert not giving_up.is_alive() and mapped[2][-1].item() == 5  # gave up, wrote nothing
+        assert got == [1, None] and mapped[0][-1].item() == 2  # gave up, reserved nothing
 
         loaded = []
         decoder = Decoder.__new__(Decoder)
-        decoder.slots, decoder.runtime = dict(mapped), type("R", (), {"device": torch.device("cpu")})()
-        decoder.engine = type("E", (), {"sync_weights": lambda self, w: loaded.append(dict(w))})()
-        decoder._load_shared(3, meta, 0, None)
+        decoder.slots, decoder.roles = {}, SimpleNamespace(index=0)
+        decoder.runtime = SimpleNamespace(device=torch.device("cpu"))
+        decoder.engine = SimpleNamespace(sync_weights=lambda w: loaded.append({k: t.clone() for k, t in w}))
+        decoder._load_shared(3, meta, 1, [[*handles_of(shared, 1)]])
         assert loaded[-1]["w"][0, 0].item() == 3.0 and loaded[-1]["b"].dtype == torch.bfloat16
-        assert loaded[-1]["b"][0].item() == 3.0
-        with pytest.raises(RuntimeError, match="slot 0 held version 3 then 3 while this decode process loaded "
-                                               "version 6: trainer 0 wrote it too soon"):
-            decoder._load_shared(6, meta, 0, None)
+        with pytest.raises(RuntimeError, match="slot 1 held version 3 then 3 while this decode process loaded "
+                                               "version 5: trainer 0 wrote it too soon"):
+            decoder._load_shared(5, meta, 1, None)
+
+        def overwritten(weights):  # trainer 0 writes version 5 into the slot while the decode process copies it
+            shared.write(5, 1, version(5)[1])
+            loaded.append(dict(weights))
+
+        decoder.engine = SimpleNamespace(sync_weights=overwritten)
+        with pytest.raises(RuntimeError, match="slot 1 held version 3 then 5 while this decode process loaded "
+                                               "version 3: trainer 0 wrote it too soon"):
+            decoder._load_shared(3, meta, 1, None)
     finally:
         shared.close()
     assert not shared.dir.exists()
+
+
+def handles_of(shared, slot):
+    """The files of a CPU slot, as SharedWeights sends them the first time."""
+    buffers, stamp = shared.slots[slot]
+    return [(str(shared.dir / f"slot{slot}-{i}"), t.numel(), t.dtype) for i, t in enumerate([*buffers, stamp])]
 
 
 @pytest.mark.parametrize("strategy", ["ddp"])  # (FSDP2 trainers beside a collect: the decode-process tests)
@@ -568,12 +601,12 @@ def test_a_decode_process_computes_the_one_process_run(tiny_dir, tmp_path):  # n
     """rollout.decode_processes = 1 under torchrun (2 processes on gloo): process 1 only samples, process 0 only
     trains, the weights travel after every update. The same fixed lag, so the job writes the one-process run's metrics
     and samples bit for bit (eta = 2: two versions in flight), whether the weights travel by broadcast or through
-    shared memory (rollout.decode_gpu = 'shared': its slots are reused from version 4 on). A kill after step 4's
+    shared memory (rollout.decode_gpu = 'shared': its 3 slots are reused by versions 3 and 4). A kill after step 4's
     checkpoint resumes to it in one process (the checkpoint is a one-process run's, plus the decode processes'
     streams)."""
     from test_dist import _overrides, _torchrun, _train
 
-    args = ["rollout.max_staleness=2", "train.steps=10", "log.keep_checkpoints=10"]
+    args = ["rollout.max_staleness=2", "train.steps=14", "log.keep_checkpoints=10"]
     one, two, shared = tmp_path / "one", tmp_path / "two", tmp_path / "shared"
     done = _train(tmp_path, [sys.executable], _overrides(tiny_dir, *args), "--run-dir", str(one))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -586,7 +619,7 @@ def test_a_decode_process_computes_the_one_process_run(tiny_dir, tmp_path):  # n
                   str(two))
     assert done.returncode == 0, done.stderr[-3000:]
     assert (_lines(two), _samples(two)) == expected
-    assert [r["async/staleness_max"] for r in expected[0][::2]] == [0, 1, 2, 2, 2]
+    assert [r["async/staleness_max"] for r in expected[0][::2]] == [0, 1, 2, 2, 2, 2, 2]
     payload = torch.load(two / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
     assert [q.version for q in payload["async_queue"]] == [0, 1, 2]  # batches 2-4: what the decode process owed
     assert len(payload["decoder_generators"]) == 1
@@ -691,15 +724,16 @@ def test_a_lost_decode_process_ends_the_job_in_one_line_and_it_resumes(tiny_dir,
     check_run_dir(run, 8)
 
 
-def test_the_sentinel_rolls_back_a_job_with_a_decode_process(tiny_dir, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("decode_gpu", ["own", "shared"])
+def test_the_sentinel_rolls_back_a_job_with_a_decode_process(tiny_dir, tmp_path, decode_gpu):  # noqa: F811
     """A reward collapse in a job of 1 trainer + 1 decode process: the trainer takes the batches the decode process
     owes the abandoned timeline, restarts it from the checkpoint before the decline (its collect state with it), and
-    after the rollbacks the sentinel allows stops the job in its one line; nothing hangs. The weights travel through
+    after the rollbacks the sentinel allows stops the job in its one line; nothing hangs; by broadcast, and through
     shared memory (rollout.decode_gpu = 'shared'), whose slots every new timeline reuses."""
     from test_dist import _overrides, _torchrun, _train
 
     overrides = _overrides(tiny_dir, "train.steps=20", "rollout.max_staleness=1", "rollout.decode_processes=1",
-                           "rollout.decode_gpu='shared'", "sentinel.action='rollback'", "sentinel.reward_drop=0.5", "sentinel.window=1",
+                           f"rollout.decode_gpu='{decode_gpu}'", "sentinel.action='rollback'", "sentinel.reward_drop=0.5", "sentinel.window=1",
                            "log.keep_checkpoints=10",
                            "rewards.functions=[{path='trainer_rewards:declining_after_four'}]")
     done = _train(tmp_path, _torchrun(2), overrides, "--run-dir", str(tmp_path / "run"))

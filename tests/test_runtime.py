@@ -40,6 +40,7 @@ def test_a_process_past_the_last_gpu_is_refused_in_one_line(monkeypatch):
     assert resolve_device("auto", 0) == torch.device("cuda", 0)
     shares = []
     monkeypatch.setattr("gspo.runtime.limit_gpu_memory", lambda device, share: shares.append((device, share)))
+    monkeypatch.setattr("gspo.runtime.limit_cpu_threads", lambda device: None)  # (it would hold this process to 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     runtime = Runtime.from_config(ModelConfig(device="cuda"), (0, 0.5))
     assert runtime.device == torch.device("cuda", 0) and shares == [(torch.device("cuda", 0), 0.5)]

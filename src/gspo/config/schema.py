@@ -150,11 +150,12 @@ class RolloutConfig:
     the one-process run bit for bit. 0 (default): every process samples and trains. See docs/async.md."""
     decode_gpu: str = "own"
     """With ``rollout.decode_processes``: ``own`` (default) gives each decode process a GPU of its own (launch one
-    process per GPU); ``shared`` puts decode process i on trainer i's GPU (modulo the trainers), so one GPU holds a
-    trainer and a decode process (``gspo train --nproc 2`` on one GPU), and the weights reach the decode processes
-    through shared memory (CUDA IPC on GPUs, a mapped file on CPUs) instead of a broadcast. One machine only; without
-    ``model.gpu_memory`` each process on a GPU is capped at its share. Start NVIDIA's MPS daemon
-    (``nvidia-cuda-mps-control -d``) first, so that the two processes' kernels run at once instead of taking turns."""
+    process per GPU); ``shared`` puts the decode processes on the trainer's GPU, so one GPU holds a trainer and a
+    decode process (``gspo train --nproc 2`` on one GPU), and the weights reach them through shared memory (CUDA IPC
+    on GPUs, mapped files on CPUs) instead of a broadcast; trainer 0 keeps eta + 1 copies of the weights for it. One
+    machine, and on GPUs one trainer; without ``model.gpu_memory`` each process on the GPU is capped at an equal
+    share. Start NVIDIA's MPS daemon (``nvidia-cuda-mps-control -d``) first, so that the processes' kernels run at
+    once instead of taking turns. See docs/async.md."""
 
 
 @dataclass

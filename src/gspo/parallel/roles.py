@@ -68,7 +68,10 @@ def check(cfg, world: int) -> int:
 def placement(cfg) -> tuple[int, float] | None:
     """Under ``rollout.decode_gpu = 'shared'``: this process's GPU (trainer ``t`` on GPU ``t``, decode process ``i`` on
     trainer ``i mod T``'s) and the share of its memory each process on that GPU gets; None otherwise (one process per
-    GPU, ``LOCAL_RANK``'s). Refused in one line on more than one machine: shared memory does not cross machines."""
+    GPU, ``LOCAL_RANK``'s). Refused in one line on more than one machine (shared memory does not cross machines), with
+    more than one trainer on GPUs (every decode process would map trainer 0's GPU: a CUDA context there that no share
+    counts, and copies across GPUs) and with PyTorch's expandable segments (CUDA IPC cannot share them between
+    unrelated processes)."""
     import os
 
     k = cfg.rollout.decode_processes
@@ -80,6 +83,16 @@ def placement(cfg) -> tuple[int, float] | None:
                         f"its shared memory), and this job spans {world // int(os.environ['LOCAL_WORLD_SIZE'])}; set "
                         "rollout.decode_gpu = 'own', or launch on one machine.")
     trainers = world - k
+    on_gpus = cfg.model.device != "cpu" and torch.cuda.is_available()
+    if on_gpus and trainers > 1:
+        raise UserError(f"rollout.decode_gpu = 'shared' is built for one trainer on one GPU, and this job has {trainers} "
+                        "(every decode process would map trainer 0's GPU memory); launch "
+                        f"--nproc {1 + k} for 1 trainer + {k} decode process{'es' if k > 1 else ''}, or set "
+                        "rollout.decode_gpu = 'own' with a GPU per process.")
+    if on_gpus and "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower().replace(" ", ""):
+        raise UserError("rollout.decode_gpu = 'shared' hands the weights over by CUDA IPC, which PyTorch's expandable "
+                        "segments cannot do between the job's processes; unset expandable_segments in "
+                        "PYTORCH_CUDA_ALLOC_CONF, or set rollout.decode_gpu = 'own'.")
     gpu = rank if rank < trainers else (rank - trainers) % trainers
     return gpu, 1.0 / (1 + sum(1 for i in range(k) if i % trainers == gpu))
 

@@ -140,7 +140,8 @@ def out_of_memory(phase: str, step: Callable[[], int], newest_checkpoint: Callab
         share = gpu_memory_cap()
         if share is not None:  # the cap, not the GPU, may be what ran out
             knobs += (f", or give the run more than model.gpu_memory = {share} of the GPU (gspo compare --jobs sets it "
-                      "when runs share a GPU: run fewer at once)")
+                      "when runs share a GPU: run fewer at once; rollout.decode_gpu = 'shared' splits a GPU among its "
+                      "processes: set model.gpu_memory yourself)")
         raise UserError(f"The GPU ran out of memory in {phase} at step {step()}; lower {knobs}; {last}.") from e
 
 

@@ -163,7 +163,7 @@ def describe_run(cfg: Config, runtime: Runtime, run_dir: Path, resume: bool) -> 
     where = runtime.device.type if runtime.world_size == 1 else f"{runtime.world_size} x {runtime.device.type}"
     if r.decode_processes:
         where += f" + {r.decode_processes} decode process{'es' if r.decode_processes > 1 else ''}"
-        where += " on the trainers' GPUs" if r.decode_gpu == "shared" and runtime.device.type == "cuda" else ""
+        where += " on the trainer's GPU" if r.decode_gpu == "shared" and runtime.device.type == "cuda" else ""
     precision = precision_name(runtime.autocast)
     if runtime.device.type == "cpu" and cfg.model.precision == "auto":
         precision += " (this CPU has native bf16)" if runtime.autocast else " (this CPU has no native bf16)"

@@ -84,20 +84,22 @@ def _sizes(meta) -> list[tuple[torch.dtype, int]]:
 
 
 class SharedWeights:
-    """The weights' way to decode processes on the same machine (``rollout.decode_gpu = 'shared'``): ``eta + 2`` slots
-    of memory that trainer 0 writes and every decode process maps, version ``v`` in slot ``v mod (eta + 2)``, with the
-    version stamped after its tensors. On GPUs the slots are CUDA memory shared by IPC handles (NCCL refuses two
-    processes of one group on one GPU); on CPUs, files under /dev/shm mapped by both sides. Hand-written because no
-    library offers a ring of IPC buffers between two torchrun processes; torch provides the handles.
+    """The weights' way to decode processes on the same machine (``rollout.decode_gpu = 'shared'``): ``eta + 1`` slots
+    of memory that trainer 0 writes and every decode process maps, version ``v`` in slot ``v mod (eta + 1)``, with the
+    version stamped on it. On GPUs the slots are CUDA memory shared by IPC handles (NCCL refuses two processes of one
+    group on one GPU); on CPUs, files under /dev/shm mapped by both sides. Hand-written because no library offers a
+    ring of IPC buffers between two torchrun processes; torch provides the handles (one set per decode process: torch
+    counts each set's users).
 
     A slot is written again only once the decode processes are done with the version in it (:meth:`read_through`):
-    they load versions in order, and a batch sampled by version ``u`` tells that every version up to ``u`` was
-    loaded. The fixed lag keeps that from ever waiting (version ``v`` is published after batch ``v - 1``, which was
-    sampled by version ``v - 1 - eta`` at the newest), and a decode process checks the stamp before and after it
-    copies, so a slot overwritten too soon fails in one line instead of loading a mix of two versions."""
+    they load versions in order, and a batch sampled by version ``u`` tells that every version up to ``u`` was loaded.
+    The fixed lag keeps that from ever waiting: version ``v`` is published after batch ``v - 1``, sampled by version
+    ``v - 1 - eta`` or a later one, and slot ``v mod (eta + 1)`` held version ``v - 1 - eta``. A write clears the stamp
+    before it copies and stamps the version after, and a decode process reads the stamp before and after its copy, so
+    a slot written while it was read fails in one line instead of loading a mix of two versions."""
 
-    def __init__(self, eta: int, device: torch.device):
-        self.count, self.device = eta + 2, device
+    def __init__(self, eta: int, device: torch.device, decoders: int):
+        self.count, self.device, self.decoders = eta + 1, device, decoders
         self.slots: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}  # slot -> (flat buffers, stamp)
         self.pending: dict[int, int] = {}  # slot -> the version written there, not yet known to be loaded
         self.cond = threading.Condition()
@@ -106,10 +108,9 @@ class SharedWeights:
             self.dir = Path(tempfile.mkdtemp(prefix="gspo-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                              else None))
 
-    def write(self, v: int, flats: list[torch.Tensor], failed: Callable[[], bool]) -> tuple[int, list | None] | None:
-        """Version ``v``'s buffers into its slot (copies on the current stream, the stamp last); returns the slot and,
-        the first time it is used, the handles that map it. Waits while the version in that slot may still be
-        loading; None, having written nothing, when ``failed()`` says the run failed meanwhile."""
+    def reserve(self, v: int, failed: Callable[[], bool]) -> int | None:
+        """The slot version ``v`` goes into, once the version in it is loaded; None when ``failed()`` says the run
+        failed meanwhile."""
         slot = v % self.count
         with self.cond:
             while slot in self.pending:
@@ -117,16 +118,22 @@ class SharedWeights:
                     return None
                 self.cond.wait(1.0)
             self.pending[slot] = v
+        return slot
+
+    def write(self, v: int, slot: int, flats: list[torch.Tensor]) -> list | None:
+        """Version ``v``'s buffers into ``slot`` (:meth:`reserve`'s; copies on the current stream, the stamp cleared
+        first and set last); the first time the slot is used, the handles that map it, a set per decode process."""
         handles = None
         if slot not in self.slots:
             self.slots[slot], handles = self._allocate(slot, flats)
         buffers, stamp = self.slots[slot]
         if [(b.dtype, b.numel()) for b in buffers] != [(f.dtype, f.numel()) for f in flats]:
             raise RuntimeError("the policy's weights changed shape between two versions; shared slots cannot hold them")
+        stamp.fill_(-1)
         for buffer, flat in zip(buffers, flats):
             buffer.copy_(flat)
         stamp.fill_(v)
-        return slot, handles
+        return handles
 
     def read_through(self, version: int | None) -> None:
         """The decode processes loaded every version up to ``version`` (None: every version written, after they
@@ -146,10 +153,17 @@ class SharedWeights:
             from torch.multiprocessing.reductions import reduce_tensor
 
             tensors = [torch.empty(n, dtype=d, device=self.device) for d, n in specs]
-            handles = [reduce_tensor(t) for t in tensors]
+            handles = [[reduce_tensor(t) for t in tensors] for _ in range(self.decoders)]
         else:
-            handles = [(str(self.dir / f"slot{slot}-{i}"), n, d) for i, (d, n) in enumerate(specs)]
-            tensors = map_shared(handles)
+            need = sum(n * d.itemsize for d, n in specs) * (self.count - len(self.slots))
+            free = shutil.disk_usage(self.dir).free
+            if need > free:
+                raise UserError(f"rollout.decode_gpu = 'shared' needs {need / 2**20:.0f} MiB more in {self.dir.parent} "
+                                f"for the weights' slots, and it has {free / 2**20:.0f} MiB free; give it more (docker "
+                                "run --shm-size), or set rollout.decode_gpu = 'own'.")
+            files = [(str(self.dir / f"slot{slot}-{i}"), n, d) for i, (d, n) in enumerate(specs)]
+            tensors = map_shared(files)
+            handles = [files] * self.decoders
         tensors[-1].fill_(-1)
         return (tensors[:-1], tensors[-1]), handles
 
@@ -212,7 +226,7 @@ class RemotePipeline:
         self.eta, self.roles, self.weights, self.device = eta, roles, weights, device
         self.collector = collector
         # rollout.decode_gpu = 'shared': trainer 0 writes the weights into memory the decode processes map
-        self.shared = SharedWeights(eta, device) if shared and roles.rank == 0 else None
+        self.shared = SharedWeights(eta, device, roles.decoders) if shared and roles.rank == 0 else None
         self.cond = threading.Condition()
         self.sends: queue.Queue | None = queue.Queue() if roles.rank == 0 else None
         self.error: BaseException | None = None
@@ -343,15 +357,16 @@ class RemotePipeline:
             while True:
                 header, flats, event = self.sends.get()
                 if flats is not None and self.shared is not None:
+                    slot = self.shared.reserve(header[1], lambda: self.error is not None)
+                    if slot is None:  # the run failed while the slot was still being read: it says why
+                        return
                     with (CAPTURE_LOCK, torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                         if event is not None:
                             torch.cuda.current_stream().wait_event(event)
-                        where = self.shared.write(header[1], flats, lambda: self.error is not None)
+                        handles = self.shared.write(header[1], slot, flats)
                         if stream is not None:
                             stream.synchronize()
-                    if where is None:  # the run failed while the slot was still being read: it says why
-                        return
-                    comm.send_from((*header, *where), 0, roles.link)
+                    comm.send_from((*header, slot, handles), 0, roles.link)
                     continue
                 comm.send_from(header, 0, roles.link)
                 if flats is not None:
@@ -461,9 +476,9 @@ class Decoder:
 
     def _load_shared(self, version: int, meta, slot: int, handles: list | None) -> None:
         """Version ``version`` from :class:`SharedWeights`' slot ``slot`` into the engine (mapping the slot first when
-        ``handles`` come with it), its stamp checked before and after."""
+        ``handles`` come with it: this process's set), its stamp checked before and after."""
         if handles is not None:
-            self.slots[slot] = map_shared(handles)
+            self.slots[slot] = map_shared(handles[self.roles.index])
         *flats, stamp = self.slots[slot]
         if self.runtime.device.type == "cuda":
             torch.cuda.synchronize(self.runtime.device)
