@@ -520,29 +520,35 @@ def test_r3_records_the_appended_turns_inside_the_captured_extension(tokenizer):
     assert flips <= 0.03, flips
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_two_gpus_train_with_nccl_fsdp2_and_the_graph_engine(tmp_path, tokenizer, strategy):
-    """`gspo train --nproc 2` on two GPUs: NCCL, FSDP2 with bf16 compute (or DDP with the CUDA-graphed update), each
-    process's graph engine (fused decode step) fed the weights after every step; finite losses, an exactly-1
-    on-policy ratio, a checkpoint that loads, and a resume on the two GPUs to the end."""
+def _cuda_job(tmp_path, tokenizer) -> tuple[dict, list[str]]:
+    """The environment and the start of a `gspo train` command on a tiny model saved under ``tmp_path``, on CUDA."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
-
-    from test_faults import check_run_dir
 
     d = tmp_path / "tiny"
     tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).save_pretrained(d)
     tokenizer.save_pretrained(d)
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
-    base = [sys.executable, "-m", "gspo.cli", "train", f"model.name='{d}'", "model.device='cuda'",
-            "rollout.prompts_per_batch=8", "rollout.group_size=4", "rollout.max_new_tokens=16", "train.minibatches=2",
-            "rollout.engine='graph'", "rewards.workers=0", "rewards.functions=[{path='trainer_rewards:text_length'}]",
-            "log.progress=false", "log.checkpoint_every=1", f"dist.strategy='{strategy}'", "--nproc", "2",
-            "--run-dir", str(tmp_path / "run")]
+    return env, [sys.executable, "-m", "gspo.cli", "train", f"model.name='{d}'", "model.device='cuda'",
+                 "rollout.prompts_per_batch=8", "rollout.group_size=4", "rollout.max_new_tokens=16",
+                 "train.minibatches=2", "rollout.engine='graph'", "rewards.workers=0",
+                 "rewards.functions=[{path='trainer_rewards:text_length'}]", "log.progress=false"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_gpus_train_with_nccl_fsdp2_and_the_graph_engine(tmp_path, tokenizer, strategy):
+    """`gspo train --nproc 2` on two GPUs: NCCL, FSDP2 with bf16 compute (or DDP with the CUDA-graphed update), each
+    process's graph engine (fused decode step) fed the weights after every step; finite losses, an exactly-1
+    on-policy ratio, a checkpoint that loads, and a resume on the two GPUs to the end."""
+    import subprocess
+
+    from test_faults import check_run_dir
+
+    env, base = _cuda_job(tmp_path, tokenizer)
+    base += ["log.checkpoint_every=1", f"dist.strategy='{strategy}'", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
     first = subprocess.run([*base, "train.steps=4"], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     again = subprocess.run([*base, "train.steps=6", "--resume"], env=env, capture_output=True, text=True, timeout=300)
@@ -560,23 +566,12 @@ def test_a_decode_process_shares_one_gpu_with_its_trainer(tmp_path, tokenizer):
     trains every step, and its first batches are those of the one-process run of the same eta, including the ones the
     versions sent through IPC sampled (the same engine and stream on the same GPU; the updates may differ in the last
     bits, CUDA's atomics in the embedding's backward, which would take a token flip to show)."""
-    import os
     import subprocess
-    import sys
-    from pathlib import Path
 
     from test_faults import check_run_dir
 
-    d = tmp_path / "tiny"
-    tiny_llama(vocab_size=len(tokenizer), seed=0, init_std=0.3).save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
-    base = [sys.executable, "-m", "gspo.cli", "train", f"model.name='{d}'", "model.device='cuda'",
-            "rollout.prompts_per_batch=8", "rollout.group_size=4", "rollout.max_new_tokens=16", "train.minibatches=2",
-            "rollout.engine='graph'", "rewards.workers=0", "rewards.functions=[{path='trainer_rewards:text_length'}]",
-            "log.progress=false", "log.checkpoint_every=2", "rollout.max_staleness=1", "train.steps=16",
-            "log.samples_per_batch=1000"]
+    env, base = _cuda_job(tmp_path, tokenizer)
+    base += ["log.checkpoint_every=2", "rollout.max_staleness=1", "train.steps=16", "log.samples_per_batch=1000"]
     runs = {}
     for name, extra in (("one", []), ("shared", ["rollout.decode_processes=1", "rollout.decode_gpu='shared'",
                                                  "--nproc", "2"])):
