@@ -35,7 +35,7 @@ def test_a_process_past_the_last_gpu_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UserError, match="Process 1 of this machine would take GPU 1, and 1 are visible: .*--nproc 1.*"
-                                        "rollout.decode_gpu = 'shared'"):
+                                        "put them on its GPU with rollout.decode_gpu = 'shared'"):
         resolve_device("cuda", 1)
     assert resolve_device("auto", 0) == torch.device("cuda", 0)
     shares = []

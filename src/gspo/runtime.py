@@ -65,8 +65,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         if local_rank >= torch.cuda.device_count():
             raise UserError(f"Process {local_rank} of this machine would take GPU {local_rank}, and "
                             f"{torch.cuda.device_count()} are visible: launch as many processes as GPUs (gspo train "
-                            f"--nproc {torch.cuda.device_count()}), or, with rollout.decode_processes, put the decode "
-                            "processes on the trainers' GPUs with rollout.decode_gpu = 'shared'.")
+                            f"--nproc {torch.cuda.device_count()}), or, for one trainer and its decode processes "
+                            "(rollout.decode_processes), put them on its GPU with rollout.decode_gpu = 'shared'.")
         return torch.device("cuda", local_rank)
     return torch.device(name)
 

@@ -20,6 +20,7 @@ and, for multi-turn runs, their last logged conversations with the trained (samp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import json
 import math
@@ -57,11 +58,16 @@ class Run:
             seen.setdefault(r["rollout_batch"], r)
         return [seen[k] for k in sorted(seen)]
 
+    @functools.cached_property
+    def engine_old(self) -> bool:
+        """Whether the run's π_old is the engine's (``train.old_logprobs = "rollout"``)."""
+        return flatten(self.config).get("train.old_logprobs") == "rollout"
+
     def off_policy(self, row: dict[str, Any]) -> bool:
         """Whether the step of metrics line (or histogram) ``row`` trained off-policy, so that its ratios can move and
         its clip act: minibatches 1.. of a rollout batch, and every minibatch of a run whose π_old is the engine's
-        (``train.old_logprobs = "rollout"``: minibatch 0's ratio is then the trainer's over the engine's)."""
-        return row.get("minibatch", 0) > 0 or flatten(self.config).get("train.old_logprobs") == "rollout"
+        (minibatch 0's ratio is then the trainer's over the engine's)."""
+        return row.get("minibatch", 0) > 0 or self.engine_old
 
     def per_batch(self, key: str, off_policy: bool = False) -> list[float | None]:
         """``key`` per rollout batch; with ``off_policy`` the mean over the batch's off-policy steps (None if none)."""
@@ -640,7 +646,7 @@ def fig_minibatch_depth(plt, groups, styles, out: Path) -> Drawn | None:
         lines = []
         for g, runs in groups.items():
             # (minibatch 0 too where the run's π_old is the engine's: Run.off_policy)
-            engine_old = any(run.off_policy({"minibatch": 0}) for run in runs)
+            engine_old = any(run.engine_old for run in runs)
             pts = [(k, y) for k, y in minibatch_means(runs, key).items() if (k > 0 or engine_old) and y is not None]
             if pts:
                 lines.append(([p[0] for p in pts], [p[1] for p in pts], _label(g, runs),

@@ -69,7 +69,7 @@ class Trainer:
         if self.runtime.world_size > 1:
             prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
         comm.init(self.runtime.device, cfg.dist.timeout_s, subgroups=cfg.rollout.decode_processes > 0,
-                  shared_gpus=roles.placement(cfg) is not None)
+                  shared_gpus=cfg.rollout.decode_gpu == "shared")
         # rollout.decode_processes: this process is one of the trainers, the job's first processes
         self.roles = roles.split(cfg, self.runtime.device)
         if self.roles is not None:
