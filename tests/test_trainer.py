@@ -553,7 +553,9 @@ def test_out_of_memory_names_the_knob(tiny_dir, tmp_path, monkeypatch):
     t = Trainer(tiny_config(tiny_dir), tmp_path / "run2")
     monkeypatch.setattr(t, "update", oom)
     with pytest.raises(UserError, match=r"or give the run more than model.gpu_memory = 0.15 of the GPU \(gspo compare "
-                                        r"--jobs sets it when runs share a GPU: run fewer at once\); no checkpoint"):
+                                        r"--jobs sets it when runs share a GPU: run fewer at once; "
+                                        r"rollout.decode_gpu = 'shared' splits a GPU among its processes: set "
+                                        r"model.gpu_memory yourself\); no checkpoint"):
         t.train()
 
 
