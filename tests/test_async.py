@@ -691,12 +691,15 @@ def test_environments_and_routing_replay_collect_in_the_background_as_in_turn(ca
         assert all(r.get("moe/engine_flip_rate") is not None and r.get("moe/flip_rate") is not None for r in lines)
 
 
+@pytest.mark.parametrize("decode_gpu", ["own", "shared"])
 @pytest.mark.parametrize("fault", ["SIGSTOP"])  # (a killed process: test_dist's test, the same launcher path)
-def test_a_lost_decode_process_ends_the_job_in_one_line_and_it_resumes(tiny_dir, tmp_path, fault):  # noqa: F811
+def test_a_lost_decode_process_ends_the_job_in_one_line_and_it_resumes(tiny_dir, tmp_path, fault,  # noqa: F811
+                                                                       decode_gpu):
     """The decode process of `gspo train --nproc 2` (1 trainer + 1 decode process) is SIGSTOPped (it hangs) mid-run:
     the trainer gives up within dist.timeout_s (the groups the job makes wait that long, not torch's 30 minutes) and
-    the launcher's one line names the cause; --resume trains to the end with every step logged once, in one process
-    (the job's checkpoint is a one-process run's)."""
+    the launcher's one line names the cause, whether the weights travel by broadcast or through shared memory;
+    --resume trains to the end with every step logged once, in one process (the job's checkpoint is a one-process
+    run's, whichever way its weights travelled)."""
     import os
     import signal
 
@@ -704,7 +707,8 @@ def test_a_lost_decode_process_ends_the_job_in_one_line_and_it_resumes(tiny_dir,
 
     run = tmp_path / "run"
     overrides = _overrides(tiny_dir, "train.steps=8", "dist.timeout_s=10", "rollout.max_staleness=1")
-    proc, workers = _two_processes_after(tmp_path, run, [*overrides, "rollout.decode_processes=1"], lines=4)
+    proc, workers = _two_processes_after(tmp_path, run, [*overrides, "rollout.decode_processes=1",
+                                                         f"rollout.decode_gpu='{decode_gpu}'"], lines=4)
     os.kill(workers[1], getattr(signal, fault))  # process 1: the decode process
     if fault == "SIGSTOP":  # once the trainer has given up, end the hung one (torchrun would wait 30 s to)
         deadline = time.time() + 90

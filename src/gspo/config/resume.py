@@ -19,6 +19,7 @@ RESUMABLE = (
     "model.device", "model.gradient_checkpointing", "model.gpu_memory",
     "rollout.engine", "rollout.fused_step", "rollout.compact_rows", "rollout.vllm_gpu_memory", "rollout.overlap",
     "rollout.decode_processes",  # which processes sample: the same lag, checkpoints either way
+    "rollout.decode_gpu",  # where the decode processes run and how the weights reach them: the same numbers
     "rollout.in_flight",  # fresher weights within the lag's bound; the checkpoints hold the same keys either way
     "rewards.workers", "rewards.timeout_s", "env.workers", "env.timeout_s",
     "log.", "sentinel.",  # what is written and watched
