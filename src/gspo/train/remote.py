@@ -360,24 +360,15 @@ class RemotePipeline:
                     slot = self.shared.reserve(header[1], lambda: self.error is not None)
                     if slot is None:  # the run failed while the slot was still being read: it says why
                         return
-                    with (CAPTURE_LOCK, torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-                        if event is not None:
-                            torch.cuda.current_stream().wait_event(event)
+                    with _copying(stream, event):
                         handles = self.shared.write(header[1], slot, flats)
-                        if stream is not None:
-                            stream.synchronize()
                     comm.send_from((*header, slot, handles), 0, roles.link)
                     continue
                 comm.send_from(header, 0, roles.link)
                 if flats is not None:
-                    # (no CUDA call of this thread while the update captures a graph: see gspo.runtime.CAPTURE_LOCK)
-                    with (CAPTURE_LOCK, torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-                        if event is not None:
-                            torch.cuda.current_stream().wait_event(event)
+                    with _copying(stream, event):
                         for flat in flats:
                             torch.distributed.broadcast(flat, src=0, group=roles.weights)
-                        if stream is not None:
-                            stream.synchronize()
                 if header[0] == "stop":
                     return
         except BaseException as e:  # noqa: BLE001 -- raised in the trainer's thread
@@ -407,6 +398,19 @@ class RemotePipeline:
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+
+@contextlib.contextmanager
+def _copying(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None):
+    """Trainer 0's sending thread moving a version's buffers: on its own stream (``stream``; None on a CPU), after the
+    update's copy into them (``event``), finished on leaving; and with no CUDA call while the update captures a graph
+    (:data:`gspo.runtime.CAPTURE_LOCK`)."""
+    with CAPTURE_LOCK, (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        yield
+        if stream is not None:
+            stream.synchronize()
 
 
 class Decoder:
