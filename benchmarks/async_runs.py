@@ -28,10 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_name(spec: str) -> tuple[str, list[str], int]:
-    """``algorithm:eta:seed[:overlap[:nproc[:decode[:in_flight[:decode_gpu]]]]]`` -> the run's name, its overrides and
-    its processes (``nproc`` processes under ``gspo train --nproc``, ``decode`` of them decode processes, each on a GPU
-    of its own or, with ``decode_gpu`` = ``shared``, on a trainer's; ``in_flight`` is ``rollout.in_flight``)."""
+def run_name(spec: str) -> tuple[str, list[str], int, int]:
+    """``algorithm:eta:seed[:overlap[:nproc[:decode[:in_flight[:decode_gpu]]]]]`` -> the run's name, its overrides, its
+    processes and its GPUs (``nproc`` processes under ``gspo train --nproc``, ``decode`` of them decode processes, each
+    on a GPU of its own or, with ``decode_gpu`` = ``shared``, on a trainer's; ``in_flight`` is ``rollout.in_flight``)."""
     algo, eta, seed, *rest = spec.split(":")
     overlap = rest[0] if rest else "thread"
     nproc = int(rest[1]) if len(rest) > 1 else 1
@@ -43,7 +43,7 @@ def run_name(spec: str) -> tuple[str, list[str], int]:
             + ("" if in_flight == "off" else f"_{in_flight}") + ("" if decode_gpu == "own" else f"_{decode_gpu}"))
     return name, [f"algorithm='{algo}'", f"rollout.max_staleness={eta}", f"rollout.overlap='{overlap}'", f"seed={seed}",
                   f"rollout.decode_processes={decode}", f"rollout.in_flight='{in_flight}'",
-                  f"rollout.decode_gpu='{decode_gpu}'"], nproc
+                  f"rollout.decode_gpu='{decode_gpu}'"], nproc, nproc - decode if decode_gpu == "shared" else nproc
 
 
 def gpu_busy(trace: Path) -> dict:
@@ -81,7 +81,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for spec in a.runs.split(","):
-        name, overrides, nproc = run_name(spec)
+        name, overrides, nproc, gpus = run_name(spec)
         run_dir = Path(a.scratch) / name
         shutil.rmtree(run_dir, ignore_errors=True)
         cmd = [sys.executable, "-m", "gspo.cli", "train", str(ROOT / a.config), "--run-dir",
@@ -100,8 +100,6 @@ def cmd_run(a: argparse.Namespace) -> None:
         import torch
 
         card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-        decoders = int(next(o for o in overrides if o.startswith("rollout.decode_processes=")).split("=")[1])
-        gpus = nproc - decoders if "rollout.decode_gpu='shared'" in overrides else nproc
         card = card if gpus == 1 else f"{gpus} x {card}"
         card += "" if gpus == nproc else f" ({nproc} processes)"
         (out / name / "meta.json").write_text(json.dumps({"name": name, "wall_s": round(wall, 1), "rc": rc,
