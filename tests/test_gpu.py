@@ -560,12 +560,15 @@ def test_two_gpus_train_with_nccl_fsdp2_and_the_graph_engine(tmp_path, tokenizer
     assert all(r["dist/compute_max_s"] >= r["dist/compute_min_s"] > 0 for r in rows)
 
 
-def test_a_decode_process_shares_one_gpu_with_its_trainer(tmp_path, tokenizer):
-    """rollout.decode_gpu = 'shared' on one GPU: `gspo train --nproc 2`, the trainer and the decode process both on
-    cuda:0, the weights handed over through CUDA IPC slots (NCCL refuses two processes of a group on one GPU). The job
-    trains every step, and its first batches are those of the one-process run of the same eta, including the ones the
-    versions sent through IPC sampled (the same engine and stream on the same GPU; the updates may differ in the last
-    bits, CUDA's atomics in the embedding's backward, which would take a token flip to show)."""
+@pytest.mark.parametrize("decode_gpu", ["shared", pytest.param("own", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices"))])
+def test_a_decode_process_computes_the_one_process_run_on_gpus(tmp_path, tokenizer, decode_gpu):
+    """A decode process on GPUs, `gspo train --nproc 2`: with rollout.decode_gpu = 'shared' the trainer and the decode
+    process are both on cuda:0, the weights handed over through CUDA IPC slots (NCCL refuses two processes of a group
+    on one GPU); with 'own' the decode process is on cuda:1 and the weights are broadcast over NCCL. The job trains
+    every step, and its first batches are those of the one-process run of the same eta, including the ones sampled by
+    versions that only the hand-over brought (the same engine on the same kind of GPU; the updates may differ in the
+    last bits, CUDA's atomics in the embedding's backward, which would take a token flip to show)."""
     import subprocess
 
     from test_faults import check_run_dir
@@ -573,17 +576,18 @@ def test_a_decode_process_shares_one_gpu_with_its_trainer(tmp_path, tokenizer):
     env, base = _cuda_job(tmp_path, tokenizer)
     base += ["log.checkpoint_every=2", "rollout.max_staleness=1", "train.steps=16", "log.samples_per_batch=1000"]
     runs = {}
-    for name, extra in (("one", []), ("shared", ["rollout.decode_processes=1", "rollout.decode_gpu='shared'",
+    for name, extra in (("one", []), ("two", ["rollout.decode_processes=1", f"rollout.decode_gpu='{decode_gpu}'",
                                                  "--nproc", "2"])):
         runs[name] = tmp_path / name
         done = subprocess.run([*base, *extra, "--run-dir", str(runs[name])], env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-    rows = check_run_dir(runs["shared"], 16)
+    rows = check_run_dir(runs["two"], 16)
     assert all(r["loss"] is not None for r in rows)
-    # batches 2 and 3 are sampled by versions 1 and 2, which only IPC brought (its two slots reused from version 2)
+    # batches 2 and 3 are sampled by versions 1 and 2, which only the hand-over brought (IPC: its two slots reused
+    # from version 2)
     early = [[(r["rollout_batch"], r["completion"]) for r in read_jsonl(runs[n] / "samples.jsonl")
-              if r["rollout_batch"] < 4] for n in ("one", "shared")]
+              if r["rollout_batch"] < 4] for n in ("one", "two")]
     assert early[0] and early[0] == early[1]
 
 
