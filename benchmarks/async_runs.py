@@ -6,9 +6,10 @@
       # algorithm:eta:seed[:overlap[:nproc[:decode[:in_flight[:decode_gpu]]]]], e.g. gspo:1:1:thread:2:1:off:shared
   python benchmarks/async_runs.py table $OUT                       # prints the table, writes async_summary.json
 
-Per run: the process's and the loop's wall-clock (``timings.json``), the reward of the first and the last 10 rollout
-batches, the loop time at which the 5-batch running mean of the reward first reached ``--target`` (default 0.8),
-the staleness, and how long the actor and the engine waited for each other per batch. ``metrics.jsonl`` and
+Per run: the process's and the loop's wall-clock (``timings.json``), the first batch's time, the loop's median time
+per batch over the run's first third and over its last half, the reward of the first and the last 10 rollout batches,
+the loop time at which the 5-batch running mean of the reward first reached ``--target`` (default 0.8), the
+staleness, and how long the actor and the engine waited for each other per batch. ``metrics.jsonl`` and
 ``timings.json`` of each run are copied under ``--out/<name>/``.
 
 With ``log.profile_batch = b`` among the overrides, each run's profiled batch is also read from its Chrome trace: how
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -114,6 +116,11 @@ def summary(run: Path, target: float) -> dict:
     rewards = [r["reward/mean"] for r in first]
     # time/elapsed is logged after each optimizer step: a batch's reward is known once its first step is logged
     reached = None
+    # the loop's time per batch (between two batches' first logged steps), its median over the first third of the run
+    # (longer responses) and over the last half, where the one-off costs (the first batch, a graph captured for a new
+    # shape) do not weigh as they do in the loop's total
+    elapsed = [r["time/elapsed"] for r in first]
+    gaps = [b - a for a, b in zip(elapsed, elapsed[1:])]
     for i in range(4, len(first)):
         if sum(rewards[i - 4:i + 1]) / 5 >= target:
             reached = first[i]["time/elapsed"]
@@ -129,7 +136,10 @@ def summary(run: Path, target: float) -> dict:
 
     return {"name": run.name, "card": meta.get("card"), "process_s": meta.get("wall_s"),
             "loop_s": timings.get("loop_s"),
-            "batches": len(first), "reward_first": rewards[0], "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
+            "batches": len(first), "first_batch_s": elapsed[0],
+            "batch_s_first_third": statistics.median(gaps[:max(len(gaps) // 3, 1)]) if gaps else None,
+            "batch_s_last_half": statistics.median(gaps[len(gaps) // 2:]) if gaps else None,
+            "reward_first": rewards[0], "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
             "time_to_target_s": reached, "staleness_max": max((r.get("async/staleness_max", 0.0) for r in first)),
             "staleness_mean": mean("async/staleness_mean"), "swaps": mean("async/swaps"),
             "actor_wait_s": mean("async/actor_wait_s"), "engine_wait_s": mean("async/engine_wait_s"),
@@ -150,12 +160,15 @@ def cmd_table(a: argparse.Namespace) -> None:
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    print(f"| run | card | process | loop | reward first → last 10 | loop time to 5-batch mean {a.target} | "
+    print(f"| run | card | process | loop | first batch | loop per batch: first third / last half (median) | "
+          f"reward first → last 10 | loop time to 5-batch mean {a.target} | "
           "staleness | per batch: collect / old log-probs / updates | actor waits | engine waits | profiled batch: "
           "GPU busy, two streams at once |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out:
         print(f"| {r['name']} | {r['card']} | {f(r['process_s'], '.0f')} s | {f(r['loop_s'], '.1f')} s | "
+              f"{r['first_batch_s']:.1f} s | {f(r['batch_s_first_third'], '.3f')} / "
+              f"{f(r['batch_s_last_half'], '.3f')} s | "
               f"{r['reward_first']:.3f} → {r['reward_last10']:.3f} | {f(r['time_to_target_s'], '.1f')} s | "
               f"{r['staleness_max']:.0f} | {f(r['collect_s'], '.3f')} / {f(r['logprobs_s'], '.3f')} / "
               f"{f(r['update_s'], '.3f')} s | {f(r['actor_wait_s'], '.3f')} s | {f(r['engine_wait_s'], '.3f')} s | "
