@@ -9,7 +9,9 @@
 Per run: the process's and the loop's wall-clock (``timings.json``), the first batch's time, the loop's median time
 per batch over the run's first third and over its last half, the reward of the first and the last 10 rollout batches,
 the loop time at which the 5-batch running mean of the reward first reached ``--target`` (default 0.8), the
-staleness, and how long the actor and the engine waited for each other per batch. ``metrics.jsonl`` and
+staleness, and how long the actor and the engine waited for each other per batch (means, and medians after the first
+batch); the slowest batch after the first, every batch's reward and a digest of every step's loss (two runs that
+computed the same thing have the same). ``metrics.jsonl`` and
 ``timings.json`` of each run are copied under ``--out/<name>/``.
 
 With ``log.profile_batch = b`` among the overrides, each run's profiled batch is also read from its Chrome trace: how
@@ -19,6 +21,7 @@ engine's decode with the update's passes), written to ``--out/<name>/gpu_busy.js
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import statistics
@@ -132,6 +135,13 @@ def summary(run: Path, target: float) -> dict:
         vals = [r[key] for r in lines if key in r]
         return sum(vals) / len(vals) if vals else None
 
+    def waits(key):
+        vals = [r[key] for r in first[1:] if key in r]
+        if not vals:
+            return None
+        return {"after_first": statistics.median(vals), "first_third": statistics.median(vals[:max(len(vals) // 3, 1)]),
+                "last_half": statistics.median(vals[len(vals) // 2:])}
+
     off_policy = [r for r in rows if r.get("minibatch", 0) > 0]  # where ratios move and the clip acts
 
     return {"name": run.name, "card": meta.get("card"), "process_s": meta.get("wall_s"),
@@ -150,7 +160,15 @@ def summary(run: Path, target: float) -> dict:
             "entropy_last": first[-1].get("entropy"), "final_step": rows[-1]["step"],
             "memory_peak_gib": max((r["memory/peak_gib"] for r in rows if r.get("memory/peak_gib")), default=None),
             "explained_variance_last": first[-1].get("critic/explained_variance"),
-            "gpu_busy": json.loads((run / "gpu_busy.json").read_text()) if (run / "gpu_busy.json").exists() else None}
+            "gpu_busy": json.loads((run / "gpu_busy.json").read_text()) if (run / "gpu_busy.json").exists() else None,
+            # after the first batch (whose wait is the whole first collect): the median waits, over the same thirds
+            # and halves as the time per batch, and the slowest batch
+            "actor_wait_median_s": waits("async/actor_wait_s"), "engine_wait_median_s": waits("async/engine_wait_s"),
+            "slowest_batch": max(((i + 1, g) for i, g in enumerate(gaps)), key=lambda x: x[1], default=None),
+            "completion_len_last": first[-1].get("completion/len_mean"),
+            # to tell whether two runs computed the same thing: every batch's reward, and a digest of every step's loss
+            "rewards": rewards,
+            "losses_sha256": hashlib.sha256(repr([r.get("loss") for r in rows]).encode()).hexdigest()}
 
 
 def cmd_table(a: argparse.Namespace) -> None:
