@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from gspo.runlog.metrics import mean_present
-from gspo.commands.report import key_metrics, length_bins_seen, load_run, minibatch_means
+from gspo.commands.report import key_metrics, length_bins_seen, load_run, minibatch_means, name_arms
 
 
 def _mean(xs: list) -> float | None:
@@ -24,15 +24,14 @@ def _mean(xs: list) -> float | None:
 
 def _runs(dirs: list[str]) -> dict[str, list]:
     """Finished runs (every optimizer step of their config logged) by arm, the label compare gave them, in the order
-    met; an arm found in two of ``dirs`` is two arms, ``<dir>/<arm>``."""
+    met; an arm found in two of ``dirs`` is two arms, ``<dir>/<arm>``, and an arm's runs that differ in more than their
+    seed are arms of their own, named by the settings that differ (as the report names them)."""
     found: dict[tuple[str, str], list] = {}
     for d in dirs:
-        for run_dir in sorted(Path(d).glob("*-seed*")):
-            if ".incomplete-" in run_dir.name or not (run_dir / "metrics.jsonl").exists():
-                continue
-            run = load_run(run_dir)
-            if run.metrics[-1]["step"] < run.config.get("train", {}).get("steps", 0):
-                continue
+        runs = [load_run(r) for r in sorted(Path(d).glob("*-seed*"))
+                if ".incomplete-" not in r.name and (r / "metrics.jsonl").exists()]
+        finished = [r for r in runs if r.metrics[-1]["step"] >= r.config.get("train", {}).get("steps", 0)]
+        for run in name_arms(finished):
             found.setdefault((Path(d).name, run.algorithm), []).append(run)
     labels = [arm for _, arm in found]
     return {(arm if labels.count(arm) == 1 else f"{d}/{arm}"): runs for (d, arm), runs in found.items()}

@@ -73,9 +73,9 @@ def _decode(values: list, f32: bool) -> list:
 
 
 def pack(run_dirs: list[str], out: str, title: str, keys: set[str] | None = None) -> dict:
-    from gspo.commands.report import _pick_trace, group_runs, load_run
+    from gspo.commands.report import _pick_trace, group_runs, load_runs
 
-    runs = [load_run(d) for d in run_dirs]
+    runs = load_runs(run_dirs)  # an arm's runs that differ in more than their seed are told apart, as the report does
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise SystemExit(f"two runs share a directory name ({names}); the report names runs by it")

@@ -271,13 +271,16 @@ def test_compare_arms_parse_and_refuse_unknown_suffixes(tmp_path):
 def test_by_length_figure_and_experiment_summary_from_length_bins(tmp_path, capsys):
     """Runs whose responses fall in two length bins get the by-length figure; benchmarks/experiments_summary.py gives
     each arm's row, its per-minibatch rows and its per-bin rows (responses counted, values averaged over the
-    off-policy steps)."""
+    off-policy steps); an arm's runs that differ in more than their seed are arms of their own there, as in the
+    report."""
     import json
+    import shutil
 
     for arm, clip in (("grpo", 0.01), ("gspo", 0.3)):
         d = tmp_path / "cmp" / f"{arm}-seed1"
         d.mkdir(parents=True)
-        (d / "config.json").write_text(json.dumps({"algorithm": arm, "seed": 1, "log": {"label": arm}}))
+        (d / "config.json").write_text(json.dumps({"algorithm": arm, "seed": 1, "log": {"label": arm},
+                                                   "train": {"lr": 1e-6}}))
         rows = []
         for step in range(1, 9):
             mb = (step - 1) % 2
@@ -299,6 +302,12 @@ def test_by_length_figure_and_experiment_summary_from_length_bins(tmp_path, caps
     assert [(b["bin"], b["responses"]) for b in bins] == [("0-63", 12), ("64-127", 20)]  # 4 off-policy steps
     assert bins[1]["ratio_token_std"] == pytest.approx(0.04)
     assert [r["minibatch"] for r in mod.depth_rows("grpo", arms["grpo"])] == [0, 1]
+    other = tmp_path / "cmp" / "gspo-seed2"
+    shutil.copytree(tmp_path / "cmp" / "gspo-seed1", other)
+    (other / "config.json").write_text(json.dumps({"algorithm": "gspo", "seed": 2, "log": {"label": "gspo"},
+                                                   "train": {"lr": 5e-6}}))
+    assert {a: len(r) for a, r in mod._runs([str(tmp_path / "cmp")]).items()} == {
+        "grpo": 1, "gspo (train.lr=1e-06)": 1, "gspo (train.lr=5e-06)": 1}
 
 
 def test_packed_runs_come_back_bit_for_bit(tmp_path):

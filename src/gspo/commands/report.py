@@ -120,10 +120,14 @@ _NOT_SETTINGS = ("seed", "log.", "model.gpu_memory", "dist.timeout_s")
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
-    """:func:`load_run` of each path, the runs of one arm that differ in more than their seed told apart: each such
-    run's arm gains the settings in which its arm's runs differ (keys a run's config.json lacks, written by an older
-    gspo, count as no difference)."""
-    runs = [load_run(p) for p in paths]
+    """:func:`load_run` of each path, the runs of one arm that differ in more than their seed told apart
+    (:func:`name_arms`)."""
+    return name_arms([load_run(p) for p in paths])
+
+
+def name_arms(runs: list[Run]) -> list[Run]:
+    """The runs of one arm that differ in more than their seed told apart: each such run's arm gains the settings in
+    which its arm's runs differ (keys a run's config.json lacks, written by an older gspo, count as no difference)."""
     by_arm: dict[str, list[Run]] = {}
     for run in runs:
         by_arm.setdefault(run.algorithm, []).append(run)
