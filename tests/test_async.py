@@ -691,24 +691,27 @@ def test_environments_and_routing_replay_collect_in_the_background_as_in_turn(ca
         assert all(r.get("moe/engine_flip_rate") is not None and r.get("moe/flip_rate") is not None for r in lines)
 
 
-@pytest.mark.parametrize("decode_gpu", ["own", "shared"])
+@pytest.mark.parametrize(("decode_gpu", "steps", "lines"), [("own", 16, 4), ("shared", 8, 7)],
+                         ids=["own-mid-run", "shared-at-the-end"])
 @pytest.mark.parametrize("fault", ["SIGSTOP"])  # (a killed process: test_dist's test, the same launcher path)
 def test_a_lost_decode_process_ends_the_job_in_one_line_and_it_resumes(tiny_dir, tmp_path, fault,  # noqa: F811
-                                                                       decode_gpu):
-    """The decode process of `gspo train --nproc 2` (1 trainer + 1 decode process) is SIGSTOPped (it hangs) mid-run:
-    the trainer gives up within dist.timeout_s (the groups the job makes wait that long, not torch's 30 minutes) and
-    the launcher's one line names the cause, whether the weights travel by broadcast or through shared memory;
-    --resume trains to the end with every step logged once, in one process (the job's checkpoint is a one-process
-    run's, whichever way its weights travelled)."""
+                                                                       decode_gpu, steps, lines):
+    """The decode process of `gspo train --nproc 2` (1 trainer + 1 decode process) is SIGSTOPped (it hangs): the
+    trainer gives up within dist.timeout_s (the groups the job makes wait that long, not torch's 30 minutes) and the
+    launcher's one line names the cause, whether the weights travel by broadcast or through shared memory; --resume
+    trains to the end with every step logged once, in one process (the job's checkpoint is a one-process run's,
+    whichever way its weights travelled). Mid-run (batches 4-7 still owed), and at the end: once the last batch is
+    in (line 7 of 8, before the final checkpoint and the stop order) the decode process has nothing left to send but
+    its word that it stopped, and the trainer used to finish without it, leaving torchrun waiting for it for ever."""
     import os
     import signal
 
     from test_dist import _overrides, _train, _two_processes_after, check_run_dir
 
     run = tmp_path / "run"
-    overrides = _overrides(tiny_dir, "train.steps=8", "dist.timeout_s=10", "rollout.max_staleness=1")
+    overrides = _overrides(tiny_dir, f"train.steps={steps}", "dist.timeout_s=10", "rollout.max_staleness=1")
     proc, workers = _two_processes_after(tmp_path, run, [*overrides, "rollout.decode_processes=1",
-                                                         f"rollout.decode_gpu='{decode_gpu}'"], lines=4)
+                                                         f"rollout.decode_gpu='{decode_gpu}'"], lines=lines)
     os.kill(workers[1], getattr(signal, fault))  # process 1: the decode process
     if fault == "SIGSTOP":  # once the trainer has given up, end the hung one (torchrun would wait 30 s to)
         deadline = time.time() + 90
@@ -725,7 +728,7 @@ def test_a_lost_decode_process_ends_the_job_in_one_line_and_it_resumes(tiny_dir,
     again = _train(tmp_path, [sys.executable], [*overrides, f"rollout.decode_processes={int(fault == 'SIGKILL')}"],
                    "--resume", "--run-dir", str(run), *(["--nproc", "2"] if fault == "SIGKILL" else []))
     assert again.returncode == 0, again.stderr[-3000:]
-    check_run_dir(run, 8)
+    check_run_dir(run, steps)
 
 
 @pytest.mark.parametrize("decode_gpu", ["own", "shared"])

@@ -294,7 +294,9 @@ class RemotePipeline:
 
     def close(self, timeout: float | None = None) -> None:
         """The end of the run: the decode processes finish what they owe and stop. ``timeout``: the run failed; wait
-        at most that long for anything."""
+        at most that long for anything. At the end of a run that did not fail, a decode process that never says it
+        stopped (its ``end`` did not come within dist.timeout_s) fails the run as a lost process does mid-run: the
+        trainers finishing without it would leave torchrun waiting for it for ever."""
         if self.receiver is None:
             return
         try:
@@ -308,6 +310,8 @@ class RemotePipeline:
             self.receiver = None
             if self.shared is not None:
                 self.shared.close()
+        if timeout is None and self.error is not None:
+            raise self.error
 
     # ------------------------------------------------------------------------------------------ internals
 
