@@ -97,6 +97,24 @@ def placement(cfg) -> tuple[int, float] | None:
     return gpu, 1.0 / (1 + sum(1 for i in range(k) if i % trainers == gpu))
 
 
+def join(cfg, runtime=None):
+    """This process's start in a job, the same for a trainer and a decode process: its runtime (``runtime``, or the
+    one the config and :func:`placement` give), the job's layout checked, the model's files prepared before the job
+    is joined (a GGUF converted: transformers writes them from the job's first process only), the job joined
+    (:func:`comm.init`) and the roles split (:func:`split`). Returns ``(runtime, roles)``."""
+    from gspo.models.load import prepare as prepare_model_files
+    from gspo.parallel.strategy import check_layout
+    from gspo.runtime import Runtime
+
+    runtime = runtime or Runtime.from_config(cfg.model, placement(cfg))
+    check_layout(cfg, check(cfg, runtime.world_size))
+    if runtime.world_size > 1:
+        prepare_model_files(cfg.model.name)
+    comm.init(runtime.device, cfg.dist.timeout_s, subgroups=cfg.rollout.decode_processes > 0,
+              shared_gpus=cfg.rollout.decode_gpu == "shared")
+    return runtime, split(cfg, runtime.device)
+
+
 _ROLES: Roles | None = None
 
 

@@ -29,9 +29,7 @@ from gspo.checkpoint import complete_checkpoints
 from gspo.config import Config
 from gspo.errors import STOPPED_FILE, RunStopped, UserError
 from gspo.runlog.metrics import read_jsonl, replace_atomically
-from gspo.models.load import prepare as prepare_model_files
 from gspo.parallel import comm, roles
-from gspo.parallel.strategy import check_layout
 from gspo.runlog.profiler import BatchProfiler, stage
 from gspo.rollout import rounded_weights
 from gspo.runlog import RunLog
@@ -64,14 +62,8 @@ class Trainer:
         self.started = started
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.runtime = runtime or Runtime.from_config(cfg.model, roles.placement(cfg))
-        check_layout(cfg, roles.check(cfg, self.runtime.world_size))
-        if self.runtime.world_size > 1:
-            prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
-        comm.init(self.runtime.device, cfg.dist.timeout_s, subgroups=cfg.rollout.decode_processes > 0,
-                  shared_gpus=cfg.rollout.decode_gpu == "shared")
         # rollout.decode_processes: this process is one of the trainers, the job's first processes
-        self.roles = roles.split(cfg, self.runtime.device)
+        self.runtime, self.roles = roles.join(cfg, runtime)
         if self.roles is not None:
             if self.roles.decoding:
                 raise UserError(f"Process {self.roles.rank} is a decode process (rollout.decode_processes): start the "

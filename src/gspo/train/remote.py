@@ -518,20 +518,13 @@ def decode_if_mine(cfg) -> int | None:
     say so); None in a trainer, or in a job without decode processes."""
     import dataclasses
 
-    from gspo.models.load import prepare as prepare_model_files
     from gspo.parallel import roles
-    from gspo.parallel.strategy import check_layout
-    from gspo.runtime import Runtime
     from gspo.train.guards import StopSignals
 
     world, rank = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0)))
     if not cfg.rollout.decode_processes or world <= 1 or rank < world - cfg.rollout.decode_processes:
         return None  # (a trainer: the Trainer checks the layout)
-    runtime = Runtime.from_config(cfg.model, roles.placement(cfg))
-    check_layout(cfg, roles.check(cfg, runtime.world_size))
-    prepare_model_files(cfg.model.name)  # a GGUF converted before the job is joined (see the function)
-    comm.init(runtime.device, cfg.dist.timeout_s, subgroups=True, shared_gpus=cfg.rollout.decode_gpu == 'shared')
-    mine = roles.split(cfg, runtime.device)
+    runtime, mine = roles.join(cfg)
     runtime = dataclasses.replace(runtime, rank=mine.index, world_size=mine.decoders)
     # the first stop signal is the trainers' to act on (they finish the batch, checkpoint, and send stop)
     with StopSignals(lambda: "decoding") as stop:
