@@ -65,7 +65,7 @@ def depth_rows(arm: str, runs: list) -> list[dict]:
 
 
 def length_rows(arm: str, runs: list) -> list[dict]:
-    off = [r for run in runs for r in run.metrics if r.get("minibatch", 0) > 0]
+    off = [r for run in runs for r in run.metrics if run.off_policy(r)]  # as the report's by-length figure
     return [{"arm": arm, "bin": n, "responses": int(sum(r.get(f"bylen/{n}/seqs") or 0 for r in off)),
              **{key: _mean([r.get(f"bylen/{n}/{key}") for r in off])
                 for key in ("clip_token", "ratio_token_std", "ratio_seq_std")}}

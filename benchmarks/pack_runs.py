@@ -85,7 +85,7 @@ def pack(run_dirs: list[str], out: str, title: str, keys: set[str] | None = None
     packed = []
     for run in runs:
         hist = [{k: h[k] for k in ("minibatch", "edges", "token", "seq")} for h in run.histograms
-                if h.get("minibatch", 0) > 0] if id(run) in first_of_arm else []
+                if run.off_policy(h)] if id(run) in first_of_arm else []  # those the report draws
         traces = [picked[1]] if picked and any(t is picked[1] for t in run.traces) else []
         kept = [k for k in dict.fromkeys(k for r in run.metrics for k in r)
                 if (k in keys if keys else k in KEYS or k.startswith(PREFIXES))]

@@ -308,6 +308,11 @@ def test_by_length_figure_and_experiment_summary_from_length_bins(tmp_path, caps
                                                    "train": {"lr": 5e-6}}))
     assert {a: len(r) for a, r in mod._runs([str(tmp_path / "cmp")]).items()} == {
         "grpo": 1, "gspo (train.lr=1e-06)": 1, "gspo (train.lr=5e-06)": 1}
+    # with the engine's log-probs as pi_old every step is off-policy (Run.off_policy): the bins count all 8
+    (other / "config.json").write_text(json.dumps({"algorithm": "gspo", "seed": 2, "log": {"label": "gspo"},
+                                                   "train": {"lr": 5e-6, "old_logprobs": "rollout"}}))
+    engine_old = mod._runs([str(tmp_path / "cmp")])["gspo (train.lr=5e-06)"]
+    assert [(b["bin"], b["responses"]) for b in mod.length_rows("gspo", engine_old)] == [("0-63", 24), ("64-127", 40)]
 
 
 def test_packed_runs_come_back_bit_for_bit(tmp_path):
