@@ -456,12 +456,12 @@ def test_shared_weights_wait_for_a_slot_to_be_read_and_a_torn_slot_fails():
     shared = SharedWeights(eta=1, device=torch.device("cpu"), decoders=1)
     try:
         meta, _ = version(0)
-        mapped = {}
+        mapped, sent = {}, {}  # each slot's view, and the handles written with it the first time
         for v in range(2):
             slot = shared.reserve(v, failed=lambda: False)
-            handles = shared.write(v, slot, version(v)[1])
-            assert slot == v and len(handles) == 1
-            mapped[slot] = map_shared(handles[0])
+            sent[slot] = shared.write(v, slot, version(v)[1])
+            assert slot == v and len(sent[slot]) == 1
+            mapped[slot] = map_shared(sent[slot][0])
             assert mapped[slot][-1].item() == v and torch.equal(mapped[slot][0], version(v)[1][0])
         shared.read_through(0)  # version 0 loaded: slot 0 may take version 2
         assert shared.reserve(2, failed=lambda: False) == 0
@@ -489,7 +489,7 @@ def test_shared_weights_wait_for_a_slot_to_be_read_and_a_torn_slot_fails():
         decoder.slots, decoder.roles = {}, SimpleNamespace(index=0)
         decoder.runtime = SimpleNamespace(device=torch.device("cpu"))
         decoder.engine = SimpleNamespace(sync_weights=lambda w: loaded.append({k: t.clone() for k, t in w}))
-        decoder._load_shared(3, meta, 1, [[*handles_of(shared, 1)]])
+        decoder._load_shared(3, meta, 1, sent[1])
         assert loaded[-1]["w"][0, 0].item() == 3.0 and loaded[-1]["b"].dtype == torch.bfloat16
         with pytest.raises(RuntimeError, match="slot 1 held version 3 then 3 while this decode process loaded "
                                                "version 5: trainer 0 wrote it too soon"):
@@ -506,12 +506,6 @@ def test_shared_weights_wait_for_a_slot_to_be_read_and_a_torn_slot_fails():
     finally:
         shared.close()
     assert not shared.dir.exists()
-
-
-def handles_of(shared, slot):
-    """The files of a CPU slot, as SharedWeights sends them the first time."""
-    buffers, stamp = shared.slots[slot]
-    return [(str(shared.dir / f"slot{slot}-{i}"), t.numel(), t.dtype) for i, t in enumerate([*buffers, stamp])]
 
 
 @pytest.mark.parametrize("strategy", ["ddp"])  # (FSDP2 trainers beside a collect: the decode-process tests)
