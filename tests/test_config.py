@@ -138,7 +138,7 @@ def test_shipped_configs_build(tmp_path):
     import re
     import shlex
 
-    from gspo.commands.compare import parse_arm
+    from gspo.commands.arms import parse_arm
 
     paths = sorted(pathlib.Path(__file__).parent.parent.joinpath("configs").rglob("*.toml"))
     assert any("experiments" in p.parts for p in paths)

@@ -237,7 +237,7 @@ def test_moe_runs_get_arm_labels_a_flip_figure_and_summary_numbers(tmp_path, cap
 
 
 def test_compare_arms_parse_and_refuse_unknown_suffixes(tmp_path):
-    from gspo.commands.compare import arm_label, parse_arm
+    from gspo.commands.arms import arm_label, parse_arm
     from gspo.config import Config, build_config
     from gspo.errors import UserError
 

@@ -205,7 +205,7 @@ def _int_list(text: str) -> list[int]:
 def _presets(text: str) -> list[tuple[str, str, dict]]:
     """Comparison arms: presets, each optionally with "+"-suffixes (``grpo+r2``: GRPO with Routing Replay R2), as
     ``(arm, preset, overrides)``."""
-    from gspo.commands.compare import ARM_SUFFIX_NAMES, parse_arm
+    from gspo.commands.arms import ARM_SUFFIX_NAMES, parse_arm
     from gspo.config import PRESETS
 
     try:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gspo.commands.compare import arm_label
+from gspo.commands.arms import arm_label
 from gspo.config import flatten
 from gspo.errors import UserError
 from gspo.runlog.metrics import mean_present, read_jsonl
