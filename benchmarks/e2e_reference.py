@@ -1,8 +1,8 @@
 """End-to-end reference runs: gspo's algorithms and TRL's GRPOTrainer on the "a + b" task, side by side.
 
-Reference settings (../shared/BENCHMARKS.md): SmolLM2-135M-Instruct, a, b in 1..20, 32 prompts x 8 completions,
-4 minibatches of 64, 128 new tokens, temperature 1, lr 5e-6, beta 0, 160 optimizer steps. These are the GPU values
-of configs/quickstart.toml.
+Reference settings (benchmarks/README.md#end-to-end-reference-run): SmolLM2-135M-Instruct, a, b in 1..20,
+32 prompts x 8 completions, 4 minibatches of 64, 128 new tokens, temperature 1, lr 5e-6, beta 0, 160 optimizer steps.
+These are the GPU values of configs/quickstart.toml.
 
   python benchmarks/e2e_reference.py run --model /root/smollm2/model.gguf --algos gspo,grpo --out $OUT [--tag _warm]
   python benchmarks/e2e_reference.py trl --script .gpu/b/peer_trl.py --model /root/smollm2/model.gguf --levels sequence,token --out $OUT
