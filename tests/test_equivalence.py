@@ -14,8 +14,12 @@ meant to move the numbers, and say which in the commit message.
 The runs cover the update's branches: recomputed and engine old log-probs, a reference model (beta > 0), micro-batches,
 packed sequences, both engines, dynamic sampling with refill and padding, overlong filtering and punishment,
 checkpoints, and the ways the policy is held: replicated over two real torchrun processes on gloo (DDP, each process
-sampling its own share) and LoRA adapters. Rewards are multiples of 1/128 so that group statistics are exact at any
-float width.
+sampling its own share) and LoRA adapters. The seven recorded before the feed / collect / workers redesign (issue 50,
+at 3bad152) cover how batches reach the update and what came after the first five: η = 1 in the engine thread, η = 2
+in turn with the update (checkpoints saving its queue), 1 trainer + 1 decode process over gloo (real torchrun
+processes), an environment with a tool in worker processes (several turns a row, on a model whose turns end), PPO's
+critic, ``rollout.exact`` under Triton's interpreter, and a mismatch correction (TIS) against 4-bit engine weights.
+Rewards are multiples of 1/128 so that group statistics are exact at any float width.
 """
 from __future__ import annotations
 
@@ -46,9 +50,31 @@ RUNS = {
     "gspo_lora": ["algorithm='gspo'", "train.steps=4", "train.minibatches=2", "lora.rank=4", "lora.alpha=8",
                   "train.lr=1e-2", "log.checkpoint_every=1",
                   "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
+    # recorded at 3bad152, before the feed / collect / workers redesign (issue 50)
+    "gspo_async_thread_eta1": ["algorithm='gspo'", "train.steps=8", "train.minibatches=2", "rollout.max_staleness=1",
+                               "rollout.overlap='thread'", "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
+    "grpo_async_in_turn_eta2": ["algorithm='grpo'", "loss.eps_low=0.2", "loss.eps_high=0.2", "train.steps=10",
+                                "train.minibatches=2", "rollout.max_staleness=2", "rollout.overlap='off'",
+                                "log.checkpoint_every=1", "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
+    "gspo_decode_process": ["algorithm='gspo'", "train.steps=6", "train.minibatches=2", "rollout.max_staleness=1",
+                            "rollout.decode_processes=1", "log.checkpoint_every=1",
+                            "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
+    "gspo_env_tools": ["algorithm='gspo'", "train.steps=4", "train.minibatches=2", "env.path='env_fixtures:Echo'",
+                       "env.tools=['gspo.envs.builtin:calculator']", "env.workers=1", "env.max_turn_tokens=3",
+                       "rollout.max_new_tokens=24", "rollout.engine='hf'", "rewards.functions=[]"],
+    "ppo_critic": ["algorithm='ppo'", "train.steps=4", "train.minibatches=2", "ppo.critic_lr=1e-2",
+                   "log.checkpoint_every=1", "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
+    "gspo_exact_interpreter": ["algorithm='gspo'", "train.steps=4", "train.minibatches=2", "rollout.exact=true",
+                               "train.old_logprobs='rollout'", "rollout.max_new_tokens=4",
+                               "model.precision='bf16-autocast'",
+                               "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
+    "grpo_tis_correction": ["algorithm='grpo'", "train.steps=4", "train.minibatches=2", "rollout.engine='hf'",
+                            "loss.mismatch_correction='tis'", "loss.mismatch_bounds=[0.0, 1.05]",
+                            "rollout.engine_weight_bits=4", "rewards.functions=[{path='trainer_rewards:dyadic_length'}]"],
 }
-PROCESSES = {"gspo_ddp_two_processes": 2}  # runs launched as `gspo train --nproc N` (torchrun), the rest in-process
+PROCESSES = {"gspo_ddp_two_processes": 2, "gspo_decode_process": 2}  # runs launched as `gspo train --nproc N` (torchrun), the rest in-process
 NEEDS = {"gspo_lora": "peft"}
+ENDS_TURNS = {"gspo_env_tools"}  # on the tiny model whose turns end (:func:`build_turn_model`): several turns a row
 SKIP_PREFIXES = ("time/", "throughput/", "dist/compute_")  # seconds: they measure the machine
 SUMS = ("ratio/seq_product_log_",)  # float32 sums of a sequence's token log-ratios: rounding adds up over its tokens
 
@@ -60,6 +86,28 @@ def build_tiny_model(folder: Path) -> Path:
 
     tok = AutoTokenizer.from_pretrained(ASSETS)
     tiny_llama(vocab_size=len(tok), seed=0, init_std=0.02).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def build_turn_model(folder: Path) -> Path:
+    """The tiny model with its own LM head, whose end-of-turn token gets about a third of every position's
+    probability (hidden dimension 0 carries a constant the head reads for that token alone): random turns that end
+    within a few tokens, so an environment's trajectories have several turns."""
+    import torch
+    from conftest import ASSETS, tiny_llama
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    model = tiny_llama(vocab_size=len(tok), seed=0, init_std=0.02)
+    model.config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(64, len(tok), bias=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        model.model.embed_tokens.weight[:, 0] += 1.0  # after the final norm: ~7.6 at every position
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[tok.convert_tokens_to_ids("<|im_end|>"), 0] = 10.0 / 7.58  # a logit of ~+10
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
@@ -111,13 +159,19 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-equivalence"))
 
 
+@pytest.fixture(scope="module")
+def turn_model_dir(tmp_path_factory):
+    return build_turn_model(tmp_path_factory.mktemp("tiny-turns"))
+
+
 @pytest.mark.parametrize("name", list(RUNS))
-def test_fixed_seed_run_reproduces_the_recorded_metrics(name, model_dir, tmp_path):
+def test_fixed_seed_run_reproduces_the_recorded_metrics(name, request, tmp_path):
     """The run writes the recorded metrics and samples: every key of every line (floats to the module's tolerances)."""
     if name in NEEDS:
         pytest.importorskip(NEEDS[name])
+    model = request.getfixturevalue("turn_model_dir" if name in ENDS_TURNS else "model_dir")
     expected = [json.loads(ln) for ln in (FIXTURES / f"{name}.jsonl").read_text().splitlines()]
-    moved = differences(expected, run_lines(name, model_dir, tmp_path / "run"))
+    moved = differences(expected, run_lines(name, model, tmp_path / "run"))
     assert not moved, "\n".join(moved[:40])
 
 
@@ -128,7 +182,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--record"]:
     FIXTURES.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model")
+        turns = build_turn_model(Path(tmp) / "turns")
         for run in sys.argv[2:] or RUNS:  # `--record NAME ...`: only those runs
-            lines = run_lines(run, model, Path(tmp) / run)
+            lines = run_lines(run, turns if run in ENDS_TURNS else model, Path(tmp) / run)
             (FIXTURES / f"{run}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
             print(f"recorded {run}: {len(lines)} lines")
