@@ -11,10 +11,12 @@ Three ways to hold it:
 LoRA adapters (``lora.rank > 0``) are an option of the first two: the frozen base has no gradients or optimizer state
 to shard, so every process holds it whole. A holding is built after the rollout engine took its own copy of the
 plain weights (it shards or adapts the policy in place) and is final once built: the actor asks it, never branches on
-which one it is.
+which one it is. PPO's value model is held the same way (:func:`hold` with ``value_model=True``), beside the
+policy.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gspo.checkpoint import DCP_DIR, by_name, load_model_weights, load_sharded, read_full_weights
+from gspo.checkpoint import DCP_DIR, by_index, by_name, load_model_weights, load_sharded, read_full_weights
 from gspo.errors import UserError
 from gspo.models import named_weights
 from gspo.parallel import ddp, fsdp
@@ -128,6 +130,17 @@ class Holding:
     def load_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
 
+    def whole_state(self) -> tuple[dict, dict]:
+        """The model's weights and its optimizer's state, whole (under FSDP gathered to rank 0's CPU: a collective
+        every process calls), the optimizer's keyed by parameter name so that any process count and holding loads
+        it: how ``trainer_state.pt`` holds PPO's value model."""
+        return self.model.state_dict(), by_name(self.model, self.optimizer.state_dict())
+
+    def load_whole_state(self, weights: dict, optimizer: dict) -> None:
+        """:meth:`whole_state`'s inverse (``optimizer`` keyed by name, or by index as older checkpoints wrote it)."""
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(by_index(self.model, optimizer) if _by_name(optimizer) else optimizer)
+
     def load_weights(self, ckpt: Path) -> None:
         """The policy's weights from checkpoint ``ckpt`` (and the optimizer too, from a sharded checkpoint's DCP
         files), whichever number of processes wrote it."""
@@ -229,18 +242,47 @@ class Sharded(Holding):
         set_model_state_dict(self.model, read_full_weights(self.model, ckpt),
                              options=StateDictOptions(full_state_dict=True))
 
+    def whole_state(self) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.model, options=whole),
+                get_optimizer_state_dict(self.model, self.optimizer, options=whole))
+
+    def load_whole_state(self, weights: dict, optimizer: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        whole = StateDictOptions(full_state_dict=True)  # every process read the whole file
+        set_model_state_dict(self.model, weights, options=whole)
+        set_optimizer_state_dict(self.model, self.optimizer,
+                                 optimizer if _by_name(optimizer) else by_name(self.model, optimizer), options=whole)
+
     def save(self, writer, state, parts, tokenizer, keep, t_start) -> None:
         writer.write_sharded(state, parts, self.model, self.optimizer, tokenizer, keep, t_start)
 
 
+def _by_name(optimizer_state: dict) -> bool:
+    """Whether an optimizer's state is keyed by parameter name (else by index); its groups say which, even where no
+    state was written yet."""
+    return any(isinstance(k, str) for g in optimizer_state["param_groups"] for k in g["params"])
+
+
 def hold(strategy: str, model: torch.nn.Module, runtime, cfg, *, ref_model=None,
-         prepare_forward: Callable[[torch.nn.Module], None] | None = None) -> Holding:
+         prepare_forward: Callable[[torch.nn.Module], None] | None = None, value_model: bool = False) -> Holding:
     """The holding ``strategy`` names (``single``, ``ddp`` or ``fsdp``; see :func:`.strategy.choose`) for a run of
-    ``cfg``, built around ``model`` (and ``ref_model``) in place. ``prepare_forward``: the log-prob pass's hook for a
-    sharded model."""
-    lora = cfg.lora if cfg.lora.rank else None
+    ``cfg``, built around ``model`` (and ``ref_model``) in place. ``prepare_forward``: the forward pass's hook for a
+    sharded model. ``value_model``: ``model`` is PPO's value model (:class:`gspo.models.value.ValueModel`), with an
+    AdamW of its own at ``ppo.critic_lr``, no LoRA adapters, and under FSDP its scalar head a unit of its own gathered
+    in fp32 (the head computes in fp32 outside autocast, as unsharded)."""
+    train, lora, what, fp32_units = cfg.train, cfg.lora if cfg.lora.rank else None, "the policy", ()
+    if value_model:
+        train, lora = dataclasses.replace(cfg.train, lr=cfg.ppo.critic_lr), None
+        what, fp32_units = "the value model", (model.head,)
     if strategy == "fsdp":
-        return Sharded(model, runtime, cfg.train, ref_model=ref_model, prepare_forward=prepare_forward)
+        return Sharded(model, runtime, train, ref_model=ref_model, prepare_forward=prepare_forward, what=what,
+                       fp32_units=fp32_units)
     if strategy == "ddp":
-        return Replicated(model, runtime, cfg.train, ref_model=ref_model, lora_cfg=lora, model_name=cfg.model.name)
-    return Holding(model, runtime, cfg.train, lora_cfg=lora, model_name=cfg.model.name)
+        return Replicated(model, runtime, train, ref_model=ref_model, lora_cfg=lora, model_name=cfg.model.name)
+    return Holding(model, runtime, train, lora_cfg=lora, model_name=cfg.model.name)

@@ -42,7 +42,7 @@ from gspo.parallel.plan import Plan, make_plan
 from gspo.parallel.strategy import choose as choose_strategy
 from gspo.runlog.profiler import stage
 from gspo.runtime import Runtime, to_device
-from gspo.train.critic import build_critic
+from gspo.train.critic import Critic, hold_value_model
 from gspo.train.exact import with_gradient_of
 from gspo.train.schedule import lr_factor
 from gspo.types import Batch, Rollout
@@ -109,10 +109,8 @@ def build_actor(cfg: Config, runtime: Runtime, model: torch.nn.Module, strategy:
     ref_model, routing = prepare_model(cfg, runtime, model)
     strategy = strategy or choose_strategy(cfg, model, runtime.device, runtime.world_size)
     holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
-    actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
-    if value_model is not None:
-        actor.critic = build_critic(cfg, runtime, value_model, strategy, actor.packed, actor.graphs is not None)
-    return actor
+    critic = hold_value_model(cfg, runtime, value_model, strategy) if value_model is not None else None
+    return Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing, critic=critic)
 
 
 def _timing_events(plan: Plan, dev: torch.device):
@@ -126,21 +124,24 @@ def _timing_events(plan: Plan, dev: torch.device):
 
 class Actor:
     """The policy as its holding holds it, its passes, learning-rate schedule and update (see the module docstring).
-    Built once the policy is prepared (:func:`prepare_model`), the engine has its copy and the holding is built."""
+    Built once the policy is prepared (:func:`prepare_model`), the engine has its copy and the holding is built;
+    ``critic``: PPO's value model as its own holding holds it (:func:`gspo.train.critic.hold_value_model`), trained
+    beside the policy with the passes the policy's use."""
 
     def __init__(self, cfg: Config, runtime: Runtime, model: torch.nn.Module, holding: Holding, *,
-                 ref_model: torch.nn.Module | None = None, routing: Routing | None = None):
+                 ref_model: torch.nn.Module | None = None, routing: Routing | None = None,
+                 critic: Holding | None = None):
         self.cfg = cfg
         self.runtime = runtime
         self.model = model
         self.holding = holding
         self.ref_model = ref_model
         self.routing = routing
-        self.critic = None  # PPO's value model (gspo.train.critic.Critic), set by gspo.train.parts.build
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.lr_scale = 1.0  # lowered by each collapse-sentinel rollback
         self._on_device: dict[str, torch.Tensor] = {}  # the rollout batch's tensors on the device, sent once
         self._setup_passes()
+        self.critic = None if critic is None else Critic(cfg, runtime, critic, self.packed, self.graphs is not None)
         self._modules = list(self.model.modules())
 
     def set_training(self, training: bool) -> None:

@@ -16,54 +16,41 @@ V_old as the clip's centre, one AdamW step at ``ppo.critic_lr`` (the policy's be
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from gspo.algorithms import whiten_tokens
 from gspo.algorithms.ppo import explained_variance, gae, outcome_token_rewards, value_loss
-from gspo.errors import UserError
 from gspo.models import enable_activation_checkpointing
 from gspo.models.value import ValueModel
 from gspo.parallel import comm
+from gspo.parallel.holding import Holding, hold
 from gspo.parallel.plan import Plan
 from gspo.runtime import to_device
-from gspo.train.passes import sequence_values
+from gspo.train.passes import PackedGraphs, as_fsdp_value_forward, packing_unsupported, sequence_values
 from gspo.types import Batch
 
 
-def build_critic(cfg, runtime, model: ValueModel, strategy: str, packed: bool, graphs: bool = False) -> "Critic":
-    """``model`` held as the policy is (``strategy``: ``single``; ``ddp``: replicated, gradients summed; ``fsdp``:
-    sharded with FSDP2, one unit per decoder layer), with its own AdamW at ``ppo.critic_lr``; ``packed``: whether the
-    policy's passes are packed (the critic's are too, where its architecture allows); ``graphs``: whether the policy's
-    packed passes run as CUDA graphs (the critic's backbone's then do too: :class:`gspo.train.passes.PackedGraphs`)."""
-    from gspo.parallel.holding import Holding, Replicated, Sharded
-    from gspo.train.passes import PackedGraphs, as_fsdp_value_forward, packing_unsupported
-
+def hold_value_model(cfg, runtime, model: ValueModel, strategy: str) -> Holding:
+    """``model`` ready for the update (activation checkpointing as the policy's) and held as ``strategy`` names, as
+    the policy is (:func:`gspo.parallel.holding.hold`), with its own AdamW at ``ppo.critic_lr``: what the actor is
+    built with."""
     if cfg.model.gradient_checkpointing:  # as the policy's
         enable_activation_checkpointing(model.backbone)
-    train = dataclasses.replace(cfg.train, lr=cfg.ppo.critic_lr)
-    if strategy == "fsdp":
-        # the scalar head computes in fp32 outside autocast (as unsharded): a unit of its own, gathered in fp32
-        holding = Sharded(model, runtime, train, prepare_forward=as_fsdp_value_forward, what="the value model",
-                          fp32_units=(model.head,))
-    elif strategy == "ddp":
-        holding = Replicated(model, runtime, train)
-    else:
-        holding = Holding(model, runtime, train)
-    packed = packed and packing_unsupported(model.config) is None
-    return Critic(cfg, runtime, holding, packed, PackedGraphs(model, runtime.autocast) if packed and graphs else None)
+    return hold(strategy, model, runtime, cfg, prepare_forward=as_fsdp_value_forward, value_model=True)
 
 
 class Critic:
-    """The value model as ``holding`` holds it (see the module docstring)."""
+    """The value model as ``holding`` holds it (see the module docstring). ``packed``: whether the policy's passes are
+    packed (the critic's are too, where its architecture allows); ``graphs``: whether the policy's packed passes run
+    as CUDA graphs (the critic's backbone's then do too: :class:`gspo.train.passes.PackedGraphs`)."""
 
-    def __init__(self, cfg, runtime, holding, packed: bool, graphs=None):
-        self.cfg, self.runtime, self.holding, self.packed, self.graphs = cfg, runtime, holding, packed, graphs
+    def __init__(self, cfg, runtime, holding: Holding, packed: bool, graphs: bool):
+        self.cfg, self.runtime, self.holding = cfg, runtime, holding
         self.model = holding.model
-        self.sharded = holding.name == "fsdp"
-        self.holding.set_lr(cfg.ppo.critic_lr)
+        self.packed = packed and packing_unsupported(self.model.config) is None
+        self.graphs = PackedGraphs(self.model, runtime.autocast) if self.packed and graphs else None
         self.old_values: torch.Tensor | None = None  # (N, T) on the device: V_old of the batch being trained
         self.returns: torch.Tensor | None = None  # (N, T) on the device: the value targets
         self.mask: torch.Tensor | None = None  # (N, T) on the device: the steps GAE ran over (the collect's loss mask)
@@ -148,36 +135,11 @@ class Critic:
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """The value model's weights and optimizer for ``trainer_state.pt``, whole (under FSDP gathered to rank 0,
-        which writes the file; a collective every process calls), the optimizer keyed by parameter name so that any
-        process count and holding resumes it."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-
-        from gspo.checkpoint import by_name
-
-        if not self.sharded:
-            return {"critic": self.model.state_dict(),
-                    "critic_optimizer": by_name(self.model, self.holding.optimizer.state_dict())}
-        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {"critic": get_model_state_dict(self.model, options=whole),
-                "critic_optimizer": get_optimizer_state_dict(self.model, self.holding.optimizer, options=whole)}
+        """The value model's weights and optimizer for ``trainer_state.pt``, whole (:meth:`Holding.whole_state`: under
+        FSDP a collective every process calls)."""
+        weights, optimizer = self.holding.whole_state()
+        return {"critic": weights, "critic_optimizer": optimizer}
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
-        from gspo.checkpoint import by_index, by_name
-
-        optimizer = state["critic_optimizer"]
-        # written by name (older checkpoints: by index); the groups say which, even where no state was written yet
-        named = any(isinstance(k, str) for g in optimizer["param_groups"] for k in g["params"])
-        if not self.sharded:
-            self.model.load_state_dict(state["critic"])
-            self.holding.optimizer.load_state_dict(by_index(self.model, optimizer) if named else optimizer)
-        else:
-            whole = StateDictOptions(full_state_dict=True)  # every process read the whole file
-            set_model_state_dict(self.model, state["critic"], options=whole)
-            set_optimizer_state_dict(self.model, self.holding.optimizer,
-                                     optimizer if named else by_name(self.model, optimizer), options=whole)
+        self.holding.load_whole_state(state["critic"], state["critic_optimizer"])
         self.holding.set_lr(self.cfg.ppo.critic_lr)

@@ -81,11 +81,12 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
                                  routing=routing if cfg.moe.routing_replay == "rollout" else None,
                                  exact=cfg.rollout.exact)
         holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
-        actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing)
         lap("engine")
+        critic = None
         if cfg.loss.advantage_baseline == "critic":
-            actor.critic = _critic(cfg, runtime, tokenizer, strategy, actor.packed, actor.graphs is not None)
+            critic = _critic(cfg, runtime, tokenizer, strategy)
             lap("critic")
+        actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing, critic=critic)
         collector = _collector(cfg, runtime, tokenizer, engine, rewards, runtime.rank) if sampling else None
         lap("data")
     except BaseException:
@@ -95,15 +96,15 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
     return Parts(runtime, actor, tokenizer, engine, collector, rewards)
 
 
-def _critic(cfg: Config, runtime: Runtime, tokenizer, strategy: str, packed: bool, graphs: bool):
-    """PPO's value model: ``ppo.critic_model``, else a copy of the policy's starting weights (see
-    :func:`gspo.train.critic.build_critic`)."""
+def _critic(cfg: Config, runtime: Runtime, tokenizer, strategy: str):
+    """PPO's value model, held as the policy is: ``ppo.critic_model``, else a copy of the policy's starting weights
+    (see :func:`gspo.train.critic.hold_value_model`)."""
     from gspo.models.value import load_value_model
-    from gspo.train.critic import build_critic
+    from gspo.train.critic import hold_value_model
 
     model = load_value_model(cfg.ppo.critic_model or cfg.model.name, runtime.device, tokenizer,
                              tokenizer_name=None if cfg.ppo.critic_model else cfg.model.tokenizer)
-    return build_critic(cfg, runtime, model, strategy, packed, graphs)
+    return hold_value_model(cfg, runtime, model, strategy)
 
 
 def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[RolloutEngine, Collector]:
