@@ -202,3 +202,46 @@ def test_no_baseline_keeps_the_signal_of_groups_whose_rewards_are_equal():
     assert group_advantages(r[:2], 2, scale="tokens").tolist() == [0.0, 0.0]
     with pytest.raises(UserError, match="Unknown group advantage baseline 'loo'"):
         group_advantages(r, 2, baseline="loo")
+
+
+# ------------------------------------------------------------------------------------------ one call
+
+
+def test_estimate_advantages_chooses_the_estimator_as_the_config_does():
+    """One call for every estimator: the GRPO family's group advantages (with step credit added, whitened over the
+    loss tokens of the rows with a reward under scale 'tokens'), and with a critic GAE over the token rewards and the
+    values, whitened or not, with the value targets; each equals the pieces it chooses, composed by hand."""
+    from gspo.algorithms import estimate_advantages, whiten_tokens
+    from gspo.algorithms.advantages import step_advantages
+    from gspo.algorithms.ppo import gae, outcome_token_rewards, process_token_rewards
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(8, generator=g).round(decimals=1)
+    rewards[3] = NAN
+    mask = torch.arange(6)[None, :] < torch.randint(1, 7, (8,), generator=g)[:, None]  # (8, 6)
+    steps = ([[2, 4]] * 8, [[float(i % 2), 1.0] for i in range(8)])
+
+    def grpo(baseline, scale, steps=None):
+        return estimate_advantages(rewards, mask, baseline=baseline, scale=scale, group_size=4, steps=steps,
+                                   step_weight=0.5)
+
+    adv, returns = grpo("group_mean", "group")
+    assert returns is None and torch.equal(adv, group_advantages(rewards, 4))
+    adv, _ = grpo("group_mean", "group", steps)
+    assert torch.equal(adv, step_advantages(group_advantages(rewards, 4), *steps, 4, 6, weight=0.5))
+    adv, _ = grpo("leave_one_out", "tokens")
+    centred = group_advantages(rewards, 4, scale="tokens", baseline="leave_one_out")
+    assert torch.equal(adv, whiten_tokens(centred, mask & torch.isfinite(rewards)[:, None]))
+
+    ppo_rewards = torch.nan_to_num(rewards)  # PPO's rows without a reward are off its mask
+    values = torch.randn(8, 6, generator=g)
+    for token_rewards in (outcome_token_rewards(ppo_rewards, mask), process_token_rewards(ppo_rewards, mask, *steps)):
+        for scale in ("none", "tokens"):
+            adv, returns = estimate_advantages(token_rewards, mask, baseline="critic", scale=scale, group_size=4,
+                                               values=values, gamma=0.9, lam=0.8)
+            want, want_returns = gae(token_rewards, values, mask, 0.9, 0.8)
+            assert torch.equal(adv, whiten_tokens(want, mask) if scale == "tokens" else want)
+            assert torch.equal(returns, want_returns)
+    # (N,) rewards are paid at each row's last step, as outcome_token_rewards pays them
+    adv, _ = estimate_advantages(ppo_rewards, mask, baseline="critic", scale="none", group_size=4, values=values)
+    assert torch.equal(adv, gae(outcome_token_rewards(ppo_rewards, mask), values, mask, 1.0, 1.0)[0])

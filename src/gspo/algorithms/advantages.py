@@ -1,4 +1,5 @@
-"""Group-relative advantages, DAPO's reward shaping and its dynamic-sampling filter: pure tensor functions.
+"""Advantages (group-relative, with step credit, from a critic's GAE; whitened or not: :func:`estimate_advantages`
+chooses as the config does), DAPO's reward shaping and its dynamic-sampling filter: pure tensor functions.
 
 Shape legend: ``N`` completions = ``P`` prompts x ``G`` completions per prompt, rows of one group contiguous
 (row ``i`` belongs to group ``i // G``).
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import torch
 
+from gspo.algorithms.ppo import gae, outcome_token_rewards
 from gspo.errors import UserError
 
 Tensor = torch.Tensor
 
 SCALES = ("group", "batch", "tokens", "none")
-BASELINES = ("group_mean", "leave_one_out", "none", "critic")  # critic: PPO's GAE (gspo.algorithms.ppo)
+BASELINES = ("group_mean", "leave_one_out", "none", "critic")  # critic: PPO's GAE (:func:`estimate_advantages`)
 ZERO_STD = 1e-8
 """A group std at or below this is zero variance: float64 rounding of equal rewards stays far below it."""
 
@@ -84,7 +86,7 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
         raise UserError(f"Unknown advantage scale {scale!r}; use one of {', '.join(SCALES)}.")
     if baseline not in BASELINES or baseline == "critic":
         raise UserError(f"Unknown group advantage baseline {baseline!r}; use one of "
-                        f"{', '.join(b for b in BASELINES if b != 'critic')} (a critic's comes from gspo.algorithms.ppo).")
+                        f"{', '.join(b for b in BASELINES if b != 'critic')} (a critic's: estimate_advantages).")
     r, valid = _grouped(rewards, group_size)
     mean, std, n = group_stats(rewards, group_size)
     centred = torch.where(valid, r - mean[:, None], torch.zeros_like(r))  # (P, G)
@@ -123,6 +125,47 @@ def whiten_tokens(advantages: Tensor, mask: Tensor, *, eps: float = 1e-8) -> Ten
     sd = a[m].std() if count >= 2 else torch.zeros((), dtype=torch.float64)
     out = (a - mu) / (sd + eps) if sd > ZERO_STD else a - mu
     return torch.where(m, out, torch.zeros_like(out)).to(advantages.dtype)
+
+
+def estimate_advantages(rewards: Tensor, mask: Tensor, *, baseline: str, scale: str, group_size: int,
+                        steps: tuple[list[list[int]], list[list[float]]] | None = None, step_weight: float = 1.0,
+                        values: Tensor | None = None, gamma: float = 1.0, lam: float = 1.0
+                        ) -> tuple[Tensor, Tensor | None]:
+    """A rollout batch's advantages as ``loss.advantage_baseline`` (``baseline``), ``loss.advantage_scale``
+    (``scale``) and ``loss.step_credit`` (``steps``, weighted by ``step_weight``) choose them, and with a critic the
+    value targets: every advantage estimator of the package, in one call.  ``(A, R)``
+
+    The GRPO family (``baseline`` group_mean, leave_one_out or none), from the rewards r (N,), NaN where one failed:
+
+        A_i     = (r_i - b_g) / s                                     :func:`group_advantages` (b, s as chosen)
+        A_{i,t} = A_i + w sum_{k : end_{i,k} > t} r~_{i,k}             with ``steps``: :func:`step_advantages`
+
+    PPO (``baseline = "critic"``), from the rewards r (N,), each paid at its row's last step, or token rewards
+    (N, T) (:func:`gspo.algorithms.ppo.process_token_rewards`: the steps' credit already in), and the critic's values
+    V (N, T) before the update (``values``):
+
+        A_t, R_t = gae(r, V, gamma, lam)                               :func:`gspo.algorithms.ppo.gae`
+
+    then with ``scale = "tokens"`` (REINFORCE++, PPO) every advantage whitened over the loss tokens of the rows that
+    have a reward (``mask`` (N, T), the loss tokens):
+
+        A_{i,t} = (A_{i,t} - mu) / sigma                               :func:`whiten_tokens`
+
+    Returns A, (N,) or (N, T) (the GRPO family in the rewards' dtype; PPO's in float64), and R (N, T) float64 with a
+    critic, else None."""
+    if baseline == "critic":
+        if values is None:
+            raise ValueError("baseline = 'critic' needs the critic's values")
+        token_rewards = outcome_token_rewards(rewards, mask) if rewards.dim() == 1 else rewards  # (N, T)
+        adv, returns = gae(token_rewards, values, mask, gamma, lam)  # (N, T) float64
+    else:
+        adv, returns = group_advantages(rewards, group_size, scale=scale, baseline=baseline), None  # (N,)
+        if steps is not None:  # (N, T): the outcome advantage plus each token's process credit
+            adv = step_advantages(adv, *steps, group_size, mask.shape[1], weight=step_weight, scale=scale)
+    if scale == "tokens":
+        rated = torch.isfinite(rewards if rewards.dim() == 2 else rewards[:, None])  # (N, T) or (N, 1)
+        adv = whiten_tokens(adv, mask & rated)  # (N, T)
+    return adv, returns
 
 
 def zero_variance_groups(rewards: Tensor, group_size: int, *, tol: float = ZERO_STD) -> Tensor:

@@ -8,8 +8,9 @@ Per rollout batch (:meth:`Critic.prepare`, before any weight changes):
     V_old = critic(every row)                              (N, T), each process its rows, then shared
     r_t   = the outcome reward at each row's last step     (gspo.algorithms.ppo.outcome_token_rewards), plus with
             loss.step_credit each step's credit at its last token (gspo.algorithms.ppo.process_token_rewards)
-    A, R  = gae(r, V_old, gamma, lam)                      advantages and value targets
-    A     = whitened over the batch's loss tokens          (loss.advantage_scale = "tokens"; "none" leaves them)
+    A, R  = gae(r, V_old, gamma, lam)                      advantages and value targets, whitened over the batch's
+                                                           loss tokens with loss.advantage_scale = "tokens"
+                                                           (gspo.algorithms.estimate_advantages)
 
 Per minibatch (:meth:`Critic.step`, after the policy's step): the clipped value loss of its rows against R, with
 V_old as the clip's centre, one AdamW step at ``ppo.critic_lr`` (the policy's betas, weight decay and gradient clip).
@@ -20,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from gspo.algorithms import whiten_tokens
-from gspo.algorithms.ppo import explained_variance, gae, outcome_token_rewards, value_loss
+from gspo.algorithms import estimate_advantages
+from gspo.algorithms.ppo import explained_variance, value_loss
 from gspo.models import enable_activation_checkpointing
 from gspo.models.value import ValueModel
 from gspo.parallel import comm
@@ -69,7 +70,7 @@ class Critic:
         """V_old over every row (``share`` fills the other processes' rows), then GAE: returns the advantages
         ``(N, T)`` on the device (whitened as ``loss.advantage_scale`` says) and keeps the returns for the updates;
         the batch's metrics get the critic's explained variance of the returns and their means."""
-        dev, p = self.runtime.device, self.cfg.ppo
+        dev, p, lc = self.runtime.device, self.cfg.ppo, self.cfg.loss
         n_rows, width = batch.rollout.completion_ids.shape
         old = torch.zeros(n_rows, width, dtype=torch.float32, device=dev)
         was = self.model.training
@@ -82,12 +83,10 @@ class Critic:
             self.model.train(was)
         share(old, plan, range(len(plan.minibatches)))
         mask = loss_mask.to(dev)
-        rewards = batch.advantages.to(dev)  # collect left the rewards there: (N,) outcomes, or (N, T) token rewards
-        if rewards.dim() == 1:  # (with loss.step_credit the steps' credit is already in)
-            rewards = outcome_token_rewards(rewards, mask)  # (N, T)
-        adv, returns = gae(rewards, old, mask, p.gamma, p.lam)  # (N, T) float64
-        if self.cfg.loss.advantage_scale == "tokens":
-            adv = whiten_tokens(adv, mask)
+        # collect left the rewards there: (N,) outcomes, or (N, T) token rewards (the steps' credit already in)
+        adv, returns = estimate_advantages(batch.advantages.to(dev), mask, baseline=lc.advantage_baseline,
+                                           scale=lc.advantage_scale, group_size=self.cfg.rollout.group_size,
+                                           values=old, gamma=p.gamma, lam=p.lam)  # (N, T) float64
         self.old_values, self.returns, self.mask = old, returns.float(), mask
         batch.metrics["critic/explained_variance"] = explained_variance(old, returns, mask)
         n = mask.sum().clamp(min=1)
