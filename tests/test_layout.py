@@ -324,3 +324,19 @@ def test_every_gspo_import_names_a_module_that_exists():
                 continue
             missing += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names if n not in modules]
     assert not missing, missing
+
+
+def test_rewards_and_environments_never_import_each_other():
+    """rewards/ and envs/ are two clients of the one pool for user code (gspo.workers): neither imports the other,
+    at module level or inside a function (envs/ used to borrow the reward workers' internals, and the reward workers'
+    fork server imported the environment worker)."""
+    found = _forbidden_imports("gspo.rewards", ("gspo.envs",)) + _forbidden_imports("gspo.envs", ("gspo.rewards",))
+    assert not found, found
+
+
+def test_the_worker_pool_imports_none_of_its_clients():
+    """workers/ runs user code for whoever asks: its clients name the modules its fork server preloads as strings and
+    hand it their worker functions, so it imports nothing of rewards/, envs/ or the trainer, engines and collection."""
+    found = _forbidden_imports("gspo.workers", ("gspo.rewards", "gspo.envs", "gspo.train", "gspo.rollout",
+                                                "gspo.collect"))
+    assert not found, found

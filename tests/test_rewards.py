@@ -227,7 +227,7 @@ def test_user_module_and_close(tmp_path, monkeypatch):
     (tmp_path / "my_reward_mod.py").write_text("def length(c, e):\n    return len(c)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     runner = RewardRunner(["my_reward_mod:length"], workers=2)
-    procs = [w.proc for w in runner._workers]
+    procs = [w.proc for w in runner._pool.handles]
     assert runner.score(["ab", "abcd"], [ex(None)] * 2).total.tolist() == [2.0, 4.0]
     runner.close()
     assert not any(p.is_alive() for p in procs)
@@ -274,9 +274,9 @@ def test_workers_survive_a_process_group_sigterm():
     with RewardRunner([RewardSpec("gspo.rewards.builtin:last_number")], workers=1, timeout_s=5.0) as runner:
         ex = [Example("What is 1 + 1?", "2")]
         assert runner.score(["2"], ex).total.tolist() == [1.0]  # the worker is up, its handlers set
-        os.kill(runner._workers[0].proc.pid, signal.SIGTERM)
+        os.kill(runner._pool.handles[0].proc.pid, signal.SIGTERM)
         time.sleep(0.5)
-        assert runner._workers[0].proc.is_alive()
+        assert runner._pool.handles[0].proc.is_alive()
         assert runner.score(["3"], ex).total.tolist() == [0.0]
 
 

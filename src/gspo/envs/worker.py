@@ -1,6 +1,8 @@
 """The environment worker process's side: build the user's environment class and tools, keep one environment object
-per trajectory, and answer the trainer's calls one by one. Standard library only (and gspo's torch-free modules), so
-the fork server that starts the workers (shared with the reward workers) is ready in a fraction of a second.
+per trajectory, and answer the trainer's calls one by one (:func:`load`, run by :func:`gspo.workers.child.main`;
+:class:`Host` holds them, in the parent too with ``env.workers = 0``). Standard library only (and gspo's torch-free
+modules), so the fork server that starts the workers (:mod:`gspo.workers`, shared with the reward workers) is ready
+in a fraction of a second.
 
 A call is ``(call id, trajectory id, op, payload)``:
 
@@ -18,9 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 from gspo import user_code
@@ -142,19 +142,13 @@ class Host:
             return "err", f"{type(e).__name__}: {e}"[:300]
 
 
-def worker_main(conn: Connection, env_path: str | None, tool_paths: list[str], sys_path: list[str], cwd: str) -> None:
-    """Worker process: build the host, then answer calls until told to stop (``None``) or the parent is gone."""
-    from gspo.rewards.worker import chunks, start_worker
+def load(env_path: str | None, tool_paths: list[str]) -> Callable[[tuple], tuple | None]:
+    """In a worker (:func:`gspo.workers.child.main`): build the host, and give the function that answers one call."""
+    host = Host(env_path, tool_paths)
 
-    start_worker(sys_path, cwd)  # as a reward worker: signals are the trainer's, exits with its parent
-    try:
-        host = Host(env_path, tool_paths)
-    except UserError as e:
-        conn.send(("init_error", str(e)))
-        return
-    conn.send(("ready", os.getpid()))
-    for calls in chunks(conn):
-        for call_id, traj, op, payload in calls:
-            status, value = host.call(op, traj, payload)
-            if op != "drop":
-                conn.send((call_id, status, value))
+    def answer(c: tuple) -> tuple | None:
+        call_id, traj, op, payload = c
+        status, value = host.call(op, traj, payload)
+        return None if op == "drop" else (call_id, status, value)
+
+    return answer

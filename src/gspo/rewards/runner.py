@@ -1,30 +1,23 @@
-"""Score completions with user reward functions in worker processes, each call under a hard time limit.
+"""Score completions with user reward functions in worker processes (:mod:`gspo.workers`: why processes, the fork
+server), each call under a hard time limit; or, with ``workers=0``, in this process.
 
-Why processes: a verifier can hang (sympy on a pathological expression) and no thread can be stopped from outside,
-while math-verify's own ``signal.alarm`` limit works only in a main thread. So every call runs in the main thread
-of a long-lived worker process, and a worker that overruns ``timeout_s`` on one call is SIGKILLed and replaced.
+- :class:`RewardSpec`, :func:`config_specs`: the reward terms a config names; :class:`RewardResult`: the scores;
+- :class:`RewardRunner`: ``score`` (the weighted sum, NaN where a call failed) and ``step_spans``
+  (``loss.step_credit``), both through ``_run_pool``: any idle worker takes the next chunk of calls.
 
 Protocol: the parent sends a chunk of up to ``CHUNK`` calls in one message (cheap IPC); the worker answers each
 call as soon as it finishes. The parent therefore always knows which call is running and since when: on a timeout
-exactly that call is failed, and the unanswered rest of its chunk goes back to the queue. Workers come from a
-``forkserver`` (never a plain ``fork``: the parent holds torch's thread pools, which a fork copies in a broken
-state); the server imports :mod:`gspo.rewards.worker` (no torch) once, so a worker starts in milliseconds, and
-ignores a SIGTERM sent to the whole process group (:mod:`gspo.rewards.forkserver`).
+exactly that call is failed, and the unanswered rest of its chunk goes back to the queue. The workers run
+:func:`gspo.rewards.worker.load`, which the fork server imports once.
 """
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
-import signal
-import sys
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -32,13 +25,13 @@ import torch
 from gspo.data import default_reward
 from gspo.errors import UserError
 from gspo.example import Example
-from gspo.rewards.worker import RewardFn, call as _call, call_steps, locate, resolve, what, worker_main  # noqa: F401
+from gspo.rewards.worker import RewardFn, call as _call, call_steps, load, locate, resolve, what  # noqa: F401
+from gspo.workers.pool import STARTUP_TIMEOUT_S, WorkerHandle, Workers, died, timed_out
 
 Call = tuple[int, int, str, Example]  # (call id, function index, completion, example)
 
 CHUNK = 16  # calls per message: large enough to amortise IPC, small enough to balance load across workers
 MAX_ERRORS = 8  # error messages kept per score() for logging
-STARTUP_TIMEOUT_S = 120.0  # a worker imports the reward modules (sympy, a user's own) before its first call
 
 
 @dataclass
@@ -64,68 +57,6 @@ class RewardResult:
     per_function: dict[str, torch.Tensor]  # name -> (N,) float32, NaN on failure
     failures: dict[str, int]  # name -> number of failed calls
     errors: list[str]  # the first MAX_ERRORS failure messages, for logging
-
-
-class WorkerHandle:
-    """The parent's handle on one worker: its process, pipe, and the calls it still owes."""
-
-    def __init__(self, proc: Any, conn: Connection):
-        self.proc = proc
-        self.conn = conn
-        self.ready = False
-        self.chunk: deque[Call] | None = None  # sent but unanswered calls; the first one is running
-        self.started = 0.0  # monotonic time the running call started (as seen by the parent)
-        self.spawned = time.monotonic()  # its start-up limit counts from here, not from the score() call
-
-    def kill(self) -> None:
-        """SIGKILL the process and the processes the user's code started (its process group): the only way to stop a
-        call stuck in C code, or waiting for a child."""
-        kill_group(self.proc)
-        self.proc.join(timeout=5.0)
-        self.conn.close()
-
-
-def kill_group(proc: Any) -> None:
-    """SIGKILL a worker's process group (:func:`gspo.rewards.worker.start_worker` makes the worker lead one), or the
-    worker alone when it has not made its group yet."""
-    try:
-        if os.getpgid(proc.pid) == proc.pid:
-            os.killpg(proc.pid, signal.SIGKILL)
-            return
-    except (ProcessLookupError, TypeError):  # gone already, or never started
-        pass
-    proc.kill()
-
-
-def shutdown_workers(workers: list[WorkerHandle], owner_pid: int) -> None:
-    """Stop every worker: ask politely, then kill whatever is still alive."""
-    if os.getpid() != owner_pid:  # a forked copy of the parent must not stop the real parent's workers
-        return
-    for w in workers:
-        try:
-            w.conn.send(None)
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 1.0
-    for w in workers:
-        w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        if w.proc.is_alive():
-            w.proc.kill()
-            w.proc.join(timeout=5.0)
-        try:  # what the user's code started and left running (the worker that led its group is gone)
-            os.killpg(w.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, TypeError):
-            pass
-        w.conn.close()
-    workers.clear()
-
-
-def worker_context() -> Any:
-    """A fork server that imports the worker module (no torch) once, so a new worker starts in milliseconds, not the
-    ~1.5 s of a fresh interpreter (a fork server started earlier without this preload still works, just slower)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["gspo.rewards.forkserver"])
-    return ctx
 
 
 def config_specs(cfg) -> list[RewardSpec]:
@@ -185,11 +116,7 @@ class RewardRunner:
         self.fns = [resolve(s.path) for s in specs] if workers == 0 else []  # in-process calls only
         if workers == 0 and steps:
             self.fns.append(resolve(steps, steps=True))
-        self._ctx = worker_context()
-        self._workers: list[WorkerHandle] = []
-        self._closed = False
-        # Runs on close(), on garbage collection, or at interpreter exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, shutdown_workers, self._workers, os.getpid())
+        self._pool = Workers(load, ([s.path for s in specs], self.steps), "gspo-reward-worker", "gspo.rewards.worker")
         # Starting the fork server and the workers takes a fraction of a second: do it from a thread, so that it
         # overlaps the caller's own start-up (loading the model); score() waits for them.
         self._start_error: BaseException | None = None
@@ -204,7 +131,7 @@ class RewardRunner:
         t0 = time.perf_counter()
         try:
             for _ in range(n):
-                self._workers.append(self._start())
+                self._pool.start()
         except BaseException as e:  # re-raised by the first score()
             self._start_error = e
         self.start_seconds = time.perf_counter() - t0
@@ -224,22 +151,10 @@ class RewardRunner:
     def workers(self) -> int:
         """Number of worker processes (0: in-process)."""
         self.ready()
-        return len(self._workers)
-
-    def _start(self) -> WorkerHandle:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        args = (child_conn, [s.path for s in self.specs], list(sys.path), os.getcwd(), self.steps)
-        proc = self._ctx.Process(target=worker_main, args=args, daemon=True, name="gspo-reward-worker")
-        proc.start()
-        child_conn.close()  # so the parent sees EOF when the worker dies
-        return WorkerHandle(proc, parent_conn)
+        return len(self._pool.handles)
 
     def _paths(self) -> str:
         return ", ".join([repr(s.path) for s in self.specs] + ([what(self.steps, steps=True)] if self.steps else []))
-
-    def _replace(self, w: WorkerHandle) -> None:
-        w.kill()
-        self._workers[self._workers.index(w)] = self._start()
 
     def score(self, completions: Sequence[str], examples: Sequence[Example]) -> RewardResult:
         """Every reward function on every ``(completion, example)`` pair, and their weighted sum.
@@ -247,7 +162,7 @@ class RewardRunner:
         A call that raises, times out or loses its worker is NaN and counted in ``failures``; a function that
         returns a non-number, NaN or inf raises UserError, since that is a bug in the function, not bad luck.
         """
-        if self._closed:
+        if self._pool.closed:
             raise RuntimeError("RewardRunner.score() was called after close(); create a new RewardRunner.")
         self.ready()
         if len(completions) != len(examples):
@@ -310,7 +225,7 @@ class RewardRunner:
 
     def _dispatch(self, calls: list[Call], record: Callable[[int, str, Any], None], one: Callable) -> None:
         """Every call answered through ``record``: in the workers, or here with ``one`` (a worker's call function)."""
-        if self._workers:
+        if self._pool.handles:
             self._run_pool(calls, record)
             return
         for call_id, fn_idx, completion, example in calls:
@@ -318,7 +233,8 @@ class RewardRunner:
 
     def _run_pool(self, calls: list[Call], record: Callable[[int, str, Any], None]) -> None:
         """Feed ``calls`` to the workers in chunks until each is answered, failed or timed out."""
-        size = max(1, min(CHUNK, math.ceil(len(calls) / len(self._workers))))
+        workers = self._pool.handles
+        size = max(1, min(CHUNK, math.ceil(len(calls) / len(workers))))
         pending = deque(deque(calls[j : j + size]) for j in range(0, len(calls), size))
         remaining = len(calls)
         startup_deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -332,44 +248,36 @@ class RewardRunner:
                 if w.chunk:
                     pending.appendleft(w.chunk)
             w.chunk = None
-            self._replace(w)
+            self._pool.replace(w)
 
         try:
             while remaining:
-                for w in list(self._workers):
+                for w in list(workers):
                     if w.ready and w.chunk is None and pending:
-                        w.chunk = pending.popleft()
-                        w.started = time.monotonic()
+                        chunk = pending.popleft()
                         try:
-                            w.conn.send(list(w.chunk))
+                            w.send(list(chunk), chunk)
                         except OSError:  # died while idle: nothing of this chunk ran, so requeue all of it
-                            pending.appendleft(w.chunk)
+                            pending.appendleft(chunk)
                             w.chunk = None
-                            self._replace(w)
-                now = time.monotonic()
-                busy = [w for w in self._workers if w.chunk is not None]
+                            self._pool.replace(w)
+                busy = [w for w in workers if w.chunk is not None]
                 deadline = min((w.started + self.timeout_s for w in busy), default=startup_deadline)
-                by_conn = {w.conn: w for w in self._workers}
-                for conn in wait(list(by_conn), timeout=max(0.0, deadline - now)):
-                    w = by_conn[conn]
-                    answered, alive = self._read(w, record)
-                    remaining -= answered
-                    if not alive:
-                        w.proc.join(timeout=1.0)
-                        if not w.ready:  # would fail the same way again: stop rather than respawn forever
-                            raise UserError(
-                                f"a reward worker exited while loading {self._paths()} (exit code {w.proc.exitcode}; "
-                                "its output is above); set rewards.workers = 0 to debug the reward module in-process."
-                            )
-                        fail_running(w, f"the worker process died (exit code {w.proc.exitcode}) during this call")
-                now = time.monotonic()
-                for w in list(self._workers):
-                    if w.chunk is not None and now - w.started > self.timeout_s:
-                        fail_running(w, f"timed out after {self.timeout_s:g} s; the worker was killed")
-                if remaining and not pending and all(w.chunk is None for w in self._workers):
+                answered, dead = self._pool.wait(list(workers), deadline, record)
+                remaining -= answered
+                for w in dead:
+                    if not w.ready:  # would fail the same way again: stop rather than respawn forever
+                        raise UserError(
+                            f"a reward worker exited while loading {self._paths()} (exit code {w.proc.exitcode}; "
+                            "its output is above); set rewards.workers = 0 to debug the reward module in-process."
+                        )
+                    fail_running(w, f"{died(w)} during this call")
+                for w in self._pool.overdue(self.timeout_s):
+                    fail_running(w, timed_out(self.timeout_s))
+                if remaining and not pending and all(w.chunk is None for w in workers):
                     raise RuntimeError(f"internal error: {remaining} reward calls were lost; please report this.")
-                if not any(w.ready for w in self._workers) and \
-                        now > max(startup_deadline, max(w.spawned for w in self._workers) + STARTUP_TIMEOUT_S):
+                if not any(w.ready for w in workers) and \
+                        time.monotonic() > max(startup_deadline, max(w.spawned for w in workers) + STARTUP_TIMEOUT_S):
                     raise UserError(
                         f"loading the reward functions {self._paths()} in the workers did not finish within "
                         f"{STARTUP_TIMEOUT_S:g} s (an import or warm_up that blocks); make them load quickly, or set "
@@ -377,43 +285,18 @@ class RewardRunner:
                     )
         except BaseException:
             # Busy workers would answer these calls during the next score(): replace them so no stale answer leaks.
-            for w in list(self._workers):
+            for w in list(workers):
                 if w.chunk is not None:
                     w.chunk = None
-                    self._replace(w)
+                    self._pool.replace(w)
             raise
-
-    def _read(self, w: WorkerHandle, record: Callable[[int, str, Any], None]) -> tuple[int, bool]:
-        """Handle every message ``w`` has sent: how many calls it answered, and whether it is still alive."""
-        answered = 0
-        while True:
-            try:
-                if not w.conn.poll():
-                    return answered, True
-                msg = w.conn.recv()
-            except (EOFError, OSError):
-                return answered, False
-            if msg[0] == "ready":
-                w.ready = True
-            elif msg[0] == "init_error":
-                self.close()
-                raise UserError(msg[1])  # the worker's own one-line message, naming the reward
-            else:
-                call = w.chunk.popleft()
-                assert call[0] == msg[0], "reward worker answered out of order"
-                record(*msg)
-                answered += 1
-                w.started = time.monotonic()  # the worker moved on to the next call of its chunk
-                if not w.chunk:
-                    w.chunk = None
 
     def close(self) -> None:
         """Stop the worker processes; the runner cannot score afterwards."""
-        self._closed = True
         if self._starting is not None:
             self._starting.join()
             self._starting = None
-        self._finalizer()
+        self._pool.close()
 
     def __enter__(self) -> "RewardRunner":
         return self

@@ -1,16 +1,12 @@
-"""The reward worker process's side: resolve the reward functions, then answer calls. Standard library only (and
-gspo's torch-free modules), so the fork server that starts workers is ready in a fraction of a second instead of the
-seconds an import of torch takes; a reward module that needs torch imports it itself."""
+"""The reward worker process's side: resolve the reward functions (:func:`load`, run by
+:func:`gspo.workers.child.main`), then answer calls (:func:`call`, :func:`call_steps`); the parent resolves them here
+too with ``workers=0``. Standard library only (and gspo's torch-free modules), so the fork server that starts workers
+is ready in a fraction of a second instead of the seconds an import of torch takes; a reward module that needs torch
+imports it itself."""
 from __future__ import annotations
 
 import math
-import os
-import signal
-import sys
-import threading
-import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 from gspo import user_code
@@ -77,21 +73,6 @@ def call_steps(fn: RewardFn, completion: str, example: Example) -> tuple[str, An
     return "ok", (ends, credits)
 
 
-def watch_parent() -> None:
-    """Exit this worker once its parent is gone, even while a reward call hangs in the main thread.
-
-    The parent is the fork server, which itself exits with the training process; either way we get re-parented.
-    """
-    parent_pid = os.getppid()
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    try:  # the processes the user's code started go too (when this worker leads their process group: never another's)
-        if os.getpgrp() == os.getpid():
-            os.killpg(0, signal.SIGKILL)
-    finally:
-        os._exit(0)
-
-
 def _warm_up(path: str, fn: RewardFn) -> None:
     try:
         fn.warm_up()
@@ -100,51 +81,17 @@ def _warm_up(path: str, fn: RewardFn) -> None:
                         "= 0 to debug it in-process.") from e
 
 
-def start_worker(sys_path: list[str], cwd: str) -> None:
-    """What a worker process of the user's code (rewards, environments, tools) does first."""
-    # Ctrl-C and a SIGTERM sent to the whole process group (Slurm, systemd) are the parent's to handle: it finishes its
-    # batch, which needs these workers, then shuts them down; a worker also exits when its parent is gone.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # A process group of its own, which the processes the user's code starts (a code-running tool's interpreter)
-    # join: killing the worker (a call past its time limit, shutdown) kills them with it, never leaving them running.
-    try:
-        os.setpgrp()
-    except OSError:  # (a session leader cannot: it keeps the group it has, and only itself is killed)
-        pass
-    os.chdir(cwd)  # user code may open files relative to where the user started training
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    user_code.search_current_folder()
-    threading.Thread(target=watch_parent, daemon=True).start()
+def load(paths: list[str], steps_path: str | None = None) -> Callable[[tuple], tuple]:
+    """In a worker (:func:`gspo.workers.child.main`): resolve the reward functions (and ``loss.step_credit``'s
+    function, called with the index after them), warm them up, and give the function that answers one call."""
+    fns = [resolve(p) for p in paths] + ([resolve(steps_path, steps=True)] if steps_path else [])
+    for path, fn in zip(paths, fns):
+        if callable(getattr(fn, "warm_up", None)):
+            _warm_up(path, fn)  # one-off set-up cost stays out of the first call's time limit
 
+    def answer(c: tuple) -> tuple:
+        call_id, fn_idx, completion, example = c
+        one = call_steps if fn_idx == len(paths) else call
+        return (call_id, *one(fns[fn_idx], completion, example))
 
-def chunks(conn: Connection):
-    """The chunks of calls the parent sends, until it says stop (``None``) or is gone."""
-    while True:
-        try:
-            chunk = conn.recv()
-        except (EOFError, OSError):
-            return
-        if chunk is None:
-            return
-        yield chunk
-
-
-def worker_main(conn: Connection, paths: list[str], sys_path: list[str], cwd: str,
-                steps_path: str | None = None) -> None:
-    """Worker process: resolve the reward functions (and ``loss.step_credit``'s function, called with the index after
-    them), then answer chunks of calls one result per call."""
-    start_worker(sys_path, cwd)
-    try:
-        fns = [resolve(p) for p in paths] + ([resolve(steps_path, steps=True)] if steps_path else [])
-        for path, fn in zip(paths, fns):
-            if callable(getattr(fn, "warm_up", None)):
-                _warm_up(path, fn)  # one-off set-up cost stays out of the first call's time limit
-    except UserError as e:  # already one sentence naming the reward and the fix
-        conn.send(("init_error", str(e)))
-        return
-    conn.send(("ready", os.getpid()))
-    for chunk in chunks(conn):
-        for call_id, fn_idx, completion, example in chunk:
-            one = call_steps if fn_idx == len(paths) else call
-            conn.send((call_id, *one(fns[fn_idx], completion, example)))
+    return answer

@@ -1,4 +1,4 @@
-"""Imported by the reward workers' fork server, as its preload, and by nothing else.
+"""Imported by the user-code workers' fork server, as its first preload, and by nothing else.
 
 A SIGTERM sent to the whole process group (how Slurm and systemd stop a job) would kill the fork server, and the
 workers exit with their parent: the rewards of the batch being scored would become NaN and the batch the trainer
@@ -9,5 +9,4 @@ import signal
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-from gspo.rewards import worker  # noqa: E402,F401  (what every worker runs, imported once here)
-from gspo.envs import worker as env_worker  # noqa: E402,F401  (and every environment worker)
+from gspo.workers import child  # noqa: E402,F401  (what every worker runs, imported once here)
