@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gspo.parallel.comm import dumps as array_pickle  # noqa: E402  (what gather_objects sends)
-from gspo.train.collect import Groups, Scores  # noqa: E402
+from gspo.collect.stage import Groups, Scores  # noqa: E402
 from gspo.types import Example, Rollout  # noqa: E402
 
 

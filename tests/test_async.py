@@ -14,9 +14,43 @@ from gspo.config import build_config
 from gspo.errors import UserError
 from gspo.runlog.metrics import read_jsonl
 from gspo.train import Trainer
-from gspo.train.pipeline import Pipeline
+from gspo.feed.ahead import Ahead
 
 from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module's tiny model fixture)
+
+# ------------------------------------------------------------------------------------------ the lag alone
+
+
+def test_the_lag_by_hand():
+    """Lag(eta=2, v0=3, total=10): batches 3-5 are sampled by version 3 (the timeline's first three), then g(j) = j - 2;
+    a version is needed while a batch it samples is still to collect; a collector holding version v goes up to
+    batch v + 2, never past the end nor back before the next batch."""
+    from gspo.feed.lag import Lag
+
+    lag = Lag(eta=2, v0=3, total=10)
+    assert [lag.version_of(j) for j in range(3, 10)] == [3, 3, 3, 4, 5, 6, 7]
+    assert lag.needed(3, first=3) and not lag.needed(3, first=6)  # batches 3, 4, 5
+    assert lag.needed(4, first=5) and not lag.needed(4, first=7)  # batch 6
+    assert lag.needed(7, first=9) and not lag.needed(8, first=9)  # batch 10 would be version 8's: past the end
+    assert (lag.runs_until(3, 3), lag.runs_until(8, 9), lag.runs_until(3, 7)) == (6, 10, 7)
+
+
+def test_the_lags_bounded_search_equals_a_search_of_the_whole_timeline():
+    """needed(v, first) looks only at batches up to v + eta; it equals the search over every batch left, and
+    runs_until(v, first) is one past the last batch v samples or any older version does, on random lags."""
+    import random
+
+    from gspo.feed.lag import Lag
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        eta, v0 = rng.randint(0, 4), rng.randint(0, 5)
+        lag = Lag(eta, v0, v0 + rng.randint(0, 12))
+        v, first = rng.randint(v0, lag.total + 3), rng.randint(v0, lag.total + 1)  # (no version before v0)
+        assert lag.needed(v, first) == any(lag.version_of(j) == v for j in range(first, lag.total))
+        held = [j for j in range(first, lag.total) if lag.version_of(j) <= v]
+        assert lag.runs_until(v, first) == (held[-1] + 1 if held else first)
+
 
 # ------------------------------------------------------------------------------------------ the pipeline alone
 
@@ -78,9 +112,9 @@ def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None
     rng = random.Random(seed)
     engine = (InFlightEngine if in_flight != "off" else FakeEngine)(random.Random(seed + 1))
     weight = torch.zeros(())
-    pipe = Pipeline(eta, threaded, engine.collect, engine, lambda: [("w", weight)], torch.device("cpu"),
+    pipe = Ahead(eta, threaded, engine.collect, engine, lambda: [("w", weight)], torch.device("cpu"),
                     group=group, in_flight=in_flight)
-    pipe.reset(0, total, [])
+    pipe.reset(0, total)
     seen = []
     for j in range(total):
         batch = pipe.take(j)
@@ -91,7 +125,8 @@ def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None
         weight.fill_(j + 1)
         pipe.publish(j + 1)
         if resume_at == j + 1:
-            saved = pipe.pause()
+            pipe.pause()
+            saved = pipe.state_dict()["async_queue"]
             # the batches sampled ahead by the versions before (and the next one, if the engine had started it; under
             # torchrun always, whatever the timing, for every process saves the same)
             if group is None:
@@ -100,7 +135,8 @@ def drive(eta: int, threaded: bool, total: int, seed: int, resume_at: int | None
                 assert len(saved) == min(eta + 1, total - j - 1)
             if in_flight == "off":
                 assert [q.version for q in saved] == [max(k - eta, 0) for k in range(j + 1, j + 1 + len(saved))]
-            pipe.reset(j + 1, total, saved)
+            pipe.load_state_dict({"async_queue": saved})
+            pipe.reset(j + 1, total)
     pipe.close()
     return seen
 
@@ -142,9 +178,9 @@ def test_engine_threads_agree_to_stop_unless_their_run_failed(monkeypatch):
         calls = []
         monkeypatch.setattr(comm, "any_rank", lambda flag: calls.append(flag) or flag)
         engine = FakeEngine(random.Random(0))
-        pipe = Pipeline(1, True, engine.collect, engine, lambda: [("w", torch.zeros(()))], torch.device("cpu"),
+        pipe = Ahead(1, True, engine.collect, engine, lambda: [("w", torch.zeros(()))], torch.device("cpu"),
                         group=object())
-        pipe.reset(0, 5, [])
+        pipe.reset(0, 5)
         pipe.take(0)
         with pipe.cond:  # batch 1 (version 0) collected; batch 2 waits for version 1, which never comes
             pipe.cond.wait_for(lambda: pipe.engine_waits == 1, timeout=30)
@@ -157,11 +193,14 @@ def test_a_checkpoint_before_the_first_update_lets_the_first_batches_be_collecte
     policy samples; it used to wait for them while holding the engine back, for ever."""
     for eta, group in ((1, None), (2, None), (2, object())):
         engine = FakeEngine(random.Random(0))
-        pipe = Pipeline(eta, True, engine.collect, engine, lambda: [("w", torch.zeros(()))], torch.device("cpu"),
+        pipe = Ahead(eta, True, engine.collect, engine, lambda: [("w", torch.zeros(()))], torch.device("cpu"),
                         group=group)
-        pipe.reset(0, 5, [])
-        saved = pipe.pause()
-        assert [q.version for q in saved] == [0] * (eta + (group is not None))
+        pipe.reset(0, 5)
+        pipe.pause()
+        saved = pipe.state_dict()["async_queue"]
+        # η batches, or η + 1 when the engine had claimed the next one before the pause (module docstring); under
+        # torchrun always η + 1
+        assert [q.version for q in saved] in ([0] * (eta + (group is not None)), [0] * (eta + 1))
         pipe.close()
         assert pipe.thread is None
 
@@ -198,8 +237,8 @@ def test_an_error_in_the_rollout_thread_reaches_the_update_as_it_was_raised():
         return FakeBatch(0.0)
 
     engine = FakeEngine(random.Random(0))
-    pipe = Pipeline(1, True, collect, engine, lambda: [("w", torch.zeros(()))], torch.device("cpu"))
-    pipe.reset(0, 5, [])
+    pipe = Ahead(1, True, collect, engine, lambda: [("w", torch.zeros(()))], torch.device("cpu"))
+    pipe.reset(0, 5)
     pipe.take(0)
     pipe.publish(1)
     pipe.take(1)
@@ -273,8 +312,8 @@ def test_a_stopped_run_collects_nothing_after_its_final_checkpoint(tiny_dir, tmp
 
     args = ("train.steps=16", "rollout.max_staleness=2")
     t = Trainer(tiny_config(tiny_dir, *args), tmp_path / "run")
-    collected, collect = [], t.pipeline.collect
-    t.pipeline.collect = lambda: collected.append(t.pipeline.next) or collect()
+    collected, collect = [], t.feed.collect
+    t.feed.collect = lambda: collected.append(t.feed.next) or collect()
     once, close = t.rollout_batch_once, t.collector.close
 
     def batch(runlog):
@@ -289,7 +328,7 @@ def test_a_stopped_run_collects_nothing_after_its_final_checkpoint(tiny_dir, tmp
     t.rollout_batch_once, t.collector.close = batch, slow_close
     t.train()
     v = t.state.rollout_batch  # the batch the signal came in, or the next one
-    assert t.stop_signal == "SIGTERM" and 3 <= v < 8 and t.pipeline.error is None
+    assert t.stop_signal == "SIGTERM" and 3 <= v < 8 and t.feed.error is None
     payload = torch.load(tmp_path / "run" / "checkpoints" / f"step-{t.state.step:06d}" / "trainer_state.pt",
                          weights_only=False)
     assert sorted(collected) == list(range(v + len(payload["async_queue"])))
@@ -448,7 +487,8 @@ def test_shared_weights_wait_for_a_slot_to_be_read_and_a_torn_slot_fails():
     line."""
     from types import SimpleNamespace
 
-    from gspo.train.remote import Decoder, SharedWeights, map_shared, pack
+    from gspo.collect.decoder import Decoder
+    from gspo.feed.transport import SharedWeights, map_shared, pack
 
     def version(v):
         return pack([("w", torch.full((2, 3), float(v))), ("b", torch.full((4,), v, dtype=torch.bfloat16))])
@@ -574,7 +614,7 @@ def test_a_checkpoint_resumed_into_another_layout_has_its_streams_before_any_bat
     index). The trainers compute those streams themselves, so a checkpoint written before any batch arrives (a resume
     within the run's last η + 1 batches, whose final checkpoint comes first) has them too: it used to fail on an
     assertion after the run had finished."""
-    from gspo.train.remote import RemoteCollector
+    from gspo.feed.remote import RemoteCollector
 
     one_process = {"generator": torch.Generator().manual_seed(5).get_state(), "data": {"position": 7},
                    "skipped_prompts": 1, "step": 12, "world_size": 1}

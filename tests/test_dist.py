@@ -115,7 +115,7 @@ def test_gather_pickling_round_trips_every_tensor_kind():
     import pickle
 
     from gspo.parallel.comm import dumps
-    from gspo.train.collect import Scores
+    from gspo.collect.stage import Scores
 
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     sent = {"ids": torch.randint(0, 50_000, (3, 5)), "mask": torch.rand(3, 5) > 0.5, "view": base[:, ::2],

@@ -473,7 +473,7 @@ def test_a_trajectory_cut_in_a_later_turn_is_truncated_and_dapo_counts_only_its_
     from types import SimpleNamespace
 
     from gspo.rollout.turns import TurnRows
-    from gspo.train.collect import Collector
+    from gspo.collect.stage import Collector
 
     stop = stop_token_ids(tokenizer)[-1]
     book = TurnRows(1, SamplingParams(max_new_tokens=20, max_turn_tokens=4), lambda ended, ids: [[7] * 9] * len(ended),

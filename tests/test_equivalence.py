@@ -4,7 +4,8 @@ Each run below was recorded into ``tests/fixtures/equivalence/<name>.jsonl`` (it
 lines) by ``python tests/test_equivalence.py --record`` (``--record NAME ...``: only those runs). A refactor must
 reproduce every key of every line: integers, strings (sampled texts) and token counts exactly, floats to 1e-5 relative
 or 1e-6 absolute, and the sequences' log-ratio sums (``ratio/seq_product_log_*``) to 1e-5 absolute (``time/*``,
-``throughput/*`` and ``dist/compute_*`` excepted: they measure the machine). Not tighter: another CPU (AMD's AVX2
+``throughput/*``, ``dist/compute_*`` and the asynchronous runs' waits ``async/*_wait_s`` excepted: they measure the
+machine). Not tighter: another CPU (AMD's AVX2
 kernels instead of Intel's AVX-512, another transformers release) sums float32 in another order, which moved those
 sums by up to 7e-6, other keys by up to 5e-6 relative, and near-zero on-policy spreads (~1e-7) by more than their
 size, with every sampled token the same. A refactor that deals rows, denominators or old log-probs differently moves
@@ -75,7 +76,8 @@ RUNS = {
 PROCESSES = {"gspo_ddp_two_processes": 2, "gspo_decode_process": 2}  # runs launched as `gspo train --nproc N` (torchrun), the rest in-process
 NEEDS = {"gspo_lora": "peft"}
 ENDS_TURNS = {"gspo_env_tools"}  # on the tiny model whose turns end (:func:`build_turn_model`): several turns a row
-SKIP_PREFIXES = ("time/", "throughput/", "dist/compute_")  # seconds: they measure the machine
+# seconds: they measure the machine
+SKIP_PREFIXES = ("time/", "throughput/", "dist/compute_", "async/actor_wait_s", "async/engine_wait_s")
 SUMS = ("ratio/seq_product_log_",)  # float32 sums of a sequence's token log-ratios: rounding adds up over its tokens
 
 

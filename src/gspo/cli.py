@@ -65,19 +65,30 @@ def _interrupted(args: argparse.Namespace, run_dir: Path) -> str:
     return f"the run directory {run_dir} {kept}; continue with: {_resume_command(args, run_dir)}"
 
 
+def _decode(cfg) -> int:
+    """Run this process as a decode process until the trainers stop; its exit code (130 / 143 when a stop signal
+    reached it too: the first one is the trainers' to act on, which finish the batch, checkpoint and send stop)."""
+    from gspo.collect.decoder import run_decoder
+    from gspo.train.guards import StopSignals
+
+    with StopSignals(lambda: "decoding") as stop:
+        run_decoder(cfg)
+    return 0 if stop.received is None else (130 if stop.received == "SIGINT" else 143)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch(args)  # imports no model code: only the job's processes train (~3 s of CPU each import)
     from gspo.parallel import comm
     from gspo.parallel.launch import STOP_CODES, report, report_error
+    from gspo.collect.decoder import is_decoder
     from gspo.train import Trainer
-    from gspo.train.remote import decode_if_mine
 
     cfg = _config(args.config, args.overrides)
     run_dir = args.run_dir or cfg.log.run_dir.format(algorithm=cfg.algorithm, seed=cfg.seed)
     try:
-        code = decode_if_mine(cfg)  # rollout.decode_processes: this process only samples, for the trainers
-        if code is not None:
+        if is_decoder(cfg):  # rollout.decode_processes: this process only samples, for the trainers
+            code = _decode(cfg)
             report(exit=code, stop_signal=STOP_CODES.get(code))
             return code
         trainer = Trainer(cfg, run_dir, resume=args.resume)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import shutil
 import threading
 import time
+import types
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -235,40 +237,53 @@ def _agreed_reason(reason: str | None) -> str | None:
     return next((text for text in comm.gather_objects(reason) if text is not None), None)
 
 
+class _MovedClasses(pickle.Unpickler):
+    """Reads a payload that names a class where an earlier version of gspo kept it: an asynchronous run's queued
+    batches (``async_queue``) were pickled as ``gspo.train.pipeline.Queued`` before :mod:`gspo.feed` (issue 50)."""
+
+    MOVED = {("gspo.train.pipeline", "Queued"): "gspo.feed.base"}
+
+    def find_class(self, module: str, name: str):
+        return super().find_class(self.MOVED.get((module, name), module), name)
+
+
+# torch.load takes a pickle module: this one is pickle with the unpickler above
+_moved_classes = types.SimpleNamespace(Unpickler=_MovedClasses, load=pickle.load, __name__="pickle")
+
+
 class Checkpoints:
-    """The checkpoints of one training job in ``run_dir``: :meth:`save` collects the actor's and the collector's
-    ``state_dict()`` (and the counters) into one checkpoint, which the policy's holding writes (in the background, or
+    """The checkpoints of one training job in ``run_dir``: :meth:`save` collects the actor's, the collector's and the
+    feed's ``state_dict()`` (and the counters) into one checkpoint, which the policy's holding writes (in the background, or
     with every process); :meth:`restore` loads the newest (or one written before a rollout batch) back into each."""
 
-    def __init__(self, run_dir: Path, cfg, runtime, actor, collector, tokenizer):
+    def __init__(self, run_dir: Path, cfg, runtime, actor, collector, feed, tokenizer):
         self.run_dir, self.cfg, self.runtime = run_dir, cfg, runtime
-        self.actor, self.collector, self.tokenizer = actor, collector, tokenizer
+        self.actor, self.collector, self.feed, self.tokenizer = actor, collector, feed, tokenizer
         self.writer = CheckpointWriter(run_dir)
-        self.queued: list = []  # the asynchronous collect's batches that the restored checkpoint had waiting
 
-    def save(self, state: TrainState, t_start: float, pinned: int | None, queued: list | None = None) -> None:
+    def save(self, state: TrainState, t_start: float, pinned: int | None) -> None:
         """Start writing a checkpoint of the run as it is now; pruning keeps checkpoint ``pinned`` (a step) however old
-        it gets. ``queued``: rollout batches collected ahead of the update (``rollout.max_staleness`` > 0)."""
+        it gets."""
         self.writer.pinned = pinned
-        parts = {**self.actor.state_dict(), **self.collector.state_dict(), "world_size": self.runtime.world_size}
-        if queued is not None:
-            parts["async_queue"] = queued
+        parts = {**self.actor.state_dict(), **self.collector.state_dict(), "world_size": self.runtime.world_size,
+                 **self.feed.state_dict()}
         self.actor.holding.save(self.writer, state, parts, self.tokenizer, self.cfg.log.keep_checkpoints, t_start)
 
     def restore(self, before_batch: int | None, metrics: list[dict] | None) -> tuple[Path, TrainState]:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)
-        into the actor and the collector, with this process's RNGs; returns it and its counters."""
+        into the actor, the collector and the feed, with this process's RNGs; returns it and its counters."""
         ckpt, state, _ = load(self.run_dir, self._read, before_batch, metrics)
         return ckpt, state
 
     def _read(self, ckpt: Path) -> dict[str, Any]:
-        """Everything the run restores from checkpoint ``ckpt``, into the actor and the collector; its payload."""
+        """Everything the run restores from checkpoint ``ckpt``, into the actor, the collector and the feed; its
+        payload."""
         self.actor.holding.load_weights(ckpt)
-        payload = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        payload = torch.load(ckpt / "trainer_state.pt", weights_only=False, pickle_module=_moved_classes)
         set_rng_state(payload["rng"])
         self.actor.load_state_dict(payload)
         self.collector.load_state_dict(payload)
-        self.queued = payload.get("async_queue", [])
+        self.feed.load_state_dict(payload)
         self._restore_process_rng(ckpt, payload, int(payload["step"]))
         return payload
 

@@ -9,8 +9,8 @@ One rollout batch per iteration:
   4. ``minibatches`` optimizer steps over a seeded shuffle of the batch; only the first is on-policy; each step's
      metrics stay tensors until one reduce, then one metrics line
   5. the collapse sentinel, then a checkpoint every ``log.checkpoint_every`` batches
-With ``rollout.max_staleness`` > 0, steps 1-2 happen ahead, in a background thread, for a policy that many batches
-older (:mod:`gspo.train.pipeline`).
+Steps 1-2 are the feed's (:mod:`gspo.feed`): in line with the update, or, with ``rollout.max_staleness`` > 0, ahead of
+it (in a background thread, in turn, or in decode processes) for a policy that many batches older.
 Differences from the GSPO paper's setup: none in the objective; rewards that fail are excluded rather than scored 0.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from gspo.checkpoint import complete_checkpoints
 from gspo.config import Config
 from gspo.errors import STOPPED_FILE, RunStopped, UserError
+from gspo.feed import RemoteCollector, make_feed
 from gspo.runlog.metrics import read_jsonl, replace_atomically
 from gspo.parallel import comm, roles
 from gspo.runlog.profiler import BatchProfiler, stage
@@ -37,8 +38,6 @@ from gspo.runtime import Runtime, bytecode_warning, finite, seconds_since
 from gspo.train.checkpoint import Checkpoints, TrainState, checkpoint_batch
 from gspo.train.guards import NonFiniteSteps, StopSignals, dist_failures, out_of_memory
 from gspo.train.parts import build, describe_run
-from gspo.train.pipeline import Pipeline
-from gspo.train.remote import RemoteCollector, RemotePipeline
 from gspo.train.run_dir import RunDir
 from gspo.train.sentinel import collapse_findings, response, stop_reason
 from gspo.types import Batch
@@ -88,29 +87,20 @@ class Trainer:
             if self.roles is not None:  # the decode processes collect; a checkpoint keeps their state
                 self.collector = RemoteCollector(self.roles.decoders, cfg.seed, self.runtime.device)
             self.state = TrainState()
-            self.checkpoints = Checkpoints(self.run_dir, cfg, self.runtime, self.actor, self.collector, self.tokenizer)
+            self.feed = make_feed(cfg.rollout, collector=self.collector, engine=self.engine,
+                                  weights=self.engine_weights, device=self.runtime.device, roles=self.roles)
+            self.checkpoints = Checkpoints(self.run_dir, cfg, self.runtime, self.actor, self.collector, self.feed,
+                                           self.tokenizer)
             self.profiler = BatchProfiler(cfg.log.profile_batch, self.run_dir, self.runtime.rank, self.runtime.device)
             self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps)
             self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when train() stopped early on one
             self.collapse: str | None = None  # what the collapse sentinel saw last, if it triggered
             self.rewards_seen: dict[int, float | None] = {}  # rollout batch -> reward/mean, for the sentinel
-            self.pipeline = None  # rollout.max_staleness > 0: the batches collected ahead of the update
-            if cfg.rollout.max_staleness:
-                threaded = cfg.rollout.overlap == "thread"
-                if self.roles is not None:
-                    self.pipeline = RemotePipeline(cfg.rollout.max_staleness, self.roles, self.engine_weights,
-                                                   self.runtime.device, self.collector,
-                                                   shared=cfg.rollout.decode_gpu == "shared")
-                else:
-                    # under torchrun the engine thread's gathers go through a group of their own
-                    group = comm.new_gloo_group() if threaded and comm.active() else None
-                    self.pipeline = Pipeline(cfg.rollout.max_staleness, threaded, self.collector.collect, self.engine,
-                                             self.engine_weights, self.runtime.device, group, cfg.rollout.in_flight)
             if from_start:
                 log.warning("%s has no checkpoint yet: --resume trains it from the start", self.run_dir)
             elif resume:
                 self.restore()
-            self.reset_pipeline()
+            self.reset_feed()
             if self.runtime.is_main:
                 self.dir.record(self.state.step)
                 (self.run_dir / STOPPED_FILE).unlink(missing_ok=True)  # a stopped run resumed goes on: no longer one
@@ -159,8 +149,7 @@ class Trainer:
                 self.timings["loop_s"] = round(t_loop_end - t_train, 3)
                 if state.step > start_step or not (self.run_dir / "checkpoints" / f"step-{state.step:06d}").is_dir():
                     self.checkpoint(final=True)  # written while the reward workers close
-                elif self.pipeline is not None:  # the engine stops before the reward workers close under it
-                    self.pipeline.close()
+                self.feed.close()  # the engine stops before the reward workers close under it
                 self.collector.close()
                 self.checkpoints.writer.wait()
                 runlog.close()  # after the final checkpoint: a failed write closes the sinks (W&B) as failed
@@ -174,8 +163,7 @@ class Trainer:
         finally:
             if runlog is not None:
                 runlog.close(failed=failed)
-            if self.pipeline is not None:  # done (or idle after the final checkpoint) unless the run failed
-                self.pipeline.close(timeout=None if not failed else 10.0)
+            self.feed.close(timeout=None if not failed else 10.0)  # done (or idle) unless the run failed
             self.collector.close()
             if failed:  # an earlier checkpoint in flight still completes; the loop's own error is the one to report
                 try:
@@ -194,13 +182,9 @@ class Trainer:
         return self.run_dir
 
     def rollout_batch_once(self, runlog: RunLog) -> None:
-        """One rollout batch: weights to the engine, collect, update; its metrics lines are left in ``last_rows``."""
+        """One rollout batch: the feed's batch (weights to the engine, collect), update, the new weights to the feed;
+        its metrics lines are left in ``last_rows``."""
         state = self.state
-        t_sync = time.perf_counter()
-        if self.pipeline is None:  # synchronous: the engine samples with the weights the update starts from
-            with stage("sync_weights"):
-                self.engine.sync_weights(self.engine_weights())
-        t_sync = time.perf_counter() - t_sync
         first = "first_rollout_at" not in self.timings
         if first:
             self.timings["first_rollout_at"] = self.since_start()
@@ -209,11 +193,7 @@ class Trainer:
                      ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k != "first_rollout_at"))
         t_collect = time.perf_counter()
         with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint), stage("collect"):
-            if self.pipeline is None:
-                batch = self.collector.collect()
-                batch.metrics["time/sync_weights"] = t_sync
-            else:  # collected ahead (or now), by a policy up to rollout.max_staleness batches older
-                batch = self.pipeline.take(state.rollout_batch)
+            batch = self.feed.take(state.rollout_batch)
         if first:
             self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
             self.timings["engine_warmup_s"] = round(getattr(self.engine, "warmup_s", 0.0), 3)
@@ -225,9 +205,8 @@ class Trainer:
         with self.writing_log():
             runlog.flush()
         state.rollout_batch += 1
-        if self.pipeline is not None:
-            with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint), stage("publish"):
-                self.pipeline.publish(state.rollout_batch)
+        with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint), stage("publish"):
+            self.feed.publish(state.rollout_batch)
 
     def engine_weights(self):
         """The policy's ``(name, tensor)`` pairs as the engine gets them (rounded: an injected engine-trainer gap)."""
@@ -236,14 +215,11 @@ class Trainer:
             weights = rounded_weights(weights, self.cfg.rollout.engine_weight_bits)
         return weights
 
-    def reset_pipeline(self) -> None:
-        """Point the asynchronous collect at where the run is now (a new run, a resume, a rollback), with the batches
-        the checkpoint it came from had collected ahead."""
-        if self.pipeline is None:
-            return
+    def reset_feed(self) -> None:
+        """Point the feed at where the run is now (a new run, a resume, a rollback): its timeline ends with the run's
+        last rollout batch."""
         state, t = self.state, self.cfg.train
-        total = state.rollout_batch + max(0, t.steps - state.step) // t.minibatches
-        self.pipeline.reset(state.rollout_batch, total, self.checkpoints.queued)
+        self.feed.reset(state.rollout_batch, state.rollout_batch + max(0, t.steps - state.step) // t.minibatches)
 
     @contextlib.contextmanager
     def writing_log(self) -> Iterator[None]:
@@ -321,10 +297,9 @@ class Trainer:
                         "of %d)", state.step, self.collapse, older[-1].name, sc.lr_factor, rollbacks, sc.max_rollbacks)
             self.actor.lr_scale *= sc.lr_factor
             state.rollbacks = rollbacks
-            if self.pipeline is not None:  # the batches collected ahead belong to the abandoned timeline
-                self.pipeline.drop()
+            self.feed.drop()  # the batches collected ahead belong to the abandoned timeline
             self.restore(before_batch=checkpoint_batch(older[-1]) + 1)
-            self.reset_pipeline()
+            self.reset_feed()
             if self.runtime.is_main:
                 self.checkpoints.abandon_after(state.step)
             comm.barrier()
@@ -339,23 +314,20 @@ class Trainer:
     def checkpoint(self, final: bool = False) -> None:
         """Start writing a checkpoint of the run as it is now (see :meth:`Checkpoints.save`), keeping the one a reward
         drop would roll back to (:meth:`Checkpoints.rollback_target`). ``final``: the session's last, after which the
-        engine stops where it was held (a stopped run's engine would otherwise collect on while the reward workers
+        feed stops where it was held (a stopped run's engine would otherwise collect on while the reward workers
         close)."""
         pinned = self.checkpoints.rollback_target(self.rewards_seen)
-        if self.pipeline is None:
-            self.checkpoints.save(self.state, self.t_start, pinned)
-            return
-        # the engine finishes the batches older policies sample and stays idle while the checkpoint takes its copy, so
-        # the batches it saves and the data position and sampling stream agree
+        # a feed that collects ahead finishes the batches older policies sample and stays idle while the checkpoint
+        # takes its copy, so the batches it saves and the data position and sampling stream agree
         with out_of_memory("the rollout", lambda: self.state.step, self.newest_checkpoint):
-            queued = self.pipeline.pause()
+            self.feed.pause()
         try:
-            self.checkpoints.save(self.state, self.t_start, pinned, queued)
+            self.checkpoints.save(self.state, self.t_start, pinned)
         finally:
             if final:
-                self.pipeline.close()
+                self.feed.close()
             else:
-                self.pipeline.resume()
+                self.feed.resume()
 
     def restore(self, before_batch: int | None = None) -> None:
         """Load the newest readable checkpoint (with ``before_batch``: the newest written before that rollout batch)."""

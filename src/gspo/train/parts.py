@@ -10,19 +10,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from gspo.config import TASK_STEP_CREDIT, Config
-from gspo.envs.episodes import Episodes
-from gspo.data import DataStream, build_dataset, dataset_args
-from gspo.models import load_model, stop_token_ids
+from gspo.collect import Collector
+from gspo.collect.sampler import collector as build_collector, cuda_init, engine_for, reward_runner
+from gspo.config import Config
+from gspo.models import load_model
 from gspo.parallel.holding import hold
 from gspo.parallel.strategy import choose as choose_strategy
-from gspo.rewards.runner import RewardRunner, config_specs
-from gspo.rollout import RolloutEngine, make_engine
+from gspo.rewards.runner import RewardRunner
+from gspo.rollout import RolloutEngine
 from gspo.runtime import Runtime, precision_name, seed_everything
 from gspo.train.actor import Actor, prepare_model
-from gspo.train.collect import Collector
 from gspo.train.passes import as_fsdp_forward
 
 log = logging.getLogger("gspo")
@@ -54,10 +51,10 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         clock = now
 
     seed_everything(cfg.seed)
-    rewards = _rewards(cfg) if sampling else None  # starts in the background
+    rewards = reward_runner(cfg) if sampling else None  # starts in the background
     lap("reward_functions")
     try:
-        _cuda_init(runtime)
+        cuda_init(runtime)
         lap("cuda_init")
         model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
         lap("model_load")
@@ -69,17 +66,12 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
         # optimizer step.
         engine = None
         if sampling:
-            engine = make_engine(cfg.rollout.engine, model, tokenizer,
-                                 stop_ids=stop_token_ids(tokenizer, model),
-                                 device=runtime.device, autocast_dtype=runtime.autocast,
-                                 fused_step=cfg.rollout.fused_step, compact_rows=cfg.rollout.compact_rows,
-                                 # (and with asynchronous rollouts, which sample while the update changes the policy)
-                                 replica=(strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0
-                                          or cfg.rollout.max_staleness > 0),
-                                 vllm_gpu_memory=cfg.rollout.vllm_gpu_memory,
-                                 # R3 replays the experts that sampled each token: the engine records them
-                                 routing=routing if cfg.moe.routing_replay == "rollout" else None,
-                                 exact=cfg.rollout.exact)
+            engine = engine_for(cfg, model, tokenizer, runtime,
+                                # (and with asynchronous rollouts, which sample while the update changes the policy)
+                                replica=(strategy == "fsdp" or cfg.lora.rank > 0 or cfg.rollout.engine_weight_bits > 0
+                                         or cfg.rollout.max_staleness > 0),
+                                # R3 replays the experts that sampled each token: the engine records them
+                                routing=routing if cfg.moe.routing_replay == "rollout" else None)
         holding = hold(strategy, model, runtime, cfg, ref_model=ref_model, prepare_forward=as_fsdp_forward)
         lap("engine")
         critic = None
@@ -87,7 +79,7 @@ def build(cfg: Config, runtime: Runtime, timings: dict[str, float] | None = None
             critic = _critic(cfg, runtime, tokenizer, strategy)
             lap("critic")
         actor = Actor(cfg, runtime, model, holding, ref_model=ref_model, routing=routing, critic=critic)
-        collector = _collector(cfg, runtime, tokenizer, engine, rewards, runtime.rank) if sampling else None
+        collector = build_collector(cfg, runtime, tokenizer, engine, rewards, runtime.rank) if sampling else None
         lap("data")
     except BaseException:
         if rewards is not None:
@@ -105,57 +97,6 @@ def _critic(cfg: Config, runtime: Runtime, tokenizer, strategy: str):
     model = load_value_model(cfg.ppo.critic_model or cfg.model.name, runtime.device, tokenizer,
                              tokenizer_name=None if cfg.ppo.critic_model else cfg.model.tokenizer)
     return hold_value_model(cfg, runtime, model, strategy)
-
-
-def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[RolloutEngine, Collector]:
-    """A decode process's parts (``rollout.decode_processes``): the policy's architecture and first weights in an
-    engine of its own, the reward workers, the data stream and the collect stage, sampling with the stream of
-    ``index`` (its place among the decode processes: the first one's is a one-process run's). No actor: the trainers
-    send the weights. Returns the engine and the collect stage."""
-    seed_everything(cfg.seed)
-    rewards = _rewards(cfg)
-    try:
-        _cuda_init(runtime)
-        model, tokenizer = load_model(cfg.model.name, tokenizer=cfg.model.tokenizer, device=str(runtime.device))
-        model.to(runtime.device)
-        # the hf engine samples from a copy of its own, which the weights the trainers send are written into
-        engine = make_engine(cfg.rollout.engine, model, tokenizer, stop_ids=stop_token_ids(tokenizer, model),
-                             device=runtime.device, autocast_dtype=runtime.autocast,
-                             fused_step=cfg.rollout.fused_step, compact_rows=cfg.rollout.compact_rows, replica=True,
-                             vllm_gpu_memory=cfg.rollout.vllm_gpu_memory, exact=cfg.rollout.exact)
-        return engine, _collector(cfg, runtime, tokenizer, engine, rewards, index)
-    except BaseException:
-        rewards.close()
-        raise
-
-
-def _rewards(cfg: Config) -> RewardRunner:
-    """The reward workers (started in the background)."""
-    # An environment's own rewards need no reward function; otherwise the task's verifier is the default one
-    specs = config_specs(cfg)
-    # loss.step_credit = "env": the turns' rewards come with the rollout, no function to run in the workers
-    steps = {"task": TASK_STEP_CREDIT.get(cfg.data.task), "env": None}.get(cfg.loss.step_credit, cfg.loss.step_credit)
-    return RewardRunner(specs, workers=cfg.rewards.workers if specs or steps else 0, timeout_s=cfg.rewards.timeout_s,
-                        steps=steps, allow_empty=bool(cfg.env.path))
-
-
-def _cuda_init(runtime: Runtime) -> None:
-    if runtime.device.type == "cuda":
-        torch.cuda.init()
-        torch.empty(1, device=runtime.device)  # the CUDA context, on its own line of the timings
-
-
-def _collector(cfg: Config, runtime: Runtime, tokenizer, engine, rewards: RewardRunner, index: int) -> Collector:
-    """The collect stage over the run's data stream; it samples with stream ``index`` (each process of a job its
-    own: the first one's is the one-process run's). Closes the reward workers if it cannot be built."""
-    try:
-        stream = DataStream(build_dataset(dataset_args(cfg.data, cfg.seed)), seed=cfg.seed)
-        generator = torch.Generator(device=runtime.device).manual_seed(cfg.seed + index)
-        episodes = Episodes(cfg.env, tokenizer, engine.stop_ids, cfg.data.system_prompt) if cfg.env.on else None
-    except BaseException:
-        rewards.close()
-        raise
-    return Collector(cfg, tokenizer, stream, rewards, engine, generator, episodes)
 
 
 def describe_run(cfg: Config, runtime: Runtime, run_dir: Path, resume: bool) -> str:

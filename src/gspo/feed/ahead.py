@@ -1,16 +1,11 @@
 """Asynchronous rollouts (``rollout.max_staleness = η > 0``): the engine collects the next rollout batches while the
 actor trains on the current one, each sampled by a policy exactly η versions older than the one that trains it.
 
-Versions. The policy's version is the number of rollout batches it has been trained on (``TrainState.rollout_batch``),
-so rollout batch ``j`` is trained by version ``j``. Under staleness η it is sampled by version
-
-    g(j) = max(j - η, v0)          v0: the version this session started from (0 for a new run)
-
-and its staleness ``j - g(j)`` is η once the pipeline is full (less in a session's first η batches). η = 0 is the
-synchronous loop, which does not come here. The unit is the rollout batch, not the optimizer step: the engine's weights
-change once per rollout batch, a whole batch (its DAPO refills too) is sampled by one version, and a synchronous run's
-own minibatches are already 0 to M - 1 optimizer steps off-policy, so η rollout batches are η·M to η·M + M - 1
-optimizer steps (M = ``train.minibatches``).
+Versions. Rollout batch ``j`` is trained by version ``j`` and sampled by version g(j) = max(j - η, v0)
+(:mod:`gspo.feed.lag`). η = 0 is the synchronous loop (:mod:`gspo.feed.inline`). The unit is the rollout batch, not the
+optimizer step: the engine's weights change once per rollout batch, a whole batch (its DAPO refills too) is sampled by
+one version, and a synchronous run's own minibatches are already 0 to M - 1 optimizer steps off-policy, so η rollout
+batches are η·M to η·M + M - 1 optimizer steps (M = ``train.minibatches``).
 
 A fixed lag, so a run is deterministic. g(j) depends on j alone, not on whether the engine or the actor got ahead: a
 run is the same bit for bit whether it collects in a background thread (``rollout.overlap = "thread"``) or in turn
@@ -65,39 +60,13 @@ from dataclasses import dataclass
 import torch
 
 from gspo.errors import UserError
+from gspo.feed.base import Queue, Queued
+from gspo.feed.lag import Lag
 from gspo.parallel import comm
 from gspo.runtime import CAPTURE_LOCK
 from gspo.types import Batch
 
 Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
-
-
-@dataclass
-class Queued:
-    """A collected rollout batch waiting for the actor, with the version that sampled it."""
-
-    batch: Batch
-    version: int  # the version that sampled it (in-flight updates: its first tokens; later ones are newer)
-    engine_wait_s: float = 0.0  # the engine's wait for that version before collecting it
-    sync_s: float = 0.0  # loading that version into the engine (0 when it had it), and in-flight updates
-    swaps: int = 0  # in-flight updates while it was sampled
-
-    def taken(self, j: int, waited: float, ahead: int) -> Batch:
-        """The batch, trained as rollout batch ``j``, with its ``async/*`` metrics: ``waited``, the actor's wait for
-        it; ``ahead``, the batches collected after it. The staleness is per sampled token: one value for a batch one
-        version sampled, the mean and the largest over its tokens under in-flight updates."""
-        mean = top = float(j - self.version)
-        versions = self.batch.rollout.versions
-        if versions is not None:
-            staleness = (j - versions[self.batch.rollout.sampled]).double()
-            if staleness.numel():
-                mean, top = float(staleness.mean()), float(staleness.max())
-        self.batch.metrics.update({"async/staleness_mean": mean, "async/staleness_max": top,
-                                   "async/actor_wait_s": waited, "async/engine_wait_s": self.engine_wait_s,
-                                   "async/ahead": float(ahead), "time/sync_weights": self.sync_s})
-        if versions is not None:
-            self.batch.metrics["async/swaps"] = float(self.swaps)
-        return self.batch
 
 
 @dataclass
@@ -108,16 +77,16 @@ class _Copy:
     ready: torch.cuda.Event | None
 
 
-class Pipeline:
-    """Collects rollout batches ahead of the update (see the module docstring). The trainer calls :meth:`reset` with
-    where the run is, then per batch :meth:`take` (blocks until it is collected) and, after the update,
-    :meth:`publish`; :meth:`pause` and :meth:`resume` around a checkpoint; :meth:`close` at the end."""
+class Ahead(Queue):
+    """Collects rollout batches ahead of the update (see the module docstring): :meth:`take` blocks until the batch
+    is collected."""
 
     def __init__(self, eta: int, threaded: bool, collect: Callable[[], Batch], engine, weights: Weights,
                  device: torch.device, group=None, in_flight: str = "off"):
         """``group``: under torchrun, the process group the engine thread's collectives go through (a group of its
         own: the update's collectives on the default group run at the same time in the trainer's thread).
         ``in_flight``: ``rollout.in_flight`` (see :class:`_InFlight`)."""
+        super().__init__()
         self.eta, self.threaded = eta, threaded
         self.in_flight = in_flight != "off"
         if self.in_flight:
@@ -131,22 +100,19 @@ class Pipeline:
         self.collect, self.engine, self.weights = collect, engine, weights
         self.device = device
         self.group = group
-        self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self.stream = torch.cuda.Stream(device) if threaded and device.type == "cuda" else None
-        self.reset(0, 0, [])
+        self.reset(0, 0)
 
     # ------------------------------------------------------------------------------------------ the trainer's side
 
-    def reset(self, version: int, total: int, queued: list[Queued]) -> None:
-        """Start over at policy ``version`` (the rollout batches trained so far) with the batches a checkpoint saved
-        (``queued``: batches ``version``, ``version + 1``, ...); ``total``: the rollout batches of the whole run.
-        Stops a running collect first (a collapse rollback); what it had collected is dropped."""
+    def reset(self, version: int, total: int) -> None:
+        """Stops a running collect first (a collapse rollback); what it had collected is dropped."""
         self.close()
-        self.v0 = self.version = version
-        self.total = total
-        self.queue = {version + i: q for i, q in enumerate(queued)}
-        self.next = version + len(queued)  # the next batch to collect
+        self.version = version
+        self.lag = Lag(self.eta, version, total)
+        self.queue = self.restored(version)
+        self.next = version + len(self.queue)  # the next batch to collect
         self.engine_version: int | None = None  # unknown: loaded when the pipeline starts
         self.engine_waits: int | None = None  # the version the engine thread is waiting for, if it is
         self.copies: dict[int, _Copy] = {}
@@ -158,10 +124,6 @@ class Pipeline:
         self.paused = False  # held idle for a checkpoint: batches from _held_from() on wait
         self.collecting = False  # the engine thread is collecting a batch
         self.swaps, self.swap_s = 0, 0.0  # in-flight updates of the batch being collected, and their seconds
-
-    def version_of(self, j: int) -> int:
-        """g(j): the policy version that samples rollout batch ``j``."""
-        return max(j - self.eta, self.v0)
 
     def take(self, j: int) -> Batch:
         """Rollout batch ``j``, once collected, with its ``async/*`` metrics; before returning, the engine has (or has
@@ -184,23 +146,23 @@ class Pipeline:
             self.version = version
             # The engine loads the newest version when it can. Decided on version and total alone, never on how far
             # this process's engine has got: under FSDP2 the copy is a collective every process must make.
-            if self.in_flight and version < self.total:
+            if self.in_flight and version < self.lag.total:
                 self.copies = {version: self._copy()}
-            elif self.threaded and self.eta >= 2 and self._needed(version) and version != self.engine_version:
+            elif self.threaded and self.eta >= 2 and self.lag.needed(version, self.next) \
+                    and version != self.engine_version:
                 self.copies[version] = self._copy()
             self.cond.notify_all()
         if not self.threaded:
             self._collect_ready()
 
-    def pause(self) -> list[Queued]:
-        """For a checkpoint: wait until every batch sampled by an older version than the actor's is collected, hold the
-        engine idle (its sampling stream and the data position stay as they are) and return the collected batches
-        waiting for the actor, in order. :meth:`resume` lets the engine go on."""
+    def pause(self) -> None:
+        """For a checkpoint: wait until every batch sampled by an older version than the actor's is collected and hold
+        the engine idle (its sampling stream and the data position stay as they are, and so do the batches waiting
+        for the actor, which :meth:`state_dict` saves). :meth:`resume` lets the engine go on."""
         self._start()
         with self.cond:
             self.paused = True
             self._wait(lambda: self.next >= self._held_from() and not self.collecting)
-            return [self.queue[j] for j in sorted(self.queue)]
 
     def resume(self) -> None:
         with self.cond:
@@ -232,17 +194,13 @@ class Pipeline:
         """While paused for a checkpoint (the actor's version fixed): the first batch the engine holds back. Every
         batch an older version samples comes before it, and under torchrun the one the actor's own version samples too
         (module docstring: every process saves the same batches)."""
-        return min(self.total, self.version + self.eta + (self.group is not None))
-
-    def _needed(self, version: int) -> bool:
-        """Whether a batch still to collect is sampled by ``version``."""
-        return any(self.version_of(k) == version for k in range(self.next, min(self.total, version + self.eta + 1)))
+        return min(self.lag.total, self.version + self.eta + (self.group is not None))
 
     def _safe(self) -> bool:
         """The actor may change its weights: no batch still to collect needs the version it holds, or the engine has
         that version, or a copy of it."""
         v = self.version
-        return not self._needed(v) or self.engine_version == v or v in self.copies
+        return not self.lag.needed(v, self.next) or self.engine_version == v or v in self.copies
 
     def _wait(self, done: Callable[[], bool]) -> None:
         """Wait (holding ``cond``) until ``done()``, raising the engine thread's error; whenever the engine thread
@@ -304,7 +262,7 @@ class Pipeline:
             return
         self.started = True
         self._load(self.weights())
-        self.engine_version = self.v0
+        self.engine_version = self.lag.v0
         if not self.threaded:
             self._collect_ready()
             return
@@ -316,8 +274,8 @@ class Pipeline:
 
     def _collect_ready(self) -> None:
         """In turn with the update: collect every batch whose version exists (the actor holds it: no copy)."""
-        while self.next < self.total and self.version_of(self.next) <= self.version:
-            g = self.version_of(self.next)
+        while self.next < self.lag.total and self.lag.version_of(self.next) <= self.version:
+            g = self.lag.version_of(self.next)
             assert g == self.version, "in turn with the update, a batch's version is the actor's"
             sync = 0.0
             if self.engine_version != g:
@@ -334,9 +292,9 @@ class Pipeline:
                 while True:
                     with self.cond:
                         j = self.next
-                        if j >= self.total or self.stopping and (self.group is None or self.alone):
+                        if j >= self.lag.total or self.stopping and (self.group is None or self.alone):
                             return
-                        g = self.version_of(j)
+                        g = self.lag.version_of(j)
                         t0 = time.perf_counter()
                         self.engine_waits = g
                         self.cond.notify_all()
@@ -384,12 +342,12 @@ class _InFlight:
     """In-flight weight updates (``rollout.in_flight``): the engine polls this between decode steps
     (:class:`gspo.rollout.graph.InFlight`) and loads the newest version the actor has published since its own.
 
-    The actor copies every version it publishes (:meth:`Pipeline.publish`) and drops the previous copy if the engine
+    The actor copies every version it publishes (:meth:`Ahead.publish`) and drops the previous copy if the engine
     never took it, so at most two copies of the weights exist at once: the one the engine is loading and the newest.
     A batch still starts only once the lag's version g(j) exists, and with the newest version there is, so every
     token is sampled by a version between g(j) and j: the staleness bound holds per token."""
 
-    def __init__(self, pipeline: Pipeline, recompute: bool):
+    def __init__(self, pipeline: Ahead, recompute: bool):
         self.pipeline, self.recompute = pipeline, recompute
 
     @property
