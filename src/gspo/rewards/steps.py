@@ -1,6 +1,5 @@
 """Process credit for per-token advantages (``loss.step_credit``): a function that splits a completion into steps and
-scores each, the token index where each step ends, and the advantages of :func:`gspo.algorithms.advantages
-.step_advantages`.
+scores each, and the token index where each step ends (the steps :func:`gspo.algorithms.estimate_advantages` takes).
 
 A step-credit function is ``(completion: str, example) -> list[(end, credit)]``: for each step, in order, the character
 index just past it and its credit (e.g. 1 for a right intermediate line, 0 for a wrong one). The built-in tasks have
@@ -11,21 +10,8 @@ never returns, ends the run in one line instead of hanging it), after the reward
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
 
 import torch
-
-from gspo.algorithms.advantages import step_advantages
-from gspo.rewards.worker import resolve
-
-StepFn = Callable[..., list]
-
-
-def load_step_credit(path: str) -> StepFn:
-    """The function ``module:function`` names (the current folder is searched too, :mod:`gspo.user_code`), or one line
-    saying what is wrong with ``loss.step_credit``. Training calls it in the reward workers
-    (:meth:`gspo.rewards.runner.RewardRunner.step_spans`), never in its own process."""
-    return resolve(path, steps=True)
 
 
 def token_starts(tokenizer, ids: list[int], text: str) -> list[int]:
@@ -47,17 +33,6 @@ def token_starts(tokenizer, ids: list[int], text: str) -> list[int]:
     # The sampled ids are not the text's own encoding: the decoded prefixes (quadratic, rare). A prefix that ends inside
     # a character decodes it as U+FFFD; the token then starts where that character does, as the offsets say.
     return [len(tokenizer.decode(ids[:t], skip_special_tokens=True).rstrip("\ufffd")) for t in range(len(ids))]
-
-
-def turn_advantages(rollout, outcome: torch.Tensor, rewards: torch.Tensor, group_size: int, weight: float,
-                    scale: str = "group") -> torch.Tensor:
-    """Per-token advantages ``(N, T)`` of multi-turn rows (``loss.step_credit = "env"``): each turn is a step whose
-    credit is the environment's reward for it (``rollout.turn_rewards``), ending just past the turn's last sampled
-    token (see :func:`gspo.algorithms.advantages.step_advantages`). A turn cut off by a token limit has no reward and
-    keeps the outcome advantage alone; a trajectory whose environment failed (NaN reward) gets no process credit."""
-    step_ends, step_credit = turn_steps(rollout, rewards)
-    return step_advantages(outcome, step_ends, step_credit, group_size, rollout.completion_ids.shape[1],
-                           weight=weight, scale=scale)
 
 
 def turn_steps(rollout, rewards: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
