@@ -217,6 +217,24 @@ def test_the_vllm_engine_without_vllm_is_one_line_naming_the_extra(tokenizer):
         make_engine("vllm", tiny_llama(vocab_size=len(tokenizer)), tokenizer, stop_ids=[2], device=torch.device("cpu"))
 
 
+def test_an_engine_that_cannot_take_weights_in_flight_is_refused_before_it_is_built(tiny_model, tokenizer):
+    """rollout.in_flight: make_engine refuses, in one line naming the fix, an engine that declares it cannot load
+    newer weights between decode steps (hf, vLLM: before vLLM would take its share of the GPU); the graph engine
+    declares it can, and is built with no source of weights yet (the pipeline sets ``swaps``)."""
+    from gspo.rollout import make_engine
+    from gspo.rollout.vllm_engine import VLLMEngine
+
+    assert GraphEngine.takes_weights_in_flight and not HFEngine.takes_weights_in_flight
+    assert not VLLMEngine.takes_weights_in_flight
+    cpu = torch.device("cpu")
+    for kind, name in (("hf", "HFEngine"), ("auto", "HFEngine"), ("vllm", "VLLMEngine")):
+        with pytest.raises(UserError, match=f"^rollout.in_flight needs .* the {name} does not; set rollout.engine = "
+                                            "'graph'.*or rollout.in_flight = 'off'.$"):
+            make_engine(kind, tiny_model, tokenizer, stop_ids=[2], device=cpu, in_flight=True)
+    engine = make_engine("graph", tiny_model, tokenizer, stop_ids=[2], device=cpu, in_flight=True)
+    assert isinstance(engine, GraphEngine) and engine.swaps is None
+
+
 def test_rounded_weights_hand_worked():
     """3 bits: qmax 3; the row (1, -2, 0.5) has scale 2/3, so W/s = (1.5, -3, 0.75) rounds (half to even) to (2, -3, 1)
     and comes back as (4/3, -2, 2/3); a vector passes as it is; the given tensors are not written."""

@@ -374,6 +374,7 @@ class GraphEngine:
     """
 
     records_routing = True
+    takes_weights_in_flight = True  # it polls ``swaps`` between decode steps (rollout.in_flight)
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, device=None,
                  autocast_dtype: torch.dtype | None = None, sync_every: int = 4, use_graphs: bool | None = None,

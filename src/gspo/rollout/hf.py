@@ -99,6 +99,7 @@ class HFEngine:
     routing has on the model it samples from (so not from a ``replica``, whose copy has none)."""
 
     records_routing = True
+    takes_weights_in_flight = False  # its weights are the trainer's model's, or a copy loaded between batches
 
     def __init__(
         self,

@@ -57,6 +57,7 @@ class VLLMEngine:
     """Rollouts from a colocated ``vllm.LLM`` holding its own copy of the policy (see the module docstring)."""
 
     records_routing = False  # vLLM's own model runs no hooks of gspo's: Routing Replay R3 cannot record through it
+    takes_weights_in_flight = False  # vLLM samples a whole request in one call: no step to swap weights between
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int], device: torch.device,
                  autocast_dtype: torch.dtype | None = None, gpu_memory: float = 0.3, max_len: int | None = None):
