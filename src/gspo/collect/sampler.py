@@ -19,11 +19,13 @@ from gspo.runtime import Runtime, seed_everything
 def engine_for(cfg: Config, model, tokenizer, runtime: Runtime, *, replica: bool, routing=None) -> RolloutEngine:
     """The rollout engine for ``cfg`` over ``model``. ``replica``: it takes a copy of the weights of its own (the
     policy is sharded, adapted or rounded for it, or changes while it samples); ``routing``: R3's recorder of the
-    experts that sampled each token."""
+    experts that sampled each token. An engine that cannot do what the config asks (R3, in-flight updates) is refused
+    here, in one line, before it is built."""
     return make_engine(cfg.rollout.engine, model, tokenizer, stop_ids=stop_token_ids(tokenizer, model),
                        device=runtime.device, autocast_dtype=runtime.autocast, fused_step=cfg.rollout.fused_step,
                        compact_rows=cfg.rollout.compact_rows, replica=replica,
-                       vllm_gpu_memory=cfg.rollout.vllm_gpu_memory, routing=routing, exact=cfg.rollout.exact)
+                       vllm_gpu_memory=cfg.rollout.vllm_gpu_memory, routing=routing,
+                       in_flight=cfg.rollout.in_flight != "off", exact=cfg.rollout.exact)
 
 
 def build_sampler(cfg: Config, runtime: Runtime, index: int) -> tuple[RolloutEngine, Collector]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gspo.algorithms import group_advantages, overlong_penalty, whiten_tokens, zero_variance_groups
+from gspo.algorithms import estimate_advantages, overlong_penalty, zero_variance_groups
 from gspo.config import Config
 from gspo.data import DataStream
 from gspo.parallel.comm import active, barrier, gather_objects, rank_world, split_work
@@ -29,7 +29,6 @@ from gspo.runlog.profiler import stage
 from gspo.prompts import encode_prompts
 from gspo.envs.episodes import COUNTS as env_counts, Episodes, batch_metrics as env_metrics
 from gspo.rewards.runner import RewardRunner
-from gspo.algorithms.advantages import step_advantages
 from gspo.algorithms.ppo import process_token_rewards
 from gspo.rewards.steps import task_steps, turn_steps
 from gspo.types import FINISH_LENGTH, Batch, Example, Groups, Rollout, SamplingParams
@@ -275,31 +274,26 @@ class Collector:
         self.check_failures(rounds)
         rollout = groups.rollout
         shaped = groups.rewards + self.overlong(rollout) if cfg.dapo.overlong_penalty else groups.rewards
-        critic = cfg.loss.advantage_baseline == "critic"
-        if critic:  # PPO: the rewards themselves (N,); the actor's value model turns them into GAE advantages
-            adv = torch.where(torch.isfinite(shaped), shaped, torch.zeros_like(shaped)).float()
-        else:
-            adv = group_advantages(shaped, cfg.rollout.group_size, scale=cfg.loss.advantage_scale,
-                                   baseline=cfg.loss.advantage_baseline)  # (N,)
         steps = None  # (token ends, credits) of each row's steps, with loss.step_credit
         if self.rewards.steps is not None:
             steps = task_steps(self.rewards.step_spans(rollout.texts, groups.examples), self.tokenizer, rollout)
         elif cfg.loss.step_credit == "env":  # each turn a step credited with its environment reward
             steps = turn_steps(rollout, groups.rewards)
-        if steps is not None and not critic:  # (N, T): the outcome advantage plus each token's process credit
-            adv = step_advantages(adv, *steps, cfg.rollout.group_size, rollout.completion_ids.shape[1],
-                                  weight=cfg.loss.step_credit_weight, scale=cfg.loss.advantage_scale)
         loss_mask = rollout.sampled.clone()  # (N, T): the tokens the policy chose
         truncated = torch.tensor([r == FINISH_LENGTH for r in rollout.finish_reasons])  # (N,)
         if cfg.loss.mask_truncated:
             loss_mask &= ~truncated[:, None]
-        if critic:  # a failed reward is no return to learn from
-            loss_mask &= torch.isfinite(shaped)[:, None]
+        lc = cfg.loss
+        if lc.advantage_baseline == "critic":  # PPO: the rewards, which the actor's value model's GAE turns into
+            loss_mask &= torch.isfinite(shaped)[:, None]  # advantages; a failed reward is no return to learn from
+            adv = torch.where(torch.isfinite(shaped), shaped, torch.zeros_like(shaped)).float()  # (N,)
             if steps is not None:  # (N, T) token rewards for GAE: the outcome at the last step, the steps' credit
-                adv = process_token_rewards(adv, loss_mask, *steps, cfg.loss.step_credit_weight,
-                                            paid_in_outcome=cfg.loss.step_credit == "env").float()
-        elif cfg.loss.advantage_scale == "tokens":  # REINFORCE++: over the loss tokens of completions with a reward
-            adv = whiten_tokens(adv, loss_mask & torch.isfinite(shaped)[:, None])  # (N, T)
+                adv = process_token_rewards(adv, loss_mask, *steps, lc.step_credit_weight,
+                                            paid_in_outcome=lc.step_credit == "env").float()
+        else:
+            adv, _ = estimate_advantages(shaped, loss_mask, baseline=lc.advantage_baseline, scale=lc.advantage_scale,
+                                         group_size=cfg.rollout.group_size, steps=steps,
+                                         step_weight=lc.step_credit_weight)  # (N,), or (N, T)
         m = self.reward_metrics(groups, rounds, timing)
         if cfg.dapo.overlong_penalty:
             m["reward/overlong_penalty_mean"] = float(self.overlong(rollout).mean())

@@ -92,10 +92,7 @@ class Ahead(Queue):
         if self.in_flight:
             if not threaded:
                 raise ValueError("in-flight weight updates need the background thread")
-            if not hasattr(engine, "swaps"):
-                raise UserError(f"rollout.in_flight = {in_flight!r} needs an engine that takes new weights between "
-                                f"decode steps, and the {type(engine).__name__} does not; set rollout.engine = 'graph' "
-                                "(or leave it 'auto' on a model it supports), or rollout.in_flight = 'off'.")
+            # (make_engine refused an engine that cannot take weights in flight: this one polls its swaps)
             engine.swaps = _InFlight(self, in_flight == "recompute")
         self.collect, self.engine, self.weights = collect, engine, weights
         self.device = device
