@@ -59,7 +59,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo.errors import UserError
 from gspo.feed.base import Queue, Queued
 from gspo.feed.lag import Lag
 from gspo.parallel import comm
