@@ -54,7 +54,7 @@ def timed(fn, repeats: int) -> float:
 
 
 def throughput(a, model, tok, autocast, prompts_all, out: dict) -> None:
-    from gspo.rollout import exact_kernels
+    from gspo.kernels import exact_kernels
 
     no_stop = [model.config.vocab_size + 1]
     default_config = exact_kernels.MATMUL_BLOCK
@@ -163,9 +163,9 @@ def multiturn(a, model, tok, autocast, prompts_all, out: dict) -> None:
 
 
 def routes(a, model, tok, autocast, prompts_all, out: dict) -> None:
+    from gspo.kernels import exact_kernels
     from gspo.models import named_weights
     from gspo.models.moe import find_routers
-    from gspo.rollout import exact_kernels
 
     engine = GraphEngine(model, tok, stop_ids=stop_token_ids(tok, model), device="cuda", autocast_dtype=autocast,
                          exact=True)
@@ -226,7 +226,7 @@ def trainer_cost(a, model, tok, autocast, prompts_all, out: dict) -> None:
             ordinary(True)
         return lp_exact
 
-    def differentiated():  # a dense model's update: the exact pass with its own backward (gspo.train.exact_grad)
+    def differentiated():  # a dense model's update: the exact pass with its own backward (gspo.kernels.exact_grad)
         with torch.enable_grad():
             lp, _ = exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask, 1.0, version=0)
             lp.sum().backward()
@@ -274,7 +274,7 @@ def main() -> None:
         experts, top_k = (int(x) for x in a.upcycle.split("x"))
         model = upcycle(model.cpu().float(), experts, top_k, drop=a.drop).to(device).eval()
     if a.exact_config:
-        from gspo.rollout import exact_kernels
+        from gspo.kernels import exact_kernels
 
         exact_kernels.MATMUL_BLOCK = tuple(int(x) for x in a.exact_config.split("x"))
     task = ArithmeticTask(seed=0)

@@ -133,7 +133,7 @@ def test_a_request_split_over_calls_and_the_padded_trainer_pass_are_exact(tokeni
     """A request larger than ``max_batch`` is generated in several calls (other buckets, other cache lengths); the
     trainer's graphed pass pads the packed row with a dummy sequence and the tile table with empty tiles (here run
     eagerly: the CPU has no graphs): neither changes a real token's numbers."""
-    from gspo.rollout.exact_kernels import tile_table
+    from gspo.kernels.exact_kernels import tile_table
     from gspo.train.exact import ExactPass
 
     model = _family("mistral")
@@ -207,11 +207,11 @@ def _float64_gradients(model, batch) -> dict[str, torch.Tensor]:
 
 
 def test_the_backward_kernels_equal_autograd_of_their_forward():
-    """The exact update's fused backward kernels (gspo.train.grad_kernels) against autograd of a float64 torch
+    """The exact update's fused backward kernels (gspo.kernels.grad_kernels) against autograd of a float64 torch
     re-statement of the forward, on random inputs: RMSNorm with and without a gradient reaching its input directly
     (N = 96, not a power of two), rotary embedding of q / k with the values passed through (5 query heads over 2 KV
     heads, scaled), SiLU-and-multiply."""
-    from gspo.train import grad_kernels as gk
+    from gspo.kernels import grad_kernels as gk
 
     g = torch.Generator().manual_seed(0)
 
@@ -254,7 +254,7 @@ def test_the_backward_kernels_equal_autograd_of_their_forward():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_the_update_differentiates_the_exact_pass(family):
-    """A dense model's update takes its log-probs from the exact pass itself (gspo.train.exact_grad): the same values
+    """A dense model's update takes its log-probs from the exact pass itself (gspo.kernels.exact_grad): the same values
     bit for bit, now with a gradient. In fp32 that gradient is the float64 ordinary pass's, to fp32 rounding, for every
     parameter: the norms and biases (moved off their initial values), Qwen2's packed q|k|v bias with k's removed (a
     zero slice), Qwen3's q/k norms and untied LM head, an LM head bias."""
@@ -362,7 +362,7 @@ def test_a_changed_reduction_order_shows_a_nonzero_diff(fault, tokenizer, monkey
     instead of 64, or the matmul's two halves of K summed apart, as a split-K GEMM for few rows does); the trainer
     keeps the real ones. The diff must show. (A smaller K step is not a fault: the K loop accumulates into one
     accumulator in the same order whatever its step.)"""
-    from gspo.rollout import exact_kernels
+    from gspo.kernels import exact_kernels
 
     model = _family("llama")
     # fp32 for the matmul: in bf16 a changed K-loop's last-bit differences mostly round away at each output (on the
@@ -385,7 +385,7 @@ def test_a_changed_reduction_order_shows_a_nonzero_diff(fault, tokenizer, monkey
 def test_kernels_are_batch_invariant():
     """Row i of the matmul and the log-prob kernel is the same whatever rows come with it; a decode tile of one token
     over the cache is the packed pass's row for that token."""
-    from gspo.rollout import exact_kernels as ek
+    from gspo.kernels import exact_kernels as ek
 
     torch.manual_seed(0)
     x, w = torch.randn(70, 96, device=DEV).bfloat16(), torch.randn(80, 96, device=DEV).bfloat16()
@@ -463,8 +463,8 @@ def test_expert_kernels_are_batch_invariant_and_the_family_block():
     """The grouped matmul's row for a (token, expert) pair is the dense kernel's row with that expert's weight; the
     router picks torch's top-k of the softmax; the routed experts of a token do not depend on the other tokens, and are
     the HF block's output up to bf16 rounding."""
-    from gspo.rollout import exact_kernels as ek
-    from gspo.rollout.fused import exact_sparse
+    from gspo.kernels import exact_kernels as ek
+    from gspo.kernels.fused import exact_sparse
 
     model = _moe("qwen3_moe")
     block = model.model.layers[0].mlp.to(DEV, torch.bfloat16)
@@ -532,7 +532,7 @@ def test_moe_faults_show_and_other_routers_are_refused(tokenizer, monkeypatch):
     """Fault injection: the engine combines each token's 3 experts in the reverse order (the same experts and weights,
     another order of the fp32 sum; with 2 the sum commutes): the diff must show. And a router that is not a softmax top-k is refused in one
     line."""
-    from gspo.rollout import exact_kernels
+    from gspo.kernels import exact_kernels
 
     model = _moe("mixtral", top_k=3)
     engine = _engine(model, tokenizer, None)

@@ -1,4 +1,4 @@
-"""The fused decode step (``gspo.rollout.fused`` + ``gspo.rollout.kernels``): each Triton kernel against the HF
+"""The fused decode step (``gspo.kernels.fused`` + ``gspo.kernels.fused_kernels``): each Triton kernel against the HF
 operation it replaces, and the engine's fused path against its module path. Without a GPU the kernels run in Triton's
 interpreter (conftest sets TRITON_INTERPRET); with one, these same tests run the compiled kernels on it."""
 import pytest
@@ -23,7 +23,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @pytest.fixture
 def kernels():
     """The Triton kernels: compiled on a GPU, run by Triton's interpreter on a CPU (conftest sets TRITON_INTERPRET)."""
-    from gspo.rollout import kernels as module
+    from gspo.kernels import fused_kernels as module
 
     return module
 
@@ -81,7 +81,7 @@ def test_decode_attention_reads_each_rows_live_slots_only(kernels):
     starts = torch.zeros(B + 1, dtype=torch.int32)
     starts[:B] = torch.arange(B) * L + first
     q = torch.randn(B, H, D, device=DEV).bfloat16()
-    from gspo.rollout.exact_kernels import tile_attention
+    from gspo.kernels.exact_kernels import tile_attention
 
     i32 = dict(dtype=torch.int32, device=DEV)
     tiles = (torch.arange(B, **i32), torch.ones(B, **i32), starts[:-1].to(DEV), used.to(DEV))  # a decode step's
@@ -264,7 +264,7 @@ def test_fused_step_compacts_rows_like_the_whole_bucket(kernels, tokenizer, monk
 def test_sliding_window_keeps_the_module_step_only_past_the_window(tokenizer):
     """The fused attention has no sliding window: a bucket whose cache is longer than an active window uses the module
     step, a shorter one the fused step."""
-    from gspo.rollout.fused import fused_unsupported
+    from gspo.kernels.fused import fused_unsupported
 
     model = tiny_llama(vocab_size=len(tokenizer))
     model.config.sliding_window = 128

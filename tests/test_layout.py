@@ -315,6 +315,46 @@ def test_every_gspo_import_names_a_module_that_exists():
     assert not missing, missing
 
 
+def test_the_kernels_import_nothing_of_the_trainer_the_engines_collection_or_the_feed():
+    """kernels/ is the forward both sides run (the fused decode step, the batch-invariant kernels, their backward): the
+    engine and the trainer import it, it imports neither of them (issue 50)."""
+    found = _forbidden_imports("gspo.kernels", ("gspo.train", "gspo.rollout", "gspo.collect", "gspo.feed"))
+    assert not found, found
+
+
+# What train/ may take from rollout/: the engine protocol, the rounding of the weights handed to an engine
+# (rollout.engine_weight_bits), and the engine's weight copy, which the exact pass keeps as the engine does
+# (EngineWeights lives in rollout/graph.py until the paged engine rewrites that file). The kernels come from kernels/;
+# the engine is built in collect/.
+_TRAIN_FROM_ROLLOUT = {"gspo.rollout.RolloutEngine", "gspo.rollout.rounded_weights", "gspo.rollout.graph.EngineWeights"}
+
+
+def test_the_trainer_takes_no_kernel_from_the_engines():
+    """train/ imports from gspo.rollout only the names above, wherever the import is (functions included): the fused
+    decoder, the exact kernels and their backward are gspo.kernels', not reached through an engine module."""
+    found, scanned = [], 0
+    for name, path in _modules().items():
+        if not _under(name, "gspo.train"):
+            continue
+        scanned += 1
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                taken = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([node.module] if node.module else []))
+                taken = [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            found += [f"{name}:{node.lineno} imports {t}" for t in taken
+                      if _under(t, "gspo.rollout") and t not in _TRAIN_FROM_ROLLOUT]
+    assert scanned, "gspo.train is gone: move this rule with it"
+    assert not found, found
+
+
 def test_rewards_and_environments_never_import_each_other():
     """rewards/ and envs/ are two clients of the one pool for user code (gspo.workers): neither imports the other,
     at module level or inside a function (envs/ used to borrow the reward workers' internals, and the reward workers'

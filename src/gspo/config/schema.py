@@ -109,7 +109,7 @@ class RolloutConfig:
     batch."""
     exact: bool = False
     """Engine and trainer agree bit for bit: the graph engine's decode step, its prefill and the trainer's log-prob
-    pass run one forward of batch-invariant Triton kernels (``gspo.rollout.exact_kernels``), so the engine's log-prob
+    pass run one forward of batch-invariant Triton kernels (``gspo.kernels.exact_kernels``), so the engine's log-prob
     of every sampled token equals the trainer's recomputation for the same weights, whatever the batch, the lengths or
     the row compaction, with CUDA graphs on; ``logprob/engine_diff_max`` shows 0.0. With ``train.old_logprobs =
     "rollout"`` the recompute pass disappears and the first update's ratio is exactly 1. A dense model's update

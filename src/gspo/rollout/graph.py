@@ -8,7 +8,7 @@ How one ``generate`` runs:
 1. the unique prompts are prefilled once (eager) into a static cache, and their K/V copied to their ``n`` rows;
 2. the first completion token is sampled from the prefill logits;
 3. each later token is one replay of a CUDA graph that embeds the last token, runs every decoder layer -- on CUDA for
-   Llama-family models the fused step of :mod:`gspo.rollout.fused` (4 GEMMs and 5 Triton kernels a layer), else the
+   Llama-family models the fused step of :mod:`gspo.kernels.fused` (4 GEMMs and 5 Triton kernels a layer), else the
    HF model's own modules (attention, MLP, norms, rotary embedding) against the static cache with a boolean mask of
    the valid slots -- applies the LM head, samples (temperature, top-k, top-p via Gumbel-max) and records the token's
    log-probability under softmax(logits / temperature), then advances every position counter on the device;
@@ -38,10 +38,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gspo.errors import UserError
+from gspo.kernels.fused import FusedDecoder, exact_unsupported, fused_unsupported
 from gspo.models import (attention_context, attention_implementation, autocast_context, cache_kwarg, final_logits,
                          head_dim, kv_heads, named_weights, pad_prompts, pad_token_id, stop_token_ids)
 from gspo.models.moe import Routing, find_routers
-from gspo.rollout.fused import FusedDecoder, exact_unsupported, fused_unsupported
 from gspo.rollout.hf import check_request, filter_logits
 from gspo.rollout.turns import TurnRows
 from gspo.runtime import free_gpu_bytes
@@ -366,8 +366,8 @@ class GraphEngine:
     is generated in several calls of whole prompts. ``low_precision_weights`` (default: on under autocast) keeps the
     copy's Linear weights in the autocast dtype instead of casting fp32 copies at every step; ``flash_decode``
     (default: on when flash attention runs on this GPU) makes decode attention read live cache slots only; ``fused``
-    (default: on for CUDA, 16-bit caches and the models :func:`gspo.rollout.fused.fused_unsupported` accepts) runs each
-    decode layer as 4 GEMMs and 5 Triton kernels (:mod:`gspo.rollout.fused`) instead of the HF modules;
+    (default: on for CUDA, 16-bit caches and the models :func:`gspo.kernels.fused.fused_unsupported` accepts) runs each
+    decode layer as 4 GEMMs and 5 Triton kernels (:mod:`gspo.kernels.fused`) instead of the HF modules;
     ``compact`` (default: on with CUDA graphs) moves the rows still sampling to a smaller step once half of them have
     ended (see ``_compact``). ``routing`` (an MoE policy's :class:`gspo.models.moe.Routing`, R3): every fed token's
     experts are recorded into ``Rollout.routes`` (see the ``routing`` setter).
@@ -412,7 +412,7 @@ class GraphEngine:
             fused = True
         self.exact = exact
         if exact:
-            from gspo.rollout.exact_kernels import token_logprobs  # needs triton: imported only here
+            from gspo.kernels.exact_kernels import token_logprobs  # needs triton: imported only here
 
             self._exact_logprobs = token_logprobs
         if fused is None:  # MoE included: on an H100 its fused step gave 62% of the dense fused step's tokens/s
@@ -1012,7 +1012,7 @@ class GraphEngine:
 
 class InFlight(Protocol):
     """A source of newer policy weights for in-flight updates (``rollout.in_flight``), which the engine polls between
-    decode steps: the asynchronous pipeline's is ``gspo.train.pipeline._InFlight``."""
+    decode steps: the asynchronous pipeline's is ``gspo.feed.ahead._InFlight``."""
 
     version: int  # the version of the weights the engine holds
     recompute: bool  # rewrite the live rows' KV cache with new weights (else keep it)

@@ -212,7 +212,7 @@ class Actor:
         r = rollout if rows is None else rollout.select(rows.tolist())
         routing = self.routing if model is self.model else None
         if self.exact is not None and model is self.model:  # rollout.exact: the engine's own numbers
-            # dense: under grad the exact pass differentiates itself (gspo.train.exact_grad), entropies included
+            # dense: under grad the exact pass differentiates itself (gspo.kernels.exact_grad), entropies included
             own_grad = self.exact.differentiable or not torch.is_grad_enabled()
             exact, entropy = self.exact.logprobs(r.prompt_ids, r.completion_ids, r.completion_mask,
                                                  self.cfg.rollout.temperature, with_entropy and own_grad,

@@ -1,7 +1,7 @@
 """The trainer's side of ``rollout.exact``: log-probs computed by the very forward the graph engine samples with.
 
-The engine's decode step, its prefill and this pass are one function (:meth:`gspo.rollout.fused.FusedDecoder.
-forward_tokens`) whose kernels are batch-invariant (:mod:`gspo.rollout.exact_kernels`): for the same weights and tokens
+The engine's decode step, its prefill and this pass are one function (:meth:`gspo.kernels.fused.FusedDecoder.
+forward_tokens`) whose kernels are batch-invariant (:mod:`gspo.kernels.exact_kernels`): for the same weights and tokens
 the trainer's log-prob of a token is the engine's, bit for bit, whatever the batch, the lengths or the row compaction.
 So ``train.old_logprobs = "rollout"`` is exact (no recompute pass), and the first update's ratio is exactly 1.
 
@@ -9,7 +9,7 @@ The pass keeps its own low-precision copy of the policy's weights (:class:`gspo.
 engine's class: the same rounding of fp32 masters to bf16), refreshed from the policy when they changed.
 
 Gradients: the update needs d log pi / d theta. For a dense model this pass is differentiable: each exact kernel has a
-backward (:mod:`gspo.train.exact_grad`: torch matmuls, fused Triton kernels, flash attention's), captured with its
+backward (:mod:`gspo.kernels.exact_grad`: torch matmuls, fused Triton kernels, flash attention's), captured with its
 forward as one CUDA graph per bucket, and the update runs this one forward. An MoE model's update, and any update under
 ``model.gradient_checkpointing`` (this pass keeps every layer's activations), takes the exact values with the gradient
 of the ordinary (packed) pass at the same weights (:func:`with_gradient_of`): the two functions differ by rounding
@@ -57,7 +57,7 @@ class ExactPass:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, chunk_size: int = 1024,
                  use_graphs: bool | None = None, own_backward: bool = True):
         from gspo.errors import UserError
-        from gspo.rollout.fused import FusedDecoder, exact_unsupported, fused_unsupported
+        from gspo.kernels.fused import FusedDecoder, exact_unsupported, fused_unsupported
         from gspo.rollout.graph import EngineWeights
 
         why_not = exact_unsupported(model, fused_unsupported(model))
@@ -78,7 +78,7 @@ class ExactPass:
         self.pool = None
         self.warmup_s = 0.0
         self.version: int | None = None  # the policy's weights_version the copy holds (None: unknown)
-        # dense models: the update differentiates the exact forward itself (gspo.train.exact_grad); MoE, or with
+        # dense models: the update differentiates the exact forward itself (gspo.kernels.exact_grad); MoE, or with
         # own_backward off (activation checkpointing): the values of this pass with the ordinary pass's gradient
         # (with_gradient_of, in the actor)
         self.differentiable = own_backward and all(layer.moe is None for layer in self.decoder.layers)
@@ -101,7 +101,7 @@ class ExactPass:
                 starts: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(S, H) for the packed row (CPU ``ids`` / ``pos``), and each MoE layer's experts (S, k): a graph replay when
         its bucket is captured or fits."""
-        from gspo.rollout.exact_kernels import tile_table
+        from gspo.kernels.exact_kernels import tile_table
 
         dev, S = self.device, ids.shape[0]
         G = self.decoder.heads // self.decoder.kv_heads
@@ -128,7 +128,7 @@ class ExactPass:
         """A graph's shape key (tokens, tiles) and its CPU inputs (ids, pos, tile table): the packed row padded with one
         dummy sequence to the bucket of ``at_least + 1`` tokens (at least one dummy token, so that sequence is never
         empty), the tile table with empty tiles to a bucket of tiles."""
-        from gspo.rollout.exact_kernels import tile_table
+        from gspo.kernels.exact_kernels import tile_table
         from gspo.train.passes import PackedGraphs
 
         S = ids.shape[0]
@@ -166,8 +166,8 @@ class ExactPass:
         PackedGraphs`), eager past ``MAX_GRAPHS`` shapes or what fits in memory, without graphs, or (with a warning)
         after a failed capture, or with ``use_graphs`` False (a pass not worth a graph per shape). ``at_least``: the
         packed length to pad to at least (:meth:`PackedGraphs.hidden`'s)."""
-        from gspo.rollout.exact_kernels import tile_table
-        from gspo.train.exact_grad import DifferentiableExact
+        from gspo.kernels.exact_grad import DifferentiableExact
+        from gspo.kernels.exact_kernels import tile_table
         from gspo.train.passes import allocate_grads, capture_graphed, graph_fits
 
         dev, S = self.device, ids.shape[0]
@@ -212,14 +212,14 @@ class ExactPass:
         """Log-probs ``(N, T)`` float32 under softmax(logits / temperature) of the current weights (0 where the mask
         is False), and the entropies ``(N, T)`` with ``with_entropy``. Completion tokens must be a prefix of each row.
         Under grad (the update) with a dense model the log-probs are differentiable with respect to the policy's
-        parameters (:mod:`gspo.train.exact_grad`), the same numbers; the entropies never are. ``routing`` (an MoE
+        parameters (:mod:`gspo.kernels.exact_grad`), the same numbers; the entropies never are. ``routing`` (an MoE
         policy's :class:`gspo.models.moe.Routing`): every token's experts here become its records,
         at batch rows ``row_ids`` (default 0..N-1), for the gradient pass to force. ``version``: the policy's
         :attr:`gspo.parallel.holding.Holding.weights_version`; the copy is refreshed only when it changed (None:
         always), so the micro-batches of one minibatch and of a frozen pass copy the weights once. ``pack_tokens``:
         the update's graph pads to at least this many tokens (as the ordinary pass's, :meth:`gspo.parallel.plan.Plan.
         pack_hint`); ``graphs`` False: the update's pass runs eager."""
-        from gspo.train.exact_grad import head_logprobs
+        from gspo.kernels.exact_grad import head_logprobs
 
         grad = torch.is_grad_enabled() and self.differentiable
         if version is None or version != self.version:

@@ -1,5 +1,8 @@
 """Batch-invariant Triton kernels: the forward that the graph engine and the trainer share under ``rollout.exact``.
 
+Home: ``gspo.kernels.exact_kernels``, beside the fused step that calls them (:mod:`gspo.kernels.fused`) and their
+backward (:mod:`gspo.kernels.exact_grad`, :mod:`gspo.kernels.grad_kernels`).
+
 What "exact" needs: the engine's log-prob of a sampled token must be the trainer's recomputation of it, bit for bit,
 whatever else is in either batch. A kernel is *batch-invariant* when each output element is computed by the same
 sequence of floating-point operations whatever the other rows are. cuBLAS is not (it picks a tile shape and a split of
@@ -18,7 +21,7 @@ packed causal pass, and a decode step and a packed pass usually run different ke
 * MoE (``experts``): ``route`` (a token's softmax top-k, one program per token), ``grouped_linear`` (the experts'
   matmuls over (token, expert) pairs sorted by expert, each pair's row the dense matmul's dot product whatever tile it
   lands in) and ``_combine`` (each token's experts summed in top-k order, fp32).
-* The residual-add + RMSNorm and SiLU-and-multiply kernels of :mod:`gspo.rollout.kernels` are per-row already.
+* The residual-add + RMSNorm and SiLU-and-multiply kernels of :mod:`gspo.kernels.fused_kernels` are per-row already.
 
 Why by hand: no library ships batch-invariant kernels that run an HF model's own weights inside our CUDA graphs
 (Thinking Machines' ``batch_invariant_ops`` replaces aten ops globally, which would also change the backward and every
@@ -30,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gspo.rollout.kernels import INTERPRETED, rounded
+from gspo.kernels.fused_kernels import INTERPRETED, rounded
 
 # The matmul's one configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps). Every call uses it, whatever the rows: the point of
 # the kernel. A sweep on an H200 (benchmarks/exact_engine.py --matmul-configs, SmolLM2-135M) gave the exact engine, at
@@ -419,7 +422,7 @@ def experts(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalis
     (fp32), :func:`route`, each pair's SiLU-gated expert MLP by :func:`grouped_linear` (``gate_up`` (E, 2I, H) as
     [gate | up], ``down`` (E, H, I)), and the combine sum_j w_j * y_j over each token's experts in their top-k order, in
     fp32, rounded once to x's dtype (one kernel). Returns the output (n, H) and the chosen experts (n, k) int32."""
-    from gspo.rollout.kernels import silu_mul
+    from gspo.kernels.fused_kernels import silu_mul
 
     n = x.shape[0]
     if n == 0:

@@ -1,11 +1,14 @@
-"""Triton kernels for the graph engine's fused decode step (:class:`gspo.rollout.fused.FusedDecoder`).
+"""Triton kernels for the graph engine's fused decode step (:class:`gspo.kernels.fused.FusedDecoder`).
+
+Home: ``gspo.kernels.fused_kernels``; the exact forward (:mod:`gspo.kernels.exact_kernels`) and its backward
+(:mod:`gspo.kernels.exact_grad`) use them too.
 
 Why hand-written: a decode step of a small model at a few hundred rows is bound by the number of kernels, not by
 bytes (``benchmarks/README.md#rollout-throughput``): HF's Llama layer launches ~33 kernels per layer (RMSNorm alone is
 six, rotary ten, each cache write one), each a few microseconds of mostly idle GPU. ``torch.compile`` of the step
 fuses them but takes ~40 s to compile and copies the whole static cache at every write. These kernels fuse exactly
 what a decode step needs -- residual add + RMSNorm, rotary embedding + the K/V cache write, SiLU-and-multiply -- and
-the grouped-query attention over each row's live slots is :func:`gspo.rollout.exact_kernels.tile_attention` (one
+the grouped-query attention over each row's live slots is :func:`gspo.kernels.exact_kernels.tile_attention` (one
 tile per row), so that a layer is 4 GEMMs and 5 kernels. No library ships these
 for an HF model's own weights without taking over the model (vLLM, SGLang, FlashInfer need their own runtimes).
 
@@ -13,7 +16,7 @@ Each kernel rounds like the HF modules under autocast: fp32 arithmetic, and a ca
 HF code casts, so its output matches the module path up to the order of floating-point sums. The tests run these
 kernels in Triton's interpreter (``TRITON_INTERPRET=1``) on a CPU against the HF modules, and on CUDA for real.
 
-Importing this module needs ``triton``; :func:`gspo.rollout.fused.fused_unsupported` checks that it is installed.
+Importing this module needs ``triton``; :func:`gspo.kernels.fused.fused_unsupported` checks that it is installed.
 """
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""Triton kernels for the backward of ``rollout.exact``'s update pass (:mod:`gspo.train.exact_grad`).
+"""Triton kernels for the backward of ``rollout.exact``'s update pass (:mod:`gspo.kernels.exact_grad`).
+
+Home: ``gspo.kernels.grad_kernels``, beside the forward kernels they differentiate.
 
 Why by hand: written as torch ops, the backward of the residual add + RMSNorm, of the rotary embedding and of
 SiLU-and-multiply is ~10 elementwise kernels each, per layer, over fp32 activations; on an H200 that made the exact
 update's backward ~20 ms slower than autocast's (63.2 against 48.8 ms for a 64-row minibatch of the reference run,
 ``benchmarks/exact_engine.py --parts trainer``). Each kernel here is one pass over its rows. They need not be
 batch-invariant (the issue: "the backward may use any kernel"); their math is the derivative of what the forward
-kernels (:mod:`gspo.rollout.kernels`, :mod:`gspo.rollout.exact_kernels`) compute, ignoring the forward's roundings to
-the storage dtype, as autograd of the ordinary pass does. The CPU tests run them in Triton's interpreter against
+kernels (:mod:`gspo.kernels.fused_kernels`, :mod:`gspo.kernels.exact_kernels`) compute, ignoring the forward's roundings
+to the storage dtype, as autograd of the ordinary pass does. The CPU tests run them in Triton's interpreter against
 autograd of torch re-statements on random inputs, and the whole update's gradient against a float64 ordinary pass.
 """
 from __future__ import annotations
@@ -100,7 +102,7 @@ def rmsnorm_backward(r: torch.Tensor, g_x: torch.Tensor, weight: torch.Tensor, e
 
 def rope_backward(g_q: torch.Tensor, g_k: torch.Tensor, g_v: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
                   rope_scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """The gradient (n, (Hq + 2 Hkv) D) in ``dtype`` of the q|k|v rows that :func:`gspo.rollout.exact_kernels.
+    """The gradient (n, (Hq + 2 Hkv) D) in ``dtype`` of the q|k|v rows that :func:`gspo.kernels.exact_kernels.
     rope_write` rotated into q (n, Hq, D) and k, v (n, Hkv, D), from their gradients (before any q/k norm)."""
     n, heads, D = g_q.shape
     kv_heads = g_k.shape[1]

@@ -1,8 +1,11 @@
 """``rollout.exact``'s update pass with its own gradient: the exact kernels' forward, a backward of its own.
 
+Home: ``gspo.kernels.exact_grad``, beside the forward kernels it wraps; the trainer's exact pass
+(:mod:`gspo.train.exact`) calls it.
+
 The update needs the exact values (the first minibatch's ratio is exactly 1) and d log pi / d theta. Without a
 backward for the exact kernels it ran two forwards: the exact one for the values, the ordinary one for the gradient
-(+16-24% on an update of the reference run). Here each kernel of :meth:`gspo.rollout.fused.FusedDecoder.forward_tokens`
+(+16-24% on an update of the reference run). Here each kernel of :meth:`gspo.kernels.fused.FusedDecoder.forward_tokens`
 is an autograd Function whose forward is that kernel on the same inputs -- so the values are the engine's, bit for
 bit -- and whose backward is the derivative of the function it computes. The issue allows "the backward may use any
 kernel"; we write these because no library has a backward for our batch-invariant kernels, and a generic recompute
@@ -15,7 +18,7 @@ master's dtype), and each weight's gradient goes to its fp32 master, cast as aut
 - ``linear`` (y = x W^T + b): dx = g W, dW = g^T x (one bf16 matmul each, fp32 accumulation), db = sum g;
   packed q|k|v and gate|up weights split their gradient to each projection's master.
 - ``add + RMSNorm`` (r' = r + delta, x = w * r' / rms(r')), ``rotary`` (with Qwen3's per-head q/k norms) and
-  ``SiLU * up``: one fused Triton kernel each (:mod:`gspo.train.grad_kernels`; as torch ops they were ~10 elementwise
+  ``SiLU * up``: one fused Triton kernel each (:mod:`gspo.kernels.grad_kernels`; as torch ops they were ~10 elementwise
   kernels each and made the backward 20 ms slower than autocast's).
 - ``attention``: recomputed by flash attention's variable-length kernel on CUDA in half precision (per-sequence SDPA
   otherwise) and differentiated by it: flash's backward recomputes its scores anyway.
@@ -43,7 +46,7 @@ class _Linear(Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, parts: tuple, *masters: Tensor) -> Tensor:
         # parts: for each master, ("w" | "b", first row, rows) in the packed weight / bias
-        from gspo.rollout import exact_kernels as ek
+        from gspo.kernels import exact_kernels as ek
 
         ctx.save_for_backward(x, w)
         ctx.parts = parts
@@ -81,18 +84,18 @@ class _AddNorm(Function):
 
     @staticmethod
     def forward(ctx, res: Tensor, delta: Tensor | None, weight: Tensor, eps: float, dtype: torch.dtype):
-        from gspo.rollout import kernels
+        from gspo.kernels import fused_kernels as fk
 
         new = res.clone()
         x = torch.empty(new.shape, dtype=dtype, device=new.device)
-        kernels.add_rmsnorm(new, delta, weight, eps, x)
+        fk.add_rmsnorm(new, delta, weight, eps, x)
         ctx.save_for_backward(new, weight)
         ctx.eps, ctx.delta_dtype = eps, None if delta is None else delta.dtype
         return new, x
 
     @staticmethod
     def backward(ctx, g_new: Tensor | None, g_x: Tensor | None):
-        from gspo.train import grad_kernels
+        from gspo.kernels import grad_kernels
 
         new, weight = ctx.saved_tensors
         if g_x is None:
@@ -109,7 +112,7 @@ class _Rope(Function):
     @staticmethod
     def forward(ctx, qkv: Tensor, pos: Tensor, shape: tuple, inv_freq: Tensor, scale: float, eps: float,
                 q_norm: Tensor | None, k_norm: Tensor | None):
-        from gspo.rollout import exact_kernels as ek
+        from gspo.kernels import exact_kernels as ek
 
         heads, kv_heads, D = shape
         n = qkv.shape[0]
@@ -124,7 +127,7 @@ class _Rope(Function):
 
     @staticmethod
     def backward(ctx, gq: Tensor, gk: Tensor, gv: Tensor):
-        from gspo.train import grad_kernels
+        from gspo.kernels import grad_kernels
 
         qkv, pos, inv_freq, q_norm, k_norm = ctx.saved_tensors
         heads, kv_heads, D = ctx.shape
@@ -165,7 +168,7 @@ class _Attention(Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, tiles: tuple, cu: Tensor, max_len: int, scale: float) -> Tensor:
-        from gspo.rollout import exact_kernels as ek
+        from gspo.kernels import exact_kernels as ek
 
         out = torch.empty_like(q)
         ek.tile_attention(q, k, v, tiles, scale, out)
@@ -184,18 +187,18 @@ class _Attention(Function):
 
 
 class _SiluMul(Function):
-    """``kernels.silu_mul``: silu(gate) * up of x = [gate | up] (n, 2I)."""
+    """``fused_kernels.silu_mul``: silu(gate) * up of x = [gate | up] (n, 2I)."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
-        from gspo.rollout import kernels
+        from gspo.kernels import fused_kernels as fk
 
         ctx.save_for_backward(x)
-        return kernels.silu_mul(x)
+        return fk.silu_mul(x)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        from gspo.train import grad_kernels
+        from gspo.kernels import grad_kernels
 
         (x,) = ctx.saved_tensors
         return grad_kernels.silu_mul_backward(x, g)
@@ -208,7 +211,7 @@ class _Head(Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, targets: Tensor, decoder, temperature: float, chunk: int, with_entropy: bool,
                 *masters: Tensor):
-        from gspo.rollout import exact_kernels as ek
+        from gspo.kernels import exact_kernels as ek
 
         head = decoder.model.get_output_embeddings()
         logp, entropy = [], []
@@ -260,7 +263,7 @@ def head_logprobs(hidden: Tensor, targets: Tensor, decoder, temperature: float, 
 
 
 class DifferentiableExact(torch.nn.Module):
-    """:meth:`gspo.rollout.fused.FusedDecoder.forward_tokens` over one packed row (dense families), differentiable
+    """:meth:`gspo.kernels.fused.FusedDecoder.forward_tokens` over one packed row (dense families), differentiable
     with respect to the policy's parameters: ``forward(ids, pos, table, cu)`` -> final-norm hidden states (S, H) in
     the compute dtype, bit for bit the exact pass's.
 

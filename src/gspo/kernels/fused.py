@@ -1,8 +1,12 @@
 """The graph engine's fused decode step for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) and their MoE
 relatives (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
+Home: ``gspo.kernels.fused``, the forward both sides run: the graph engine (:mod:`gspo.rollout.graph`) samples with
+:class:`FusedDecoder`, and under ``rollout.exact`` the trainer's pass (:mod:`gspo.train.exact`) is its
+``forward_tokens``. Its packed weight copies (``FusedDecoder.copies``) are the storage of the engine's weight copy.
+
 A decode layer becomes 4 GEMMs over packed low-precision copies of the layer's weights (q|k|v, o, gate|up, down) and
-5 Triton kernels (:mod:`gspo.rollout.kernels`): residual add + RMSNorm, rotary + K/V cache write, grouped-query
+5 Triton kernels (:mod:`gspo.kernels.fused_kernels`): residual add + RMSNorm, rotary + K/V cache write, grouped-query
 attention over live slots, SiLU-and-multiply, and the next residual add + RMSNorm. It reads the same weights as the
 module path (the packed weights are the graph engine's own copy, refreshed by its ``sync_weights``; the norm weights
 are read from that copy in place) and rounds like HF's modules under autocast, so it samples the same distribution; a
@@ -116,11 +120,11 @@ def exact_unsupported(model, fused_why_not: str | None, routing=None) -> str | N
 
 def exact_sparse(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``rollout.exact``'s MoE block on normed tokens ``x`` (n, H), batch-invariant: the routed experts
-    (:func:`gspo.rollout.exact_kernels.experts`) plus, for Qwen2-MoE, sigmoid(gate(x)) times the shared expert, added
+    (:func:`gspo.kernels.exact_kernels.experts`) plus, for Qwen2-MoE, sigmoid(gate(x)) times the shared expert, added
     in x's dtype as the family adds them. Reads the block's (the engine copy's) weights. Returns the output (n, H) and
     each token's experts (n, k)."""
+    from gspo.kernels import exact_kernels as ek, fused_kernels as fk
     from gspo.models.moe import renormalises
-    from gspo.rollout import exact_kernels as ek, kernels
 
     router = block.gate
     out, chosen = ek.experts(x, router.weight, router.top_k, renormalises(router), block.experts.gate_up_proj,
@@ -128,7 +132,7 @@ def exact_sparse(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shared = getattr(block, "shared_expert", None)
     if shared is not None:
         gate_up = torch.cat([ek.linear(x, shared.gate_proj.weight), ek.linear(x, shared.up_proj.weight)], 1)
-        act = kernels.silu_mul(gate_up)
+        act = fk.silu_mul(gate_up)
         gate = torch.sigmoid(ek.linear(x, block.shared_expert_gate.weight))  # (n, 1)
         out = out + gate * ek.linear(act, shared.down_proj.weight)
     return out, chosen
@@ -203,7 +207,7 @@ class FusedDecoder:
         self.layers = [_Layer(layer, dtype, device) for layer in model.model.layers[: cfg.num_hidden_layers]]
         self.norm = model.model.norm
         self.dtype = dtype
-        # rollout.exact: every step runs the batch-invariant kernels of gspo.rollout.exact_kernels, and the prefill
+        # rollout.exact: every step runs the batch-invariant kernels of gspo.kernels.exact_kernels, and the prefill
         # (and the trainer's pass, gspo.train.exact) is the same forward over packed tokens (see ``forward_tokens``)
         self.exact = exact
         self.routes: list[torch.Tensor] = []  # see forward_tokens
@@ -232,7 +236,7 @@ class FusedDecoder:
         extension): sequence i already holds ``held[i]`` keys (default 0) from flat slot ``key_starts[i]``, its token
         j is at position ``held[i] + j`` and writes slot ``key_starts[i] + held[i] + j``. The final-norm hidden state
         of each sequence's last token (len(seqs), H)."""
-        from gspo.rollout.exact_kernels import packed_tiles
+        from gspo.kernels.exact_kernels import packed_tiles
         from gspo.runtime import to_device
 
         held = held or [0] * len(seqs)
@@ -252,10 +256,10 @@ class FusedDecoder:
         """The final-norm hidden states (n, H) of tokens ``ids`` (n,) at positions ``pos`` (n,) (only rows ``at``,
         when given). Each token's K/V go to flat slot ``slot`` of each layer's ``k_store`` / ``v_store`` (any leading
         shape, then Hkv, D) and ``tiles`` say which slots each token attends
-        (:func:`gspo.rollout.exact_kernels.tile_attention`). With ``exact`` every kernel is batch-invariant (the
+        (:func:`gspo.kernels.exact_kernels.tile_attention`). With ``exact`` every kernel is batch-invariant (the
         matmuls too, and rotary from the position in the kernel), so a token's numbers are the same whatever else is
         in the call: a decode step's, a packed pass's, the trainer's (gspo.train.exact)."""
-        from gspo.rollout import exact_kernels as ek, kernels
+        from gspo.kernels import exact_kernels as ek, fused_kernels as fk
 
         inner = self.model.model
         n = ids.shape[0]
@@ -271,7 +275,7 @@ class FusedDecoder:
         delta = None
         for i, layer in enumerate(self.layers):
             k, v = k_store[i].view(-1, self.kv_heads, self.head_dim), v_store[i].view(-1, self.kv_heads, self.head_dim)
-            kernels.add_rmsnorm(res, delta, layer.in_norm.weight, layer.in_norm.variance_epsilon, x)
+            fk.add_rmsnorm(res, delta, layer.in_norm.weight, layer.in_norm.variance_epsilon, x)
             qkv = linear(x, layer.w_qkv, layer.b_qkv)  # (n, (Hq + 2 Hkv) D)
             norms = (None if layer.q_norm is None else layer.q_norm.weight,
                      None if layer.k_norm is None else layer.k_norm.weight,
@@ -280,10 +284,10 @@ class FusedDecoder:
                 ek.rope_write(qkv, pos, self.inv_freq, self.rope_scale, q, k, v, slot, self.heads, self.kv_heads,
                               self.head_dim, *norms)
             else:
-                kernels.rope_cache(qkv, cos, sin, q, k, v, slot, self.heads, self.kv_heads, self.head_dim, *norms)
+                fk.rope_cache(qkv, cos, sin, q, k, v, slot, self.heads, self.kv_heads, self.head_dim, *norms)
             ek.tile_attention(q, k, v, tiles, layer.scale, attn)
             o = linear(attn.view(n, -1).to(self.dtype), layer.w_o, layer.b_o)  # (n, H)
-            kernels.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
+            fk.add_rmsnorm(res, o, layer.post_norm.weight, layer.post_norm.variance_epsilon, x)
             if layer.moe is not None:  # the sparse block: the family's module, or its batch-invariant twin
                 if self.exact:
                     delta, chosen = exact_sparse(layer.moe, x)  # (n, H), (n, k)
@@ -291,17 +295,17 @@ class FusedDecoder:
                 else:
                     delta = layer.moe(x[:, None]).reshape(n, -1)  # (n, H)
                 continue
-            act = kernels.silu_mul(linear(x, layer.w_gate_up, layer.b_gate_up))  # (n, I) from (n, 2I)
+            act = fk.silu_mul(linear(x, layer.w_gate_up, layer.b_gate_up))  # (n, I) from (n, 2I)
             delta = linear(act, layer.w_down, layer.b_down)  # (n, H)
         if at is not None:  # the final norm is per row: only the rows asked for
             res, delta = res.index_select(0, at), delta.index_select(0, at)
         out = torch.empty(res.shape, dtype=self.dtype, device=res.device)
-        return kernels.add_rmsnorm(res, delta, self.norm.weight, self.norm.variance_epsilon, out)
+        return fk.add_rmsnorm(res, delta, self.norm.weight, self.norm.variance_epsilon, out)
 
     def exact_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over final-norm hidden states (n, H): float32 logits (n, V), batch-invariant."""
+        from gspo.kernels import exact_kernels as ek
         from gspo.models import final_logits
-        from gspo.rollout import exact_kernels as ek
 
         head = self.model.get_output_embeddings()
         return final_logits(self.model.config, ek.linear(hidden, head.weight, head.bias, out_dtype=torch.float32))
