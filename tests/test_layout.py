@@ -369,3 +369,21 @@ def test_the_worker_pool_imports_none_of_its_clients():
     found = _forbidden_imports("gspo.workers", ("gspo.rewards", "gspo.envs", "gspo.train", "gspo.rollout",
                                                 "gspo.collect"))
     assert not found, found
+
+
+def test_the_feed_imports_neither_the_trainer_nor_the_sampling_side():
+    """feed/ carries batches from the sampling side to the update and weights back: the collect stage and the engine
+    come in as objects, so the feed never imports gspo.train or gspo.collect (even inside a function)."""
+    assert not _forbidden_imports("gspo.feed", ("gspo.train", "gspo.collect"))
+
+
+def test_the_sampling_side_never_imports_the_trainer():
+    """collect/ (the collect stage, the sampler's parts, the decode process) samples and scores; a decode process runs
+    it without any trainer, so it never imports gspo.train."""
+    assert not _forbidden_imports("gspo.collect", ("gspo.train",))
+
+
+def test_the_checkpoint_files_never_import_the_trainer():
+    """gspo.checkpoint (the checkpoint files: write, read, list, export's source) is used by commands that train
+    nothing, so it never imports gspo.train."""
+    assert not _forbidden_imports("gspo.checkpoint", ("gspo.train",))

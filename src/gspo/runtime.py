@@ -49,7 +49,7 @@ log = logging.getLogger("gspo")
 PRECISIONS = ("auto", "fp32", "bf16-autocast")
 
 # Held by a thread while it captures a CUDA graph in torch's default global mode (the update's graphs), and by the
-# asynchronous rollout thread while it collects (gspo.train.pipeline): a global-mode capture forbids other threads the
+# asynchronous rollout thread while it collects (gspo.feed.ahead): a global-mode capture forbids other threads the
 # calls (allocations, synchronisations) that the engine makes, so the two never overlap.
 CAPTURE_LOCK = threading.RLock()
 
