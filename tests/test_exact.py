@@ -413,6 +413,36 @@ def test_kernels_are_batch_invariant():
     torch.testing.assert_close(packed[:70].float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_a_rows_numbers_do_not_depend_on_its_place_in_the_tile():
+    """Every row of a 64-row matmul block computed alone equals its row in the block, with fp32 output (the LM head's
+    logits: no bf16 rounding to hide a last-bit difference), and every token of a packed fp32 attention its decode
+    query. Under Triton's interpreter ``tl.dot`` is numpy's matmul, whose BLAS sums a row's products in an order set by
+    the row's place in the block (OpenBLAS on an AVX-512 CPU: rows 0-5, 6-11 and 12-15 of every 16): the engine's logits
+    then differed from the trainer's in the last bit, and a 16-row run logged engine_diff_max 9.5e-7 (2^-20, one ulp
+    of a log-prob near -10.8) with minibatch 0's ratio 1.00000095. The kernels' dots must not depend on it."""
+    from gspo.kernels import exact_kernels as ek
+
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 64, device=DEV).bfloat16(), (torch.randn(256, 64, device=DEV) * 0.02).bfloat16()
+    full = ek.linear(x, w, out_dtype=torch.float32)
+    moved = [i for i in range(64) if not torch.equal(ek.linear(x[i:i + 1], w, out_dtype=torch.float32)[0], full[i])]
+    assert not moved, f"rows {moved} differ alone from their place in the block"
+    H, Hkv, D, lens = 6, 2, 64, [40, 9]  # G = 3: a packed tile's rows 0-14, a decode query's 0-2
+    S = sum(lens)
+    q = torch.randn(S, H, D, device=DEV)
+    k, v = (torch.randn(S, Hkv, D, device=DEV) for _ in range(2))
+    packed = ek.tile_attention(q, k, v, ek.packed_tiles(lens, [0, 40], 3, DEV), D ** -0.5, torch.empty_like(q))
+    i32 = dict(dtype=torch.int32, device=DEV)
+    moved = []
+    for token in range(S):
+        start = 0 if token < 40 else 40
+        tiles = (torch.tensor([token], **i32), torch.ones(1, **i32), torch.tensor([start], **i32),
+                 torch.tensor([token - start + 1], **i32))
+        if not torch.equal(ek.tile_attention(q, k, v, tiles, D ** -0.5, torch.zeros_like(q))[token], packed[token]):
+            moved.append(token)
+    assert not moved, f"tokens {moved}: the decode query differs from the packed pass"
+
+
 def test_config_refuses_what_exact_is_not_built_for(tmp_path):
     base = ["rollout.exact=true"]
     for extra, needle in ((["rollout.engine='hf'"], "rollout.engine"), (["lora.rank=8"], "LoRA"),

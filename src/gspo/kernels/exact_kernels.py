@@ -46,6 +46,23 @@ MATMUL_SPLIT_K = 1  # 2: a split-K reduction order (the tests' fault injection; 
 # BLOCK_M rows; the same BLOCK_M for both sides keeps each row's dot products the same instructions.
 ATTENTION_BLOCK_N = 64
 LOGPROB_BLOCK = 1024
+# Triton's interpreter (the CPU tests) runs tl.dot as numpy's matmul, i.e. the CPU's BLAS, whose micro-kernels sum an
+# output element's products in an order that depends on the element's row within the block (OpenBLAS on an AVX-512
+# CPU: rows 0-5, 6-11 and 12-15 of every 16 differ in the last bits), so a row's numbers would depend on where its batch
+# puts it. Under the interpreter the dot is the products summed over K in order instead, the same for every element.
+_SEQUENTIAL_DOT = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def _dot_fp32(a, b):
+    # a (M, K) @ b (K, N) in fp32: products in full precision (not TF32; the interpreter multiplies 16-bit floats
+    # wrongly), each output element's sum over K in an order that does not depend on its row or column.
+    a = a.to(tl.float32)
+    b = b.to(tl.float32)
+    if _SEQUENTIAL_DOT:
+        return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -57,8 +74,8 @@ def _k_range(acc, a_ptr, w_ptr, ra, am, rn, rk, N, K, k_lo, k_hi, BLOCK_K: tl.co
         a = tl.load(a_ptr + ra[:, None] * K + kk[None, :], mask=am[:, None] & (kk[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
                     other=0.0)  # (BK, BN)
-        if UPCAST:  # fp32 products in full precision (not TF32); the interpreter multiplies 16-bit floats wrongly
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        if UPCAST:
+            acc += _dot_fp32(a, w)
         else:
             acc += tl.dot(a, w)
     return acc
@@ -229,7 +246,7 @@ def _tile_attention(q_ptr, k_store, v_store, out_ptr, q0_ptr, ntok_ptr, kstart_p
         off = ((kstart + n) * HKV + kvh) * D  # (BN,)
         k = tl.load(k_store + off[:, None] + d[None, :], mask=nm[:, None], other=0.0)  # (BN, D)
         if UPCAST:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            s = _dot_fp32(q, tl.trans(k)) * scale
         else:
             s = tl.dot(q, tl.trans(k)) * scale  # (BM, BN) fp32
         s = tl.where(n[None, :] < count[:, None], s, float("-inf"))
@@ -240,8 +257,7 @@ def _tile_attention(q_ptr, k_store, v_store, out_ptr, q0_ptr, ntok_ptr, kstart_p
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_store + off[:, None] + d[None, :], mask=nm[:, None], other=0.0)  # (BN, D)
         if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(rounded(p, v.dtype).to(tl.float32), v.to(tl.float32),
-                                                input_precision="ieee")
+            acc = acc * alpha[:, None] + _dot_fp32(rounded(p, v.dtype), v)
         else:
             acc = acc * alpha[:, None] + tl.dot(rounded(p, v.dtype), v)
         m_i = m_new
