@@ -81,7 +81,7 @@ def main() -> None:
                 results.append({"model": name, "engine": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 continue
             results.append({"model": name, "engine": kind, "s": seconds, "tok_s": args.rows * args.tokens / seconds})
-            del engine
+            engine = None  # (not del: the timed lambda names it) freed before the next engine
             torch.cuda.empty_cache()
         ids = torch.tensor(prompts, device="cuda")
         model.to(torch.bfloat16)  # a static cache takes the model's dtype: bf16 weights, as the engines' copies
@@ -97,7 +97,7 @@ def main() -> None:
                             "tok_s": args.rows * args.tokens / seconds})
         except Exception as e:
             results.append({"model": name, "engine": "generate-static", "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        del model
+        model = None  # (not del: the engines' lambdas name it) freed before the next model
         torch.cuda.empty_cache()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows,
            "new_tokens": args.tokens, "results": results}

@@ -14,6 +14,8 @@ fi
 # Two workers (pytest-xdist): many tests wait on child processes (torchrun, kills, timeouts) more than they compute, so
 # two at a time fill a 2-core machine (CI: 11 min instead of 18). TEST_WORKERS=0 runs them in this process, the
 # default with a CUDA torch (the GPU tests time warm-ups and share one device).
+# The linter first (a second): pyflakes and pycodestyle, as pyproject.toml's [tool.ruff] configures them.
+ruff check .
 workers=${TEST_WORKERS:-$(python -c 'import torch; print(0 if torch.version.cuda else 2)')}
 # The `extended` tests (long fault scenarios whose paths other tests also cover) run with GSPO_TEST_FULL=1; CI leaves
 # them out to stay within its 20 minutes (the suite took 17-20 min on a 2-core machine with them). A -m of your own wins.

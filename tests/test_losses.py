@@ -131,15 +131,15 @@ def test_padding_never_changes_loss_or_gradient(level, aggregation):
 
 
 def test_aggregation_modes_hand_worked():
-    """The three aggregations on l = [[1, 2, 3], [4, 5, pad]]: seq-mean-token-mean (2 + 4.5)/2 = 3.25,
+    """The three aggregations on x = [[1, 2, 3], [4, 5, pad]]: seq-mean-token-mean (2 + 4.5)/2 = 3.25,
     token-mean 15/5 = 3, seq-mean-token-sum-norm 15/(2*4) = 1.875 with max_length 4."""
-    l = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 99.0]])
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 99.0]])
     m = torch.tensor(MASK).bool()
-    assert aggregate(l, m, "seq-mean-token-mean").item() == pytest.approx(3.25)
-    assert aggregate(l, m, "token-mean").item() == pytest.approx(3.0)
-    assert aggregate(l, m, "seq-mean-token-sum-norm", max_length=4).item() == pytest.approx(1.875)
+    assert aggregate(x, m, "seq-mean-token-mean").item() == pytest.approx(3.25)
+    assert aggregate(x, m, "token-mean").item() == pytest.approx(3.0)
+    assert aggregate(x, m, "seq-mean-token-sum-norm", max_length=4).item() == pytest.approx(1.875)
     with pytest.raises(UserError, match="token-mean"):
-        aggregate(l, m, "mean")
+        aggregate(x, m, "mean")
 
 
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])

@@ -222,7 +222,6 @@ def test_moe_runs_get_arm_labels_a_flip_figure_and_summary_numbers(tmp_path, cap
     """The H100 runs of docs/moe (GSPO, GRPO, GRPO + R2 on the upcycled SmolLM2): the report labels the replay arm
     `grpo+r2`, draws the flip-rate figure with a layer heat map per arm, and gspo summary gives the mean flip rate."""
     import json
-    from pathlib import Path
 
     root = _runs(FIXTURES / "moe_first_runs.json.gz", tmp_path / "runs")
     runs = [root / n for n in ("gspo", "grpo", "grpo_r2")]

@@ -1,5 +1,6 @@
 """Probe 2: is a CUDA graph captured on a green-context stream confined to its SMs (replayed there, or elsewhere)?"""
-import json, time
+import json
+import time
 import torch
 
 if __name__ == "__main__":
