@@ -14,11 +14,22 @@ fi
 # Two workers (pytest-xdist): many tests wait on child processes (torchrun, kills, timeouts) more than they compute, so
 # two at a time fill a 2-core machine (CI: 11 min instead of 18). TEST_WORKERS=0 runs them in this process, the
 # default with a CUDA torch (the GPU tests time warm-ups and share one device).
+workers=${TEST_WORKERS:-$(python -c 'import torch; print(0 if torch.version.cuda else 2)')}
 # The linter first (a second): pyflakes and pycodestyle, as pyproject.toml's [tool.ruff] configures them.
 ruff check .
-workers=${TEST_WORKERS:-$(python -c 'import torch; print(0 if torch.version.cuda else 2)')}
-# The `extended` tests (long fault scenarios whose paths other tests also cover) run with GSPO_TEST_FULL=1; CI leaves
-# them out to stay within its 20 minutes (the suite took 17-20 min on a 2-core machine with them). A -m of your own wins.
-full=()
-[ -n "${GSPO_TEST_FULL:-}" ] || full=(-m "not extended")
-python -m pytest -q -n "$workers" --dist worksteal "${full[@]}" "$@"
+# Tiers. `slow` marks the 30 slowest tests by --durations (system tests: torchrun jobs, kills and resumes, whole runs
+# under Triton's interpreter, the recorded runs' slowest): TIER=fast leaves them out (a few minutes on 2 cores: the
+# tier to run while editing), TIER=slow runs only them; CI runs both, in one session. The `extended` tests (long fault
+# scenarios whose paths other tests also cover) run only with GSPO_TEST_FULL=1: CI leaves them out for its 20 minutes.
+# A -m of your own wins.
+marks="not extended"
+[ -z "${GSPO_TEST_FULL:-}" ] || marks=""
+case "${TIER:-all}" in
+  fast) marks="${marks:+$marks and }not slow" ;;
+  slow) marks="${marks:+$marks and }slow" ;;
+  all) ;;
+  *) echo "TIER=${TIER} is not a tier: use TIER=fast, TIER=slow, or leave it unset for both"; exit 2 ;;
+esac
+select=()
+[ -z "$marks" ] || select=(-m "$marks")
+python -m pytest -q -n "$workers" --dist worksteal "${select[@]}" "$@"

@@ -269,6 +269,7 @@ def _samples(run):
 @pytest.mark.parametrize("extra", [["rollout.max_staleness=1", "lora.rank=4", "lora.alpha=8", "train.lr=1e-2"],
                                    ["rollout.max_staleness=2", "rollout.engine='graph'", "algorithm='dapo'",
                                     "dapo.max_resample_rounds=1", "dapo.overlong_cache=4"]])
+@pytest.mark.slow
 def test_the_threaded_collect_equals_the_one_in_turn_bit_for_bit(tiny_dir, tmp_path, extra):  # noqa: F811
     """A run whose rollouts are collected in a background thread writes exactly the metrics and samples of the same
     run collected in turn with the update (rollout.overlap = 'off'), with staleness 0, then 1.. eta: the lag is fixed,
@@ -388,6 +389,7 @@ def test_the_decoupled_correction_sees_the_stale_samples(tiny_dir, tmp_path):  #
     assert max(abs(r["mismatch/weight_max"] - 1.0) for r in rows[2:]) > 1e-4
 
 
+@pytest.mark.slow
 def test_a_run_with_in_flight_updates_keeps_the_bound_and_resumes(tiny_dir, tmp_path):  # noqa: F811
     """rollout.in_flight = 'recompute' with the graph engine under max_staleness = 2: every batch's tokens are at most
     2 versions old (its logged mean and largest staleness), every sample records its tokens' versions, and a run that
@@ -548,6 +550,7 @@ def test_shared_weights_wait_for_a_slot_to_be_read_and_a_torn_slot_fails():
     assert not shared.dir.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp"])  # (FSDP2 trainers beside a collect: the decode-process tests)
 def test_two_processes_collect_in_the_background_as_in_turn(tiny_dir, tmp_path, strategy):  # noqa: F811
     """Under torchrun (2 processes on gloo), each process's engine thread samples its share of every batch and gathers
@@ -577,6 +580,7 @@ def test_two_processes_collect_in_the_background_as_in_turn(tiny_dir, tmp_path, 
     assert (_lines(run), _samples(run)) == runs["off"]
 
 
+@pytest.mark.slow
 def test_in_flight_updates_under_torchrun_keep_the_bound_in_every_process(tiny_dir, tmp_path):  # noqa: F811
     """rollout.in_flight = 'recompute' under torchrun (2 processes on gloo, DDP): each process's engine thread loads the
     versions its own trainer thread publishes, at its own steps, so the two shares of a batch may be sampled by
@@ -631,6 +635,7 @@ def test_a_checkpoint_resumed_into_another_layout_has_its_streams_before_any_bat
     assert torch.equal(same.state_dict()["generator"], one_process["generator"])
 
 
+@pytest.mark.slow
 def test_a_decode_process_computes_the_one_process_run(tiny_dir, tmp_path):  # noqa: F811
     """rollout.decode_processes = 1 under torchrun (2 processes on gloo): process 1 only samples, process 0 only
     trains, the weights travel after every update. The same fixed lag, so the job writes the one-process run's metrics
@@ -666,6 +671,7 @@ def test_a_decode_process_computes_the_one_process_run(tiny_dir, tmp_path):  # n
     assert (_lines(two), _samples(two)) == expected
 
 
+@pytest.mark.slow
 def test_two_trainers_and_a_decode_process_and_a_failing_one(tiny_dir, tmp_path):  # noqa: F811
     """3 processes: 2 trainers (FSDP2 among themselves) and 1 decode process. The batches sampled by the first policy
     are the one-process run's (the decode process's stream is its); every step is logged once. And a reward function
@@ -695,6 +701,7 @@ from test_dist import turn_taking_dir  # noqa: E402,F401  (module fixtures)
 from test_moe import moe_dir  # noqa: E402,F401
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["env", "moe_r3"])
 def test_environments_and_routing_replay_collect_in_the_background_as_in_turn(case, tmp_path, request):
     """A multi-turn environment (env_fixtures:Echo: tools between the engine's turns, per-turn credit) and an MoE with
@@ -727,6 +734,7 @@ def test_environments_and_routing_replay_collect_in_the_background_as_in_turn(ca
 
 @pytest.mark.parametrize(("decode_gpu", "steps", "lines"), [("own", 16, 4), ("shared", 8, 7)],
                          ids=["own-mid-run", "shared-at-the-end"])
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["SIGSTOP"])  # (a killed process: test_dist's test, the same launcher path)
 def test_a_lost_decode_process_ends_the_job_in_one_line_and_it_resumes(tiny_dir, tmp_path, fault,  # noqa: F811
                                                                        decode_gpu, steps, lines):

@@ -409,6 +409,7 @@ def _whole_run_overrides(draw):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
+@pytest.mark.slow
 @given(chosen=_whole_run_overrides())
 def test_fuzzed_whole_training_runs_finish_or_end_in_one_line(chosen, tiny_dir, tmp_path_factory, capsys):  # noqa: F811
     """Whole `gspo train` runs on a tiny model with settings drawn at random from everything a user may combine

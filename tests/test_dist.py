@@ -211,6 +211,7 @@ def test_balance_matches_the_plain_greedy_on_random_batches():
         assert plan.balance(rows, tokens, world).tolist() == plain(rows, tokens, world), trial
 
 
+@pytest.mark.slow
 def test_checkpoints_resume_at_another_number_of_processes(tiny_dir, tmp_path):  # noqa: F811
     """A one-process run (HF weights, AdamW state in trainer_state.pt) resumes under `gspo train --nproc 2`, which
     writes sharded checkpoints (FSDP2: DCP, each process's RNG, an HF export) and profiles its batch on both processes;
@@ -286,6 +287,7 @@ def _two_processes_after(cwd: Path, run: Path, overrides: list[str], lines: int)
     return proc, workers
 
 
+@pytest.mark.slow
 def test_lora_trains_under_two_processes_and_resumes_in_one(tiny_dir, tmp_path):  # noqa: F811
     """LoRA under torchrun (DDP, what `auto` picks for it): two processes train with replicated adapters, process 0
     writes the adapter checkpoint (with every process's RNG file), and one process resumes it: the lines before are
@@ -311,6 +313,7 @@ def test_lora_trains_under_two_processes_and_resumes_in_one(tiny_dir, tmp_path):
     load_model(str(run / "checkpoints" / "step-000004"))  # the base with the adapter merged in
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_path, fault):  # noqa: F811
     """One of the two processes of `gspo train --nproc 2` is SIGKILLed (it crashed) or SIGSTOPped (it hangs) mid-run:
@@ -345,6 +348,7 @@ def test_a_lost_process_ends_the_run_in_one_line_and_it_resumes(tiny_dir, tmp_pa
     check_run_dir(run, 8)
 
 
+@pytest.mark.slow
 def test_processes_agree_on_which_prompts_fit_as_one_process_does(tiny_dir, tmp_path):  # noqa: F811
     """The arithmetic prompts encode to 47-49 tokens; with data.max_prompt_tokens = 48 about a quarter are skipped. Two
     processes, each encoding half of every draw (dist.split_work), skip the same prompts and read the data stream to
@@ -386,6 +390,7 @@ def test_two_nodes_meet_through_a_c10d_rendezvous(tiny_dir, tmp_path):  # noqa: 
     assert json.loads((run / "timings.json").read_text())["log_s"] > 0  # rank 0 wrote the log
 
 
+@pytest.mark.slow
 def test_a_stop_signal_to_one_process_stops_them_together(tiny_dir, tmp_path):  # noqa: F811
     """SIGTERM to one of two processes only: both stop at the same rollout-batch boundary (they agree on it), write a
     checkpoint together and exit 143 (the launcher prints the --resume line); the newest checkpoint is the last step
@@ -426,6 +431,7 @@ def test_a_setting_the_processes_cannot_share_is_refused_in_one_line(overrides, 
     check_layout(cfg, 1)  # one process shares nothing
 
 
+@pytest.mark.slow
 def test_a_sentinel_rollback_under_two_processes(tiny_dir, tmp_path):  # noqa: F811
     """The collapse sentinel sees the same reduced metrics on both processes, so both roll back together: the sharded
     checkpoint before the collapse is reloaded by every process, the abandoned ones are renamed by process 0 alone,

@@ -120,6 +120,7 @@ def sized_disk(tmp_path, sharded_run):
     yield from _tmpfs(tmp_path / "disk", f"{(size * 3 // 2) >> 10}k")
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_sharded_write_ends_in_one_line_and_resumes(sized_disk, tmp_path, tiny_dir):  # noqa: F811
     """A real file system fills up while two processes write the second checkpoint (in DCP's shards or rank 0's HF
     export, wherever the space ends): every process ends with the same one line naming the cause and the intact
@@ -182,6 +183,7 @@ sys.exit(main(sys.argv[1:]))
 
 # (process 0 killed right after the rename, before COMPLETE, is the single-process kill test's moment too:
 # test_trainer.py::test_kill_9_during_a_checkpoint_write_then_resume; left out of CI for time)
+@pytest.mark.slow
 @pytest.mark.parametrize("victim, point, nproc", [(1, "shard", 2)])
 def test_a_kill_during_a_sharded_write_never_leaves_a_complete_checkpoint_that_does_not_load(
         sharded_run, tmp_path, tiny_dir, victim, point, nproc):  # noqa: F811

@@ -68,6 +68,7 @@ def _trainer_logprobs(model, dtype, r, rows=None, temperature=0.9):
 
 
 # (Mistral, the Llama layout with another head grouping: test_a_request_split_over_calls_and_the_padded_trainer_pass)
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_engine_logprobs_are_the_trainers_bit_for_bit(family, tokenizer):
     """bf16 as on a GPU: each family's sampled tokens get the same log-prob from the trainer's packed pass, over the

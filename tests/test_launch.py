@@ -264,6 +264,7 @@ def test_a_process_that_fails_or_hangs_at_start_ends_the_job_in_one_line(tiny_di
         check_run_dir(run, 2)
 
 
+@pytest.mark.slow
 def test_a_job_that_does_not_stop_is_killed_after_dist_timeout_s(tiny_dir, tmp_path):  # noqa: F811
     """torchrun hangs (SIGSTOP) and never passes the launcher's SIGTERM on: dist.timeout_s + the launcher's margin
     (15 s; 3 s here, through GSPO_LAUNCH_MARGIN_S: a stopped torchrun only makes the launcher wait it out) after the

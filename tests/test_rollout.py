@@ -123,6 +123,7 @@ def test_top_k_one_equals_greedy(Engine, tiny_model, tokenizer, prompts):
     assert torch.equal(top1.completion_ids, greedy.completion_ids)
 
 
+@pytest.mark.slow
 def test_seeded_generator_reproduces_rollout(Engine, tiny_model, tokenizer, prompts):
     """Two rollouts with generators seeded alike are identical; another seed gives other completions."""
     engine = Engine(tiny_model, tokenizer)

@@ -55,6 +55,7 @@ def test_tensorboard_hides_points_after_the_resumed_checkpoint(tiny_dir, tmp_pat
     assert [s for s, _ in tb_scalars(run, "reward/mean")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_tensorboard_follows_a_sentinel_rollback(tiny_dir, tmp_path):
     """After a rollback the event files show the replayed steps (lower lr, collapsed reward), not the rolled-back ones."""
     pytest.importorskip("tensorboard")

@@ -306,6 +306,7 @@ def _losses(run):
     return [(r["step"], r["loss"], r["reward/mean"], r["grad_norm"]) for r in read_jsonl(run / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_to_a_straight_run(tiny_dir, tmp_path):
     """6 steps straight and 3 steps + resume + 3 steps give bit-identical losses, rewards, gradient norms and weights."""
     a = Trainer(tiny_config(tiny_dir, "train.steps=6", "train.minibatches=1"), tmp_path / "a")
@@ -388,6 +389,7 @@ t.train()
 """
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_checkpoint_write_then_resume(tiny_dir, tmp_path):
     """kill -9 in the middle of writing a checkpoint leaves a .tmp directory that is never taken for a checkpoint;
     the previous one stays complete and --resume continues from it."""
@@ -500,6 +502,7 @@ def test_reward_drop_peak_and_rollback_limit_by_hand():
     assert best_window_end(sc, {0: nan, 1: 0.2, 2: 0.8, 3: 0.5}) == 3  # windows 0.5 (ending at 2) and 0.65 (at 3)
 
 
+@pytest.mark.slow
 def test_a_rollback_after_a_gradual_drop_goes_back_to_the_peak(tiny_dir, tmp_path, caplog):
     """The reward peaks in batches 0-1 and declines over three batches before the sentinel trips (batch 4). The
     rollback goes to the checkpoint holding the policy that sampled the peak's last batch, 1 (step 2), not to the

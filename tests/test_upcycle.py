@@ -60,6 +60,7 @@ def test_drop_upcycling_redraws_whole_channels_per_expert():
     assert all(abs(sum(load) - 1) < 1e-6 for load in report["load_per_expert"])
 
 
+@pytest.mark.slow
 def test_self_distillation_lowers_the_kl_to_the_dense_model():
     torch.manual_seed(0)
     dense = tiny_llama(vocab_size=512, seed=0).requires_grad_(False)
