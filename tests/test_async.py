@@ -790,3 +790,26 @@ def test_the_sentinel_rolls_back_a_job_with_a_decode_process(tiny_dir, tmp_path,
     assert "rolling back to step-" in done.stderr, done.stderr[-3000:]
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # the abandoned lines rewound, each step once
+
+
+def test_a_checkpoint_written_before_the_feed_loads_its_queued_batches():
+    """Checkpoints of asynchronous runs written before gspo.feed pickled their queued batches as
+    gspo.train.pipeline.Queued: the checkpoint reader maps that class to where it lives now, and only that one."""
+    import io
+    import pickle
+
+    from gspo.feed.base import Queued
+    from gspo.train import checkpoint
+
+    payload = {"async_queue": [Queued(batch=None, version=3, engine_wait_s=0.5)]}
+    buf = io.BytesIO()
+    torch.save(payload, buf, pickle_protocol=0, _use_new_zipfile_serialization=False)  # class names as text
+    old = buf.getvalue().replace(b"gspo.feed.base", b"gspo.train.pipeline")
+    assert b"gspo.train.pipeline\nQueued" in old
+    with pytest.raises(ModuleNotFoundError):
+        torch.load(io.BytesIO(old), weights_only=False)
+    loaded = torch.load(io.BytesIO(old), weights_only=False, pickle_module=checkpoint._moved_classes)
+    assert loaded["async_queue"] == payload["async_queue"]
+    other = pickle.dumps(Queued(None, 1), protocol=0).replace(b"Queued", b"Gone")  # not a moved class: not found
+    with pytest.raises(AttributeError):
+        checkpoint._MovedClasses(io.BytesIO(other)).load()

@@ -109,7 +109,7 @@ class Ahead(Queue):
         self.lag = Lag(self.eta, version, total)
         self.queue = self.restored(version)
         self.next = version + len(self.queue)  # the next batch to collect
-        self.engine_version: int | None = None  # unknown: loaded when the pipeline starts
+        self.engine_version: int | None = None  # unknown: loaded when the feed starts
         self.engine_waits: int | None = None  # the version the engine thread is waiting for, if it is
         self.copies: dict[int, _Copy] = {}
         self.ready_event: torch.cuda.Event | None = None  # after the actor's own copy into the engine, on a GPU
@@ -343,15 +343,15 @@ class _InFlight:
     A batch still starts only once the lag's version g(j) exists, and with the newest version there is, so every
     token is sampled by a version between g(j) and j: the staleness bound holds per token."""
 
-    def __init__(self, pipeline: Ahead, recompute: bool):
-        self.pipeline, self.recompute = pipeline, recompute
+    def __init__(self, feed: Ahead, recompute: bool):
+        self.feed, self.recompute = feed, recompute
 
     @property
     def version(self) -> int:
-        return self.pipeline.engine_version
+        return self.feed.engine_version
 
     def poll(self) -> bool:
-        p = self.pipeline
+        p = self.feed
         with p.cond:
             newest = p._newest()
             if newest == p.engine_version:

@@ -25,7 +25,7 @@ buffers trainer 0 writes and the decode processes map (CUDA IPC; a mapped file o
 A decode process collects every batch whose version it has, in order, then waits for the next order. So what it will
 send before reading the next one is known to the trainers exactly (every batch ``j < sent + η + 1``, ``sent``: the
 newest version sent): a checkpoint waits for those (it saves them and the state after the last, as the one-process
-pipeline does), and so does a rollback before its ``reset`` (they belong to the abandoned timeline) and the end of
+feed does), and so does a rollback before its ``reset`` (they belong to the abandoned timeline) and the end of
 the run before ``stop``.
 """
 from __future__ import annotations

@@ -1012,7 +1012,7 @@ class GraphEngine:
 
 class InFlight(Protocol):
     """A source of newer policy weights for in-flight updates (``rollout.in_flight``), which the engine polls between
-    decode steps: the asynchronous pipeline's is ``gspo.feed.ahead._InFlight``."""
+    decode steps: the ahead feed's is ``gspo.feed.ahead._InFlight``."""
 
     version: int  # the version of the weights the engine holds
     recompute: bool  # rewrite the live rows' KV cache with new weights (else keep it)
