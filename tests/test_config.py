@@ -1,5 +1,6 @@
 """Config building: presets, overrides, device tables and every guard's message."""
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,23 @@ def test_device_override_table_applies_only_on_that_device():
     data = {"train": {"steps": 160}, "overrides": {"cpu": {"train.steps": 8}}}
     assert build_config(data, device="cpu").train.steps == 8
     assert build_config(data, device="cuda").train.steps == 160
+
+
+def test_overrides_are_checked_against_the_settings_the_run_uses(tmp_path):
+    """`train.steps=6` on the quickstart is a valid CPU run (its [overrides.cpu] sets 2 minibatches), though not one
+    with the file's 4: load_config checks once, after the device's table applies (it used to check before and refuse
+    the CPU run); the same override on a GPU is still refused in one line."""
+    from gspo.config import load_config
+
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
+    cfg = load_config(quickstart, ["train.steps=6", "model.device='cpu'"])
+    assert (cfg.train.steps, cfg.train.minibatches) == (6, 2)
+    with pytest.raises(UserError, match="multiple of train.minibatches = 4"):
+        build_config(load_toml(quickstart), ["train.steps=6"], device="cuda")
+    bad = tmp_path / "bad.toml"  # a setting no device's table fixes is refused as before
+    bad.write_text('[train]\nminibatches = 4\n[overrides.cpu]\n"train.lr" = 1e-5\n')
+    with pytest.raises(UserError, match="multiple of train.minibatches = 4"):
+        load_config(bad, ["train.steps=6", "model.device='cpu'"])
 
 
 def test_unknown_key_suggests_the_closest():

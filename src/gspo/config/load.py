@@ -126,8 +126,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise UserError(f"Config file {str(p)!r} is not valid TOML ({why}); fix that line.") from None
 
 
-def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None, *, device: str | None = None) -> Config:
-    """A validated :class:`Config` from a TOML-shaped dict, ``key=value`` overrides and the resolved device type."""
+def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None, *, device: str | None = None,
+                 checked: bool = True) -> Config:
+    """A validated :class:`Config` from a TOML-shaped dict, ``key=value`` overrides and the resolved device type.
+    ``checked=False``: every value typed, but the settings not yet checked against each other (what a first pass that
+    only reads ``model.device`` needs: the checks belong to the settings the run uses, its device's table applied)."""
     tree = copy.deepcopy(data or {})
     device_overrides = tree.pop("overrides", {}) or {}
     if not isinstance(device_overrides, dict) or not all(isinstance(v, dict) for v in device_overrides.values()):
@@ -140,6 +143,8 @@ def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None
         k, v = parse_override(text)
         _set_dotted(tree, k, v)
     cfg = _build(Config, tree)
+    if not checked:
+        return cfg
     apply_preset(cfg)
     validate(cfg)
     return cfg
@@ -147,9 +152,10 @@ def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None
 
 def load_config(path: str | Path | None, overrides: list[str]) -> Config:
     """The config a command runs with: built twice, first to learn model.device, then with that device's
-    ``[overrides.<type>]`` table."""
+    ``[overrides.<type>]`` table, and checked only then (``train.steps=6`` on a CPU whose table sets
+    ``train.minibatches = 2`` is a valid run, though not with the file's 4)."""
     data = load_toml(path) if path else {}
-    device = resolve_device(build_config(data, overrides).model.device).type
+    device = resolve_device(build_config(data, overrides, checked=False).model.device).type
     return build_config(data, overrides, device=device)
 
 
