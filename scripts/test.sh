@@ -32,4 +32,5 @@ case "${TIER:-all}" in
 esac
 select=()
 [ -z "$marks" ] || select=(-m "$marks")
-python -m pytest -q -n "$workers" --dist worksteal "${select[@]}" "$@"
+# Progress as counts ("[ 412/902]"), not minutes of dots: how far the suite is, at a glance.
+python -m pytest -q -n "$workers" --dist worksteal -o console_output_style=count "${select[@]}" "$@"
