@@ -46,6 +46,8 @@ def _interrupted(proc: subprocess.Popen) -> str:
     assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in err, (proc.returncode, err[-3000:])
     last = err.strip().splitlines()[-1]
     assert last.startswith("gspo: interrupted") and err.count("gspo: ") == 1, err[-3000:]
+    # one true message about what the directory keeps (a second Ctrl-C used to say it "keeps the last checkpoint" too)
+    assert err.count("keeps its last checkpoint") + err.count("has no checkpoint yet") <= 1, err[-3000:]
     return last
 
 

@@ -246,6 +246,12 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     return sorted(p for p in ckpt_root.glob("step-*") if _NAME.fullmatch(p.name) and p.is_dir() and (p / MARKER).exists())
 
 
+def what_is_kept(run_dir: Path) -> str:
+    """What a stopped run's directory holds to go on from, in words: its newest complete checkpoint, or none yet."""
+    ckpts = complete_checkpoints(Path(run_dir) / "checkpoints")
+    return f"keeps its last checkpoint, {ckpts[-1].name}" if ckpts else "has no checkpoint yet (--resume starts it over)"
+
+
 def read_full_weights(model, ckpt: Path) -> dict[str, torch.Tensor]:
     """The full weights of checkpoint ``ckpt``'s HF model files, named as ``model`` names them."""
     from safetensors.torch import load_file

@@ -56,13 +56,11 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _interrupted(args: argparse.Namespace, run_dir: Path) -> str:
     """What an interrupted `gspo train` left in ``run_dir`` and how to go on."""
-    from gspo.checkpoint import complete_checkpoints
+    from gspo.checkpoint import what_is_kept
 
     if not (run_dir / "config_history.jsonl").is_file():  # it had not started: a plain start takes the directory over
         return f"nothing was trained in {run_dir}; run the same command again"
-    ckpts = complete_checkpoints(run_dir / "checkpoints")
-    kept = f"keeps its last checkpoint, {ckpts[-1].name}" if ckpts else "has no checkpoint yet (--resume starts it over)"
-    return f"the run directory {run_dir} {kept}; continue with: {_resume_command(args, run_dir)}"
+    return f"the run directory {run_dir} {what_is_kept(run_dir)}; continue with: {_resume_command(args, run_dir)}"
 
 
 def _decode(cfg) -> int:

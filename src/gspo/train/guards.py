@@ -37,9 +37,13 @@ class StopSignals:
     second signal, it stopped ``timeout 300 gspo train ...`` without its checkpoint. (Ctrl-C reaches each process once,
     so two SIGINTs are always two presses.)"""
 
-    def __init__(self, describe=lambda: "the current rollout batch", grace_s: float = 5.0, repeat_s: float = 1.0):
+    def __init__(self, describe=lambda: "the current rollout batch", grace_s: float = 5.0, repeat_s: float = 1.0,
+                 kept: Callable[[], str] | None = None):
+        """``kept``: what the run directory holds to go on from, said when the process must exit from here (the
+        command's own last line, which says it otherwise, never comes then)."""
         self.received: str | None = None
         self._describe = describe
+        self._kept = kept
         self._grace_s = grace_s
         self._repeat_s = repeat_s
         self._first_at = 0.0
@@ -77,11 +81,12 @@ class StopSignals:
                         "Ctrl-C" if name == "SIGINT" else name)
             return
         if count == 2:
-            log.warning("%s again: stopping now; the run directory keeps the last checkpoint (--resume continues "
-                        "from it)", name)
+            # (what the run directory keeps is said once, when it is known: by the command's last line, or below)
+            log.warning("%s again: stopping now, without writing a checkpoint", name)
             _thread.interrupt_main(signum)
             if not self._done.wait(self._grace_s):  # still inside one native call: end the process from here
-                log.warning("the running computation did not return within %.0f s; exiting", self._grace_s)
+                log.warning("the running computation did not return within %.0f s; exiting%s", self._grace_s,
+                            f": the run directory {self._kept()}" if self._kept is not None else "")
                 for handler in logging.getLogger().handlers + log.handlers:
                     handler.flush()
                 os._exit(130 if signum == signal.SIGINT else 143)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.checkpoint import complete_checkpoints
+from gspo.checkpoint import complete_checkpoints, what_is_kept
 from gspo.config import Config
 from gspo.errors import STOPPED_FILE, RunStopped, UserError
 from gspo.feed import RemoteCollector, make_feed
@@ -128,7 +128,8 @@ class Trainer:
         try:
             # The final checkpoint is written inside the signal guard too: a first SIGINT / SIGTERM while it is being
             # written is noted, and the checkpoint completes.
-            with StopSignals(lambda: f"rollout batch {self.state.rollout_batch}") as stop, dist_failures(self):
+            with StopSignals(lambda: f"rollout batch {self.state.rollout_batch}",
+                             kept=lambda: what_is_kept(self.run_dir)) as stop, dist_failures(self):
                 runlog = RunLog(self.run_dir, cfg, step=state.step, rollout_batch=state.rollout_batch,
                                 enabled=self.runtime.is_main)
                 # Under torchrun the processes stop together, at the first rollout-batch boundary after any of them
