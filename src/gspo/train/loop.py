@@ -126,8 +126,7 @@ class Trainer:
         runlog = None
         failed = True
         try:
-            # The final checkpoint is written inside the signal guard too: a first SIGINT / SIGTERM while it is being
-            # written is noted, and the checkpoint completes.
+            # the final checkpoint is in the signal guard too: a first signal during its write is noted; it completes
             with StopSignals(lambda: f"rollout batch {self.state.rollout_batch}",
                              kept=lambda: what_is_kept(self.run_dir)) as stop, dist_failures(self):
                 runlog = RunLog(self.run_dir, cfg, step=state.step, rollout_batch=state.rollout_batch,
