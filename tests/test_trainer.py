@@ -68,6 +68,31 @@ def test_two_steps_change_parameters_and_log_every_key(tiny_dir, tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["algorithm"] == "gspo"
 
 
+def test_a_batch_whose_every_completion_was_cut_off_is_said_once(tiny_dir, tmp_path, caplog):
+    """The tiny model never ends a 6-token completion: the first batch warns, in one line naming
+    rollout.max_new_tokens, that nothing past the limit was scored; the second batch does not say it again; a batch
+    with one completion that ended says nothing."""
+    import logging
+
+    from gspo.train import Trainer
+
+    trainer = Trainer(tiny_config(tiny_dir), tmp_path / "run")
+    try:
+        with caplog.at_level(logging.WARNING, logger="gspo"):
+            for _ in range(2):
+                trainer.collector.collect()
+        said = [r.getMessage() for r in caplog.records if "without ending" in r.getMessage()]
+        assert len(said) == 1 and "rollout.max_new_tokens = 6" in said[0] and "\n" not in said[0]
+        caplog.clear()
+        trainer.collector._warned_cut = False  # as a new run's collector
+        with caplog.at_level(logging.WARNING, logger="gspo"):
+            trainer.collector.warn_if_all_cut(torch.tensor([True, False, True]))
+        assert not [r for r in caplog.records if "without ending" in r.getMessage()]
+    finally:
+        trainer.collector.close()
+        trainer.release()
+
+
 def test_run_writes_ratio_histograms_and_token_traces(tiny_dir, tmp_path):
     """Every optimizer step writes token and sequence log-ratio counts (one per token / per sequence trained); the last
     minibatch of a traced batch writes per-token traces whose mean is the sequence log-ratio."""

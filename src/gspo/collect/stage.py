@@ -63,6 +63,7 @@ class Collector:
         self._skips_in_row = 0
         self._shortest_skipped = 1 << 62
         self._warned_failures = False
+        self._warned_cut = False  # every completion of a batch cut off at rollout.max_new_tokens: said once
         self._first_error: str | None = None  # of the rollout batch being collected
 
     def close(self) -> None:
@@ -177,6 +178,15 @@ class Collector:
             log.warning("reward calls failed (%s; first error: %s): those completions are left out of their group's "
                         "baseline; reward/failures counts them", ", ".join(f"{k}: {v}" for k, v in
                                                                             result.failures.items() if v), first)
+
+    def warn_if_all_cut(self, truncated: torch.Tensor) -> None:
+        """Once a run: every completion of a batch reached the token limit without ending, so an answer longer than
+        that was never scored (a reward of 0 that may say nothing about the reward function)."""
+        if bool(truncated.all()) and not self._warned_cut:
+            self._warned_cut = True
+            log.warning("every completion of this rollout batch reached rollout.max_new_tokens = %d without ending: "
+                        "what comes after is never scored (a reward of 0 may be only that); raise "
+                        "rollout.max_new_tokens if answers need more", self.cfg.rollout.max_new_tokens)
 
     def fill(self, timing: dict[str, float]) -> tuple[Groups, list[Groups], dict[str, Any]]:
         """This process's groups for the update (all ``P`` in one process, ``P / W`` of a ``torchrun`` job); with DAPO
@@ -301,6 +311,7 @@ class Collector:
         m["completion/len_mean"] = float(lengths.mean())
         m["completion/len_max"] = float(lengths.max())
         m["completion/truncated_frac"] = float(truncated.float().mean())
+        self.warn_if_all_cut(truncated)
         m.update(counters)
         if self.episodes is not None:
             m.update(env_metrics({key: timing[key] for key in env_counts}))
