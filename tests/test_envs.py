@@ -592,3 +592,54 @@ def test_two_tools_of_one_name_are_refused_in_one_line(tokenizer):
     with pytest.raises(UserError, match="are both named 'calculator'") as e:
         _episodes(tokenizer, tools=["gspo.envs.builtin:calculator", "env_fixtures:calculator"])
     assert "\n" not in str(e.value)
+
+
+def _docs_block(page: str, first_line: str) -> str:
+    """The fenced code block of a docs page whose first line is ``first_line``."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / page).read_text(encoding="utf-8")
+    blocks = re.findall(r"```\w*\n(.*?)```", text, re.S)
+    found = [b for b in blocks if b.startswith(first_line + "\n")]
+    assert len(found) == 1, f"docs/{page} has no single block starting {first_line!r}"
+    return found[0]
+
+
+def test_the_example_environment_of_the_docs_runs_as_the_page_says(tmp_path, monkeypatch):
+    """docs/envs.md's my_env.py and run.toml: the class pays 0.5 a right turn over two turns (by hand), the tool adds,
+    and `gspo train run.toml` collects a rollout batch with them from the folder it runs in, in worker processes: on a
+    tiny model whose turns end, some trajectories reach the second turn, whose prompt is the page's question."""
+    import tomllib
+
+    from gspo.config import build_config
+    from gspo.train import Trainer
+    from gspo.types import Example
+    from test_equivalence import build_turn_model
+
+    (tmp_path / "my_env.py").write_text(_docs_block("envs.md", "# my_env.py"))
+    data = tomllib.loads(_docs_block("envs.md", "# run.toml: gspo train run.toml"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_env
+
+    assert my_env.add(123, 456) == "579"
+    env = my_env.Confirm()
+    assert env.reset(Example(prompt="What is 3 + 4?", answer="7", meta={})) is None
+    assert env.step("It is 7.") == ("Are you sure? Give the final number again.", 0.5, False)
+    assert env.step("8") == (None, 0.0, True)
+
+    model = build_turn_model(tmp_path / "model")
+    cfg = build_config(data, [f"model.name='{model}'", "model.device='cpu'", "rollout.prompts_per_batch=2",
+                              "rollout.group_size=4", "rollout.max_new_tokens=24", "env.max_turn_tokens=4",
+                              "env.workers=1", "rewards.workers=0", "log.progress=false", "rollout.engine='hf'",
+                              "train.steps=2", "train.minibatches=2"], device="cpu")
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        batch = trainer.collector.collect()
+        texts = [trainer.tokenizer.decode(row) for row in batch.rollout.completion_ids]
+        assert batch.metrics["env/turns_mean"] > 1 and any("Are you sure?" in t for t in texts), texts
+        assert batch.metrics["env/failures"] == 0 and 0.0 <= batch.metrics["reward/mean"] <= 1.0
+    finally:
+        trainer.collector.close()
+        trainer.release()
