@@ -53,6 +53,9 @@ def test_the_readme_example_trains_with_the_reward_module_of_the_current_folder(
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "runs" / "my-task" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["reward/failures"] == 0 and r["reward/score/mean"] is not None for r in rows)
+    # a smoke test writes no checkpoint at its end (log.final_checkpoint = false), and says so
+    assert not list((tmp_path / "runs" / "my-task").glob("checkpoints/step-*")), done.stdout
+    assert "no checkpoint (log.final_checkpoint = false)" in done.stdout
     shown = _gspo(summary, tmp_path)
     assert shown.returncode == 0 and "reward, first batch" in shown.stdout, shown.stderr[-3000:]
 

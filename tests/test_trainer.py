@@ -93,6 +93,17 @@ def test_a_batch_whose_every_completion_was_cut_off_is_said_once(tiny_dir, tmp_p
         trainer.release()
 
 
+def test_log_final_checkpoint_false_skips_only_the_checkpoint_at_the_end(tiny_dir, tmp_path):
+    """log.final_checkpoint = false: a run of 2 rollout batches with a checkpoint every batch keeps the periodic one
+    after batch 1 and writes none at its end; the default writes both."""
+    from gspo.train import Trainer
+
+    for final, want in ((False, ["step-000002"]), (True, ["step-000002", "step-000004"])):
+        run = tmp_path / f"final-{final}"
+        Trainer(tiny_config(tiny_dir, "train.steps=4", f"log.final_checkpoint={str(final).lower()}"), run).train()
+        assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == want
+
+
 def test_run_writes_ratio_histograms_and_token_traces(tiny_dir, tmp_path):
     """Every optimizer step writes token and sequence log-ratio counts (one per token / per sequence trained); the last
     minibatch of a traced batch writes per-token traces whose mean is the sequence log-ratio."""

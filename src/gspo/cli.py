@@ -108,7 +108,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"stopped by {signame} after {trainer.state.step} optimizer steps; checkpoint in {out / 'checkpoints'}; "
               f"continue with: {_resume_command(args, out)}", file=sys.stderr)
         return code
-    print(f"done: {trainer.state.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
+    from gspo.checkpoint import complete_checkpoints
+
+    kept = f"checkpoints in {out / 'checkpoints'}" if complete_checkpoints(out / "checkpoints") else \
+        "no checkpoint (log.final_checkpoint = false)"
+    print(f"done: {trainer.state.step} optimizer steps; metrics in {out / 'metrics.jsonl'}, {kept}")
     return 0
 
 

@@ -411,10 +411,15 @@ class LogConfig:
     samples_per_batch: int = 4
     """Completions per rollout batch written to samples.jsonl."""
     checkpoint_every: int = 10
-    """Write a checkpoint every this many rollout batches (and always at the end); 0 = only at the end."""
+    """Write a checkpoint every this many rollout batches (and at the end, unless ``log.final_checkpoint = false``);
+    0 = only at the end."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep (and, with ``sentinel.action = "rollback"`` and a reward-drop
     detector, the one a reward drop would roll back to)."""
+    final_checkpoint: bool = True
+    """Write a checkpoint when the run finishes. ``false``: none at its end (a smoke test's 2 steps need no 1.6 GB of
+    weights), only the periodic ones of ``checkpoint_every``; a run stopped by a signal still writes one, to resume
+    from."""
     progress: bool = True
     """Show the console progress bar."""
     histograms: bool = True

@@ -238,7 +238,7 @@ def dist_failures(trainer):
         if not comm.in_job() or not (isinstance(e, torch.distributed.DistError) or _raised_in_a_collective(e)
                                      or any(s in text for s in _COLLECTIVE_SIGNS)):
             raise
-        newest = trainer.newest_checkpoint()
+        newest = trainer.checkpoints.newest()
         last = f"the last complete checkpoint is {newest}" if newest else "no checkpoint was written yet"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()  # in the job (decoders too)

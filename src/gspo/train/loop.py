@@ -147,7 +147,10 @@ class Trainer:
                         self.checkpoint()
                 t_loop_end = time.perf_counter()
                 self.timings["loop_s"] = round(t_loop_end - t_train, 3)
-                if state.step > start_step or not (self.run_dir / "checkpoints" / f"step-{state.step:06d}").is_dir():
+                # (a run a signal stopped writes its checkpoint whatever log.final_checkpoint says: it is to resume)
+                wanted = cfg.log.final_checkpoint or stopping or state.step < cfg.train.steps
+                written = (self.run_dir / "checkpoints" / f"step-{state.step:06d}").is_dir()
+                if wanted and (state.step > start_step or not written):
                     self.checkpoint(final=True)  # written while the reward workers close
                 self.feed.close()  # the engine stops before the reward workers close under it
                 self.collector.close()
@@ -192,7 +195,7 @@ class Trainer:
                      "the command" if self.started is None else "this run started",
                      ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k != "first_rollout_at"))
         t_collect = time.perf_counter()
-        with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint), stage("collect"):
+        with out_of_memory("the rollout", lambda: state.step, self.checkpoints.newest), stage("collect"):
             batch = self.feed.take(state.rollout_batch)
         if first:
             self.timings["first_collect_s"] = round(time.perf_counter() - t_collect, 3)
@@ -200,12 +203,12 @@ class Trainer:
             self.timings["reward_workers_start_s"] = round(getattr(self.rewards, "start_seconds", 0.0), 3)
         with self.writing_log():
             runlog.samples(batch, state.step, state.rollout_batch, self.tokenizer)
-        with out_of_memory("the update", lambda: state.step, self.newest_checkpoint), stage("update"):
+        with out_of_memory("the update", lambda: state.step, self.checkpoints.newest), stage("update"):
             self.last_rows = self.update(batch, runlog)
         with self.writing_log():
             runlog.flush()
         state.rollout_batch += 1
-        with out_of_memory("the rollout", lambda: state.step, self.newest_checkpoint), stage("publish"):
+        with out_of_memory("the rollout", lambda: state.step, self.checkpoints.newest), stage("publish"):
             self.feed.publish(state.rollout_batch)
 
     def engine_weights(self):
@@ -319,7 +322,7 @@ class Trainer:
         pinned = self.checkpoints.rollback_target(self.rewards_seen)
         # a feed that collects ahead finishes the batches older policies sample and stays idle while the checkpoint
         # takes its copy, so the batches it saves and the data position and sampling stream agree
-        with out_of_memory("the rollout", lambda: self.state.step, self.newest_checkpoint):
+        with out_of_memory("the rollout", lambda: self.state.step, self.checkpoints.newest):
             self.feed.pause()
         try:
             self.checkpoints.save(self.state, self.t_start, pinned)
@@ -342,10 +345,6 @@ class Trainer:
         self.rewards_seen = {r["rollout_batch"]: r.get("reward/mean") for r in metrics or []
                              if r.get("minibatch", 0) == 0 and r["rollout_batch"] < state.rollout_batch}
         log.info("resumed from %s at optimizer step %d", ckpt, state.step)
-
-    def newest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint (see :meth:`Checkpoints.newest`)."""
-        return self.checkpoints.newest()
 
     def release(self) -> None:
         """Let another process use the run directory (done at the end of ``train()``)."""
