@@ -83,6 +83,17 @@ def test_summary_prints_a_table_within_80_columns_and_json_on_request(tmp_path, 
     assert json.loads(capsys.readouterr().out) == summarize(runs[0])
 
 
+def test_summary_labels_say_what_a_short_run_was_averaged_over(tmp_path, capsys):
+    """A 2-batch run's summary says 'last 2 batches' and 'first 2 batches', not 10 and 3 it does not have; beside a
+    12-batch run the rows say 'or all, where fewer'."""
+    short = _fake_run(tmp_path / "short", [0.375, 0.125])
+    assert main(["summary", short]) == 0
+    out = capsys.readouterr().out
+    assert "reward, last 2 batches" in out and "reward, first 2 batches" in out and "last 10" not in out
+    assert main(["summary", short, _fake_run(tmp_path / "long", [0.5] * 12)]) == 0
+    assert "reward, last 10 batches (or all, where fewer)" in capsys.readouterr().out
+
+
 def test_eval_prints_a_table_and_json_on_request_and_writes_out_as_before(tiny_dir, tmp_path, capsys):  # noqa: F811
     """`gspo eval` prints a table of its numbers; with --json the result as JSON; --out writes the JSON either way."""
     argv = ["eval", f"model.name='{tiny_dir}'", "model.device='cpu'", "rewards.workers=0", "rollout.max_new_tokens=4",

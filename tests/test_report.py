@@ -102,6 +102,26 @@ def test_key_metrics_hand_worked(tmp_path):
     assert m["entropy_end"] == pytest.approx(0.6) and m["wall_s"] == 12.0 and m["steps"] == 12
 
 
+def test_key_metrics_of_a_run_shorter_than_their_windows_say_what_they_took(tmp_path):
+    """Rewards 0.375, 0.25, 0.125 (3 batches, fewer than the 5-batch window): best is the best batch, 0.375, and the
+    largest drop the fall to 0.125, 0.25 (one mean of all 3 had no drop: the table showed 0.000); the table's labels
+    say 'last 3' and 'batch'; a 6-batch run beside it makes them say 'or ... where fewer'."""
+    from gspo.commands.report import metrics_table
+
+    rows = []
+    for b, r in enumerate([0.375, 0.25, 0.125]):
+        rows += [_row(2 * b + 1, b, 0, r), _row(2 * b + 2, b, 1, r)]
+    m = key_metrics(Run(tmp_path, "gspo", 1, {}, rows))
+    assert (m["reward_best"], m["largest_drop"], m["reward_final"]) == (0.375, 0.25, 0.25)
+    table = metrics_table([m], markdown=True)
+    assert "reward, final (last 3)" in table and "best (batch)" in table and "5-batch" not in table
+    longer = []
+    for b, r in enumerate([0.2, 0.6, 1.0, 0.0, 0.0, 0.0]):
+        longer += [_row(2 * b + 1, b, 0, r), _row(2 * b + 2, b, 1, r)]
+    both = metrics_table([m, key_metrics(Run(tmp_path, "grpo", 1, {}, longer))], markdown=True)
+    assert "reward, final (last 10) (or all, where fewer)" in both and "best (5-batch mean, or batch where fewer)" in both
+
+
 @pytest.fixture(scope="module")
 def two_runs(tiny_dir, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("runs")

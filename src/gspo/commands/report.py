@@ -158,10 +158,13 @@ def key_metrics(run: Run) -> dict[str, Any]:
     - clipping: mean clipped fraction over the off-policy steps (:meth:`Run.off_policy`), per token and per sequence
     - final reward: mean over the last 10 rollout batches; best: the best 5-batch moving average
     - stability: the largest drop of the 5-batch moving average from its running maximum
+    (a run of fewer than 5 batches: the batches themselves, for best and drop; ``final_n`` and ``best_k`` say what
+    was taken, for the table's labels)
     - entropy at the end: mean over the last rollout batch's steps; wall-clock of the training loop
     """
     rewards = [r for r in run.per_batch("reward/mean") if r is not None]
-    smooth = _moving_mean(rewards, 5)
+    k = 5 if len(rewards) >= 5 else 1  # (one mean of 3 batches has no drop: a 0.375 -> 0.125 fall showed 0.000)
+    smooth = _moving_mean(rewards, k)
     peak, drop = -math.inf, 0.0
     for x in smooth:
         peak = max(peak, x)
@@ -178,6 +181,7 @@ def key_metrics(run: Run) -> dict[str, Any]:
         "reward_first": rewards[0] if rewards else None,
         "reward_final": sum(rewards[-10:]) / len(rewards[-10:]) if rewards else None,
         "reward_best": max(smooth) if smooth else None, "largest_drop": drop,
+        "final_n": min(10, len(rewards)), "best_k": k,
         "entropy_end": mean("entropy", last_batch), "wall_s": run.metrics[-1].get("time/elapsed"),
         "flip_rate": mean("moe/flip_rate", run.metrics),
         "ratio_token_std": mean("ratio/token_std", off), "ratio_seq_std": mean("ratio/seq_std", off),
@@ -719,11 +723,25 @@ def _fmt(key: str, v: Any) -> str:
     return html.escape(str(v))
 
 
+def _labels(rows: list[dict[str, Any]]) -> list[str]:
+    """The columns' labels, saying what was computed: over all of a run's batches where it has fewer than 10 (final)
+    or 5 (best, per batch)."""
+    from gspo.commands.tables import window_label
+
+    batches = [r["final_n"] for r in rows if r.get("final_n") is not None]
+    best = {r["best_k"] for r in rows if r.get("best_k") is not None}
+    labels = {"reward_final": window_label("reward, final (last 10)", 10, batches),
+              "reward_best": "best (5-batch mean)" if best <= {5} else "best (batch)" if best == {1} else
+              "best (5-batch mean, or batch where fewer)"}
+    return [labels.get(k, t) for k, t in _COLUMNS]
+
+
 def metrics_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
+    labels = _labels(rows)
     if markdown:
-        head = "| " + " | ".join(t for _, t in _COLUMNS) + " |\n|" + "---|" * len(_COLUMNS) + "\n"
+        head = "| " + " | ".join(labels) + " |\n|" + "---|" * len(_COLUMNS) + "\n"
         return head + "".join("| " + " | ".join(_fmt(k, r.get(k)) for k, _ in _COLUMNS) + " |\n" for r in rows)
-    head = "<tr>" + "".join(f"<th>{t}</th>" for _, t in _COLUMNS) + "</tr>"
+    head = "<tr>" + "".join(f"<th>{t}</th>" for t in labels) + "</tr>"
     body = "".join("<tr>" + "".join(f"<td>{_fmt(k, r.get(k))}</td>" for k, _ in _COLUMNS) + "</tr>" for r in rows)
     return f"<table>{head}{body}</table>"
 
@@ -840,9 +858,10 @@ table{{border-collapse:collapse;font-size:.85em}}td,th{{border:1px solid #ccc;pa
 <p>{len(runs)} run(s): {", ".join(html.escape(f"{r.name} ({r.algorithm}, seed {r.seed})") for r in runs)}.</p>
 {sections}{"".join(missing)}
 <h2>Key numbers</h2>{metrics_table(table_rows)}
-<p class="note">Clipping: mean over the off-policy steps. Final reward: mean of the last 10 rollout batches. Best: the best
-5-batch moving average; largest drop: the largest fall of that average from its running maximum. Wall-clock: the
-training loop.</p>
+<p class="note">Clipping: mean over the off-policy steps. Final reward: mean of the last 10 rollout batches (all of them,
+in a shorter run). Best: the best 5-batch moving average (the best batch, in a run of fewer than 5); largest drop: the
+largest fall of that average (of the batches' rewards, under 5) from its running maximum. Wall-clock: the training
+loop.</p>
 {conversations(runs)}
 {_LOADED_CHECK}
 </body></html>

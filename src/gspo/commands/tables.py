@@ -101,10 +101,28 @@ def _run_names(run_dirs: list[str]) -> list[str]:
     return names if len(set(names)) == len(names) else run_dirs
 
 
+def window_label(label: str, window: int, batches: list[int]) -> str:
+    """``label`` of a number over ``window`` rollout batches, as computed for runs of ``batches`` batches each: over
+    all of them where a run has fewer ("last 10" of a 2-batch run is its 2)."""
+    short = {n for n in batches if n < window}
+    if not short:
+        return label
+    if len(short) == 1 and len(set(batches)) == 1:
+        return label.replace(f" {window}", f" {short.pop()}", 1)
+    return f"{label} (or all, where fewer)"
+
+
+# the SUMMARY keys taken over a window of rollout batches, and its size
+WINDOWS = {"reward_first3": 3, "reward_last3": 3, "reward_last10": 10}
+
+
 def summary_table(summaries: list[dict[str, Any]], width: int = WIDTH) -> str:
     """The headline numbers of runs, one column per run (headed by its directory), as many tables as 80 columns
-    need."""
-    rows = [["run", *_run_names([s["run_dir"] for s in summaries])], *_rows(SUMMARY, summaries, skip=("run_dir",))]
+    need; a number over a window of batches is labelled with what it was computed over on short runs."""
+    batches = [s.get("rollout_batches", 0) for s in summaries]
+    formats = {k: (window_label(label, WINDOWS[k], batches), fmt) if k in WINDOWS else (label, fmt)
+               for k, (label, fmt) in SUMMARY.items()}
+    rows = [["run", *_run_names([s["run_dir"] for s in summaries])], *_rows(formats, summaries, skip=("run_dir",))]
     return "\n\n".join(_aligned(block) for block in _blocks(rows, width))
 
 
