@@ -122,6 +122,35 @@ def test_key_metrics_of_a_run_shorter_than_their_windows_say_what_they_took(tmp_
     assert "reward, final (last 10) (or all, where fewer)" in both and "best (5-batch mean, or batch where fewer)" in both
 
 
+def test_long_panel_titles_wrap_inside_the_image_and_the_table_scrolls(tmp_path):
+    """A panel title longer than its panel (a long run name; the token strip's sequence ratio) is wrapped onto lines
+    that stay inside the image (it ran past the edge and was cut), the figure's own title too; short titles are left
+    as they are. The key-numbers table scrolls inside the page instead of widening it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gspo.commands.report import fit_titles
+
+    long = "gspo+lr2e-3 (a-rather-long-run-name-seed1): ratios of the off-policy steps " * 2
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    axes[0].set_title(long)
+    axes[1].set_title("Reward vs step")
+    fig.suptitle(long * 2)
+    fit_titles(fig)
+    fig.tight_layout()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for text in (axes[0].title, fig._suptitle):
+        box = text.get_window_extent(renderer)
+        assert "\n" in text.get_text() and 0 <= box.x0 and box.x1 <= fig.bbox.width, text.get_text()
+    assert axes[1].get_title() == "Reward vs step"
+    plt.close(fig)
+    page = write_report([_synthetic_run(tmp_path / "a", "gspo", [0.1, 0.2])], tmp_path / "report").read_text()
+    assert "overflow-x:auto" in page
+
+
 @pytest.fixture(scope="module")
 def two_runs(tiny_dir, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("runs")

@@ -692,8 +692,26 @@ def fig_by_length(plt, groups, styles, out: Path) -> Drawn | None:
     return _save(fig, out / "by_length.png")
 
 
+def fit_titles(fig) -> None:
+    """Wrap every panel's title (and the figure's) onto as many lines as its width needs: a long one (a run's name,
+    a trace's sequence ratio) ran past its panel and was cut at the image's edge."""
+    import textwrap
+
+    renderer = fig.canvas.get_renderer()
+    texts = [(ax.title, ax.get_position().width * fig.bbox.width) for ax in fig.axes if ax.get_title()]
+    if fig.get_suptitle():
+        texts.append((fig._suptitle, fig.bbox.width))  # (matplotlib's Text of the suptitle: no public getter)
+    for text, room in texts:
+        flat = text.get_text().replace("\n", " ")
+        text.set_text(flat)
+        width = text.get_window_extent(renderer).width
+        if width > room:
+            text.set_text(textwrap.fill(flat, max(20, int(len(flat) * room / width * 0.95)), break_on_hyphens=False))
+
+
 def _save(fig, path: Path) -> Drawn:
     """Writes the PNG; returns its file name and its titles, which the page repeats as the image's alt text."""
+    fit_titles(fig)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     titles = [t for t in [fig.get_suptitle()] + [ax.get_title() for ax in fig.axes] if t]
@@ -851,7 +869,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, title: str = "
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}}
 figure{{margin:1.5em 0}}img{{max-width:100%;border:1px solid #ddd}}figcaption{{font-size:.9em;color:#555}}
-table{{border-collapse:collapse;font-size:.85em}}td,th{{border:1px solid #ccc;padding:3px 7px;text-align:right}}
+table{{border-collapse:collapse;font-size:.85em;display:block;overflow-x:auto;max-width:100%}}td,th{{border:1px solid #ccc;padding:3px 7px;text-align:right}}
 .note{{color:#777}}pre{{white-space:pre-wrap;background:#fafafa;border:1px solid #eee;padding:.5em;font-size:.85em}}
 .trained{{background:#d8f0d8}}.appended{{color:#555}}</style></head>
 <body><h1>{html.escape(title)}</h1>
