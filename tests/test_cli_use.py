@@ -90,8 +90,12 @@ def test_summary_labels_say_what_a_short_run_was_averaged_over(tmp_path, capsys)
     assert main(["summary", short]) == 0
     out = capsys.readouterr().out
     assert "reward, last 2 batches" in out and "reward, first 2 batches" in out and "last 10" not in out
+    assert out.count("reward, last 2 batches") == 1 and "reward_" not in out  # last 3 and last 10: one row
     assert main(["summary", short, _fake_run(tmp_path / "long", [0.5] * 12)]) == 0
     assert "reward, last 10 batches (or all, where fewer)" in capsys.readouterr().out
+    assert main(["summary", _fake_run(tmp_path / "one", [0.25])]) == 0  # one batch: no window rows, only its own
+    out = capsys.readouterr().out
+    assert "reward, first batch" in out and "reward, last" not in out and "reward_" not in out
 
 
 def test_eval_prints_a_table_and_json_on_request_and_writes_out_as_before(tiny_dir, tmp_path, capsys):  # noqa: F811

@@ -108,7 +108,8 @@ def window_label(label: str, window: int, batches: list[int]) -> str:
     if not short:
         return label
     if len(short) == 1 and len(set(batches)) == 1:
-        return label.replace(f" {window}", f" {short.pop()}", 1)
+        n = short.pop()
+        return label.replace(f" {window}", f" {n}", 1).replace(" 1 batches", " 1 batch")
     return f"{label} (or all, where fewer)"
 
 
@@ -120,9 +121,16 @@ def summary_table(summaries: list[dict[str, Any]], width: int = WIDTH) -> str:
     """The headline numbers of runs, one column per run (headed by its directory), as many tables as 80 columns
     need; a number over a window of batches is labelled with what it was computed over on short runs."""
     batches = [s.get("rollout_batches", 0) for s in summaries]
-    formats = {k: (window_label(label, WINDOWS[k], batches), fmt) if k in WINDOWS else (label, fmt)
-               for k, (label, fmt) in SUMMARY.items()}
-    rows = [["run", *_run_names([s["run_dir"] for s in summaries])], *_rows(formats, summaries, skip=("run_dir",))]
+    formats, seen = {}, set()
+    for k, (label, fmt) in SUMMARY.items():
+        if k in WINDOWS and max(batches, default=0) <= 1:
+            continue  # one batch each: every window is the first batch, which has its row
+        label = window_label(label, WINDOWS[k], batches) if k in WINDOWS else label
+        if label not in seen:  # (a 2-batch run's last 3 and last 10 are one number: one row)
+            formats[k] = (label, fmt)
+            seen.add(label)
+    skip = ("run_dir", *(k for k in SUMMARY if k not in formats))
+    rows = [["run", *_run_names([s["run_dir"] for s in summaries])], *_rows(formats, summaries, skip=skip)]
     return "\n\n".join(_aligned(block) for block in _blocks(rows, width))
 
 
