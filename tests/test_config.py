@@ -50,6 +50,8 @@ def test_overrides_are_checked_against_the_settings_the_run_uses(tmp_path):
     bad.write_text('[train]\nminibatches = 4\n[overrides.cpu]\n"train.lr" = 1e-5\n')
     with pytest.raises(UserError, match="multiple of train.minibatches = 4"):
         load_config(bad, ["train.steps=6", "model.device='cpu'"])
+    with pytest.raises(UserError, match="model.device = 'gpu' is not a device"):  # the first pass's one setting
+        load_config(quickstart, ["model.device='gpu'"])
 
 
 def test_unknown_key_suggests_the_closest():

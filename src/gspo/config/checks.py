@@ -107,10 +107,15 @@ def _check_run_dir(cfg: Config) -> None:
                         "{algorithm} and {seed} only (double a brace to write one).")
 
 
+def check_device(device: str) -> None:
+    """``model.device`` names a device gspo runs on (checked before the device is looked up: see load_config)."""
+    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        raise UserError(f"model.device = {device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'.")
+
+
 def check_model(cfg: Config) -> None:
     m = cfg.model
-    if m.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", m.device):
-        raise UserError(f"model.device = {m.device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    check_device(m.device)
     _one_of(m.precision, PRECISIONS, "model.precision")
     if m.gpu_memory is not None and not 0 < m.gpu_memory <= 1:
         raise UserError(f"model.gpu_memory = {m.gpu_memory} must be a share of the GPU in (0, 1], e.g. 0.25, or unset "

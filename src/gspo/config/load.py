@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from gspo.config.checks import validate
+from gspo.config.checks import check_device, validate
 from gspo.config.presets import apply_preset
 from gspo.config.schema import Config, flatten, unknown_key
 from gspo.errors import UserError
@@ -155,7 +155,9 @@ def load_config(path: str | Path | None, overrides: list[str]) -> Config:
     ``[overrides.<type>]`` table, and checked only then (``train.steps=6`` on a CPU whose table sets
     ``train.minibatches = 2`` is a valid run, though not with the file's 4)."""
     data = load_toml(path) if path else {}
-    device = resolve_device(build_config(data, overrides, checked=False).model.device).type
+    name = build_config(data, overrides, checked=False).model.device
+    check_device(name)  # the one setting the first pass uses: checked before it is looked up
+    device = resolve_device(name).type
     return build_config(data, overrides, device=device)
 
 
