@@ -13,12 +13,10 @@ engine come in as objects.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import torch
 
 from gspo.feed.ahead import Ahead
-from gspo.feed.base import Feed, Queued
+from gspo.feed.base import Feed, Queued, Weights
 from gspo.feed.inline import Inline
 from gspo.feed.remote import Remote, RemoteCollector
 from gspo.parallel import comm
@@ -26,7 +24,7 @@ from gspo.parallel import comm
 __all__ = ["Feed", "Queued", "RemoteCollector", "make_feed"]
 
 
-def make_feed(rollout, *, collector, engine, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+def make_feed(rollout, *, collector, engine, weights: Weights,
               device: torch.device, roles=None) -> Feed:
     """The feed for ``rollout`` (the run's ``RolloutConfig``): :class:`Inline` at ``max_staleness = 0``, else
     :class:`Remote` when the job has decode processes (``roles``), else :class:`Ahead`. ``collector``: the collect

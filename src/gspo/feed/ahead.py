@@ -54,18 +54,17 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from gspo.feed.base import Queue, Queued
+from gspo.feed.base import Queue, Queued, Weights
 from gspo.feed.lag import Lag
 from gspo.parallel import comm
 from gspo.runtime import CAPTURE_LOCK
 from gspo.types import Batch
 
-Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
 @dataclass

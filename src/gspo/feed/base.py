@@ -4,9 +4,15 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
+
 from gspo.types import Batch
+
+# The policy's ``(name, tensor)`` pairs as the engine takes them, on demand: what every feed loads or sends
+Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
 @dataclass

@@ -4,15 +4,12 @@ by the policy that trains it (version ``j``), so nothing is held between batches
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-import torch
-
-from gspo.feed.base import Feed
+from gspo.feed.base import Feed, Weights
 from gspo.runlog.profiler import stage
 from gspo.types import Batch
 
-Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
 class Inline(Feed):

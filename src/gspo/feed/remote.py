@@ -34,12 +34,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
 from gspo.errors import UserError
-from gspo.feed.base import Queue, Queued
+from gspo.feed.base import Queue, Queued, Weights
 from gspo.feed.lag import Lag
 from gspo.feed.transport import SharedWeights, copying, pack
 from gspo.parallel import comm
@@ -48,7 +48,6 @@ from gspo.types import Batch
 
 log = logging.getLogger("gspo")
 
-Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
 class RemoteCollector:
